@@ -1,0 +1,2 @@
+//! The `dedupvol` command-line tool (being written).
+fn main() {}

@@ -1,0 +1,250 @@
+//! Volume settings chosen at format time and tunables chosen at open time.
+//!
+//! Invariants:
+//! - Every size is validated (`FormatOptions::validate`) before anything is written.
+//! - Format-time settings are stored in the superblock; open-time tunables are not.
+
+use crate::error::{Error, Result};
+use serde::Serialize;
+
+/// Bytes in a logical and a physical block.
+pub const BLOCK_SIZE: usize = 4096;
+/// `BLOCK_SIZE` as u64.
+pub const BLOCK_SIZE_U64: u64 = BLOCK_SIZE as u64;
+
+/// Compressor used for new data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    /// Store every block raw.
+    None,
+    /// LZ4 (fast; the default).
+    Lz4,
+    /// zstd level 1 (smaller, slower).
+    Zstd,
+}
+
+impl Compression {
+    /// On-disk code.
+    pub fn code(self) -> u8 {
+        match self {
+            Compression::None => 0,
+            Compression::Lz4 => 1,
+            Compression::Zstd => 2,
+        }
+    }
+    /// From the on-disk code.
+    pub fn from_code(c: u8) -> Option<Self> {
+        match c {
+            0 => Some(Compression::None),
+            1 => Some(Compression::Lz4),
+            2 => Some(Compression::Zstd),
+            _ => None,
+        }
+    }
+}
+
+impl std::str::FromStr for Compression {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Compression::None),
+            "lz4" => Ok(Compression::Lz4),
+            "zstd" => Ok(Compression::Zstd),
+            _ => Err(Error::InvalidArgument(format!("compression must be lz4, zstd or none, not {s:?}"))),
+        }
+    }
+}
+
+/// When a write is acknowledged (DESIGN.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WritePolicy {
+    /// Durable before the acknowledgement (group commit).
+    Sync,
+    /// Acknowledged from memory; durable at the next flush or FUA write (lazy persistence).
+    Async,
+}
+
+impl std::str::FromStr for WritePolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sync" => Ok(WritePolicy::Sync),
+            "async" => Ok(WritePolicy::Async),
+            _ => Err(Error::InvalidArgument(format!("write policy must be sync or async, not {s:?}"))),
+        }
+    }
+}
+
+/// How a duplicate is confirmed before it is shared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DedupVerify {
+    /// Read the candidate (through the content cache) and compare every byte. Default.
+    Bytes,
+    /// Trust equality of the full 256-bit BLAKE3 fingerprint kept in the index.
+    Hash,
+}
+
+impl std::str::FromStr for DedupVerify {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "bytes" => Ok(DedupVerify::Bytes),
+            "hash" => Ok(DedupVerify::Hash),
+            _ => Err(Error::InvalidArgument(format!("dedup verification must be bytes or hash, not {s:?}"))),
+        }
+    }
+}
+
+/// Settings fixed when a volume is formatted.
+#[derive(Debug, Clone, Serialize)]
+pub struct FormatOptions {
+    /// Logical (client-visible) size in bytes; a multiple of 4096.
+    pub logical_size_bytes: u64,
+    /// Compressor for new data.
+    pub compression: Compression,
+    /// Deduplicate writes.
+    pub dedup: bool,
+    /// Memory for the fingerprint index.
+    pub index_memory_bytes: u64,
+    /// Default write policy (an open may override it).
+    pub write_policy: WritePolicy,
+    /// Data slab size in bytes (allocation unit of the log-structured data region).
+    pub slab_size_bytes: u64,
+    /// Duplicate verification mode.
+    pub verify: DedupVerify,
+    /// Journal size; `None` picks one from the physical size.
+    pub journal_size_bytes: Option<u64>,
+}
+
+impl Default for FormatOptions {
+    fn default() -> Self {
+        FormatOptions {
+            logical_size_bytes: 1 << 30,
+            compression: Compression::Lz4,
+            dedup: true,
+            index_memory_bytes: 64 << 20,
+            write_policy: WritePolicy::Async,
+            slab_size_bytes: 32 << 20,
+            verify: DedupVerify::Bytes,
+            journal_size_bytes: None,
+        }
+    }
+}
+
+/// Largest logical size accepted (2^40 blocks of 4 KiB = 4 PiB).
+pub const LOGICAL_SIZE_BYTES_MAX: u64 = 1 << 52;
+/// Largest index memory accepted.
+pub const INDEX_MEMORY_BYTES_MAX: u64 = 1 << 40;
+/// Smallest index memory accepted.
+pub const INDEX_MEMORY_BYTES_MIN: u64 = 64 << 10;
+
+impl FormatOptions {
+    /// Checks sizes before anything is written.
+    pub fn validate(&self) -> Result<()> {
+        if self.logical_size_bytes == 0 || self.logical_size_bytes % BLOCK_SIZE_U64 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "logical size {} must be a non-zero multiple of 4096",
+                self.logical_size_bytes
+            )));
+        }
+        if self.logical_size_bytes > LOGICAL_SIZE_BYTES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "logical size {} exceeds the maximum {LOGICAL_SIZE_BYTES_MAX}",
+                self.logical_size_bytes
+            )));
+        }
+        if !(INDEX_MEMORY_BYTES_MIN..=INDEX_MEMORY_BYTES_MAX).contains(&self.index_memory_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "index memory {} must be between {INDEX_MEMORY_BYTES_MIN} and {INDEX_MEMORY_BYTES_MAX}",
+                self.index_memory_bytes
+            )));
+        }
+        let slab = self.slab_size_bytes;
+        if slab < (1 << 20) || slab > (1 << 35) || !slab.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "slab size {slab} must be a power of two between 1 MiB and 32 GiB"
+            )));
+        }
+        if let Some(j) = self.journal_size_bytes {
+            if j < (256 << 10) || j > (4 << 30) || j % BLOCK_SIZE_U64 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "journal size {j} must be a multiple of 4096 between 256 KiB and 4 GiB"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Tunables chosen at open time (not stored).
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// Open without writing anything (no recovery writes; a dirty volume is replayed in memory).
+    pub read_only: bool,
+    /// Override the stored write policy.
+    pub write_policy: Option<WritePolicy>,
+    /// Bound on cached block map pages, in bytes.
+    pub block_map_cache_bytes: u64,
+    /// Bound on the read-only content cache under the reduction layer, in bytes.
+    pub content_cache_bytes: u64,
+    /// Override the stored index memory.
+    pub index_memory_bytes: Option<u64>,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            read_only: false,
+            write_policy: None,
+            block_map_cache_bytes: 128 << 20,
+            content_cache_bytes: 64 << 20,
+            index_memory_bytes: None,
+        }
+    }
+}
+
+/// Parses `4096`, `64K`, `10M`, `2G`, `1T` (binary units; optional trailing `B`/`iB`).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m: u64 = match c.to_ascii_uppercase() {
+                'K' => 1 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                'P' => 1 << 50,
+                _ => return Err(Error::InvalidArgument(format!("unknown size suffix in {s:?} (use K, M, G, T, P)"))),
+            };
+            (t.get(..i).unwrap_or(""), m)
+        }
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix")))?;
+    n.checked_mul(mult).ok_or_else(|| Error::InvalidArgument(format!("size {s:?} overflows")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096").ok(), Some(4096));
+        assert_eq!(parse_size("64K").ok(), Some(65536));
+        assert_eq!(parse_size("10M").ok(), Some(10 << 20));
+        assert_eq!(parse_size("2g").ok(), Some(2 << 30));
+        assert_eq!(parse_size("1TiB").ok(), Some(1 << 40));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("-5").is_err());
+        assert!(parse_size("99999999999999999999T").is_err());
+    }
+}

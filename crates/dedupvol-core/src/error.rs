@@ -1,0 +1,75 @@
+//! Typed errors for every engine operation.
+//!
+//! Invariants:
+//! - Every error carries enough context (which device, which block, what was expected) for an
+//!   operator to act on it without a debugger.
+//! - `Error::errno` maps each error to the POSIX code a block-device frontend should report
+//!   (EIO for I/O and corruption, ENOSPC for a full volume, EINVAL for bad arguments).
+
+use std::io;
+
+/// Result alias used across the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An engine error.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The underlying device failed.
+    #[error("I/O error: {context}: {source}")]
+    Io {
+        /// What the engine was doing.
+        context: String,
+        /// The device error.
+        #[source]
+        source: io::Error,
+    },
+    /// A checksum or structural check failed: the affected data cannot be trusted.
+    #[error("corruption detected: {0}")]
+    Corrupt(String),
+    /// No free physical block is left.
+    #[error("no space left on volume: {0}")]
+    NoSpace(String),
+    /// An offset/length outside the volume.
+    #[error("out of range: offset {offset} length {len} exceeds volume size {size}")]
+    OutOfRange {
+        /// Requested byte offset.
+        offset: u64,
+        /// Requested length in bytes.
+        len: u64,
+        /// The volume's logical size in bytes.
+        size: u64,
+    },
+    /// The device does not hold a dedupvol volume (or not one we can read).
+    #[error("not a dedupvol volume: {0}")]
+    NotAVolume(String),
+    /// The device already holds a volume and `force` was not given.
+    #[error("{0} already holds a dedupvol volume; pass --force to overwrite it")]
+    AlreadyFormatted(String),
+    /// A caller passed an invalid argument.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The volume was opened read-only.
+    #[error("volume is read-only")]
+    ReadOnly,
+    /// An earlier metadata write failed; the volume refuses further writes to stay consistent.
+    #[error("volume is failed after an earlier metadata error; reopen it to recover: {0}")]
+    Failed(String),
+}
+
+impl Error {
+    /// Wraps an `io::Error` with context.
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+
+    /// The POSIX errno a block frontend should report for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::Io { .. } | Error::Corrupt(_) | Error::Failed(_) => libc::EIO,
+            Error::NoSpace(_) => libc::ENOSPC,
+            Error::OutOfRange { .. } | Error::InvalidArgument(_) => libc::EINVAL,
+            Error::ReadOnly => libc::EROFS,
+            Error::NotAVolume(_) | Error::AlreadyFormatted(_) => libc::EINVAL,
+        }
+    }
+}

@@ -1,0 +1,423 @@
+//! The storage trait the engine sits on, and its real and in-memory implementations.
+//!
+//! Invariants:
+//! - `write_at` may be cached by the device; only `sync` makes earlier writes durable
+//!   (a disk with a volatile write cache, DESIGN.md §4).
+//! - Reads and writes are whole and positioned: a short read or write is an error.
+//! - Every byte the engine moves is counted in `IoCounters` under exactly one category, so
+//!   write amplification and the overhead breakdown are computed from real traffic.
+
+use crate::error::{Error, Result};
+use parking_lot::RwLock;
+use serde::Serialize;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// A block device as the engine sees it: positioned reads/writes plus a durability barrier.
+pub trait Storage: Send + Sync {
+    /// Reads exactly `buf.len()` bytes at `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `offset` (possibly into a volatile cache).
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes every write that completed before this call durable.
+    fn sync(&self) -> io::Result<()>;
+    /// Size of the device in bytes.
+    fn len(&self) -> u64;
+    /// True when the device has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A human-readable name for error messages.
+    fn name(&self) -> String {
+        "device".to_string()
+    }
+}
+
+/// A regular file or block device, with `pread`/`pwrite` and `fdatasync`.
+pub struct FileStorage {
+    file: File,
+    len: u64,
+    name: String,
+}
+
+impl FileStorage {
+    /// Opens an existing file or block device.
+    pub fn open(path: &Path, read_only: bool) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        Self::from_file(file, path)
+    }
+
+    /// Opens `path`, creating it as a regular file of `size_bytes` when given (a file is only
+    /// ever extended, never truncated; a block device must already be large enough).
+    pub fn create(path: &Path, size_bytes: Option<u64>) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(size_bytes.is_some())
+            .truncate(false)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        if let Some(size) = size_bytes {
+            let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+            if meta.file_type().is_file() {
+                if meta.len() < size {
+                    file.set_len(size)
+                        .map_err(|e| Error::io(format!("extending {} to {size} bytes", path.display()), e))?;
+                }
+            } else if device_len(&file, path)? < size {
+                return Err(Error::InvalidArgument(format!(
+                    "{} is a device smaller than the requested physical size {size}",
+                    path.display()
+                )));
+            }
+        }
+        Self::from_file(file, path)
+    }
+
+    fn from_file(file: File, path: &Path) -> Result<Self> {
+        let len = device_len(&file, path)?;
+        Ok(FileStorage { file, len, name: path.display().to_string() })
+    }
+}
+
+fn device_len(file: &File, path: &Path) -> Result<u64> {
+    let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+    if meta.file_type().is_block_device() {
+        // Seeking to the end is the portable way to learn a block device's size.
+        use std::io::Seek;
+        let mut f = file;
+        f.seek(io::SeekFrom::End(0)).map_err(|e| Error::io(format!("sizing {}", path.display()), e))
+    } else {
+        Ok(meta.len())
+    }
+}
+
+impl Storage for FileStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}
+
+/// A RAM-backed device. Every write is immediately "durable" (no crash model: the
+/// simulator crate provides one).
+pub struct MemStorage {
+    chunks: Vec<RwLock<Vec<u8>>>,
+    len: u64,
+}
+
+const MEM_CHUNK_BYTES: u64 = 1 << 20;
+
+impl MemStorage {
+    /// A zero-filled device of `len` bytes (memory is committed lazily per 1 MiB chunk).
+    pub fn new(len: u64) -> Self {
+        let n = len.div_ceil(MEM_CHUNK_BYTES);
+        MemStorage { chunks: (0..n).map(|_| RwLock::new(Vec::new())).collect(), len }
+    }
+
+    fn for_each_chunk(&self, offset: u64, len: usize, mut f: impl FnMut(&RwLock<Vec<u8>>, usize, usize, usize)) -> io::Result<()> {
+        if offset.checked_add(len as u64).map_or(true, |end| end > self.len) {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "access beyond end of memory device"));
+        }
+        let mut done = 0usize;
+        while done < len {
+            let pos = offset + done as u64;
+            let chunk = (pos / MEM_CHUNK_BYTES) as usize;
+            let within = (pos % MEM_CHUNK_BYTES) as usize;
+            let n = (len - done).min(MEM_CHUNK_BYTES as usize - within);
+            let lock = self.chunks.get(chunk).ok_or_else(|| io::Error::other("chunk index"))?;
+            f(lock, within, done, n);
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+impl Storage for MemStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let len = buf.len();
+        self.for_each_chunk(offset, len, |lock, within, done, n| {
+            let c = lock.read();
+            let dst = &mut buf[done..done + n];
+            if c.is_empty() {
+                dst.fill(0);
+            } else {
+                dst.copy_from_slice(&c[within..within + n]);
+            }
+        })
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.for_each_chunk(offset, buf.len(), |lock, within, done, n| {
+            let mut c = lock.write();
+            if c.is_empty() {
+                c.resize(MEM_CHUNK_BYTES as usize, 0);
+            }
+            c[within..within + n].copy_from_slice(&buf[done..done + n]);
+        })
+    }
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn name(&self) -> String {
+        "memory".to_string()
+    }
+}
+
+impl<T: Storage + ?Sized> Storage for Arc<T> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        (**self).read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        (**self).write_at(buf, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        (**self).sync()
+    }
+    fn len(&self) -> u64 {
+        (**self).len()
+    }
+    fn name(&self) -> String {
+        (**self).name()
+    }
+}
+
+/// What a device access was for: the categories of the paper's I/O overhead breakdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoKind {
+    /// Client data blocks (raw or packed) written or read back for a client read.
+    Data,
+    /// Recovery journal blocks.
+    Journal,
+    /// Block map pages.
+    BlockMap,
+    /// Reference count pages.
+    Refcount,
+    /// Fingerprint index save/load.
+    Index,
+    /// Reads of stored data to verify a duplicate before sharing it.
+    Verify,
+    /// Superblock copies.
+    Superblock,
+}
+
+/// Bytes and operations for one category and direction.
+#[derive(Debug, Default)]
+pub struct IoCounter {
+    /// Bytes moved.
+    pub bytes: AtomicU64,
+    /// Device operations issued.
+    pub ops: AtomicU64,
+}
+
+impl IoCounter {
+    fn add(&self, bytes: usize) {
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.ops.fetch_add(1, Ordering::Relaxed);
+    }
+    fn snapshot(&self) -> IoFigure {
+        IoFigure { bytes: self.bytes.load(Ordering::Relaxed), ops: self.ops.load(Ordering::Relaxed) }
+    }
+}
+
+/// A snapshot of one counter.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct IoFigure {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Operations issued.
+    pub ops: u64,
+}
+
+/// Live I/O counters by category, shared by all of a volume's devices.
+#[derive(Debug, Default)]
+pub struct IoCounters {
+    data_write: IoCounter,
+    data_read: IoCounter,
+    journal_write: IoCounter,
+    journal_read: IoCounter,
+    block_map_write: IoCounter,
+    block_map_read: IoCounter,
+    refcount_write: IoCounter,
+    refcount_read: IoCounter,
+    index_write: IoCounter,
+    index_read: IoCounter,
+    verify_read: IoCounter,
+    superblock_write: IoCounter,
+    superblock_read: IoCounter,
+    syncs: AtomicU64,
+}
+
+impl IoCounters {
+    fn counter(&self, kind: IoKind, write: bool) -> &IoCounter {
+        match (kind, write) {
+            (IoKind::Data, true) => &self.data_write,
+            (IoKind::Data, false) => &self.data_read,
+            (IoKind::Journal, true) => &self.journal_write,
+            (IoKind::Journal, false) => &self.journal_read,
+            (IoKind::BlockMap, true) => &self.block_map_write,
+            (IoKind::BlockMap, false) => &self.block_map_read,
+            (IoKind::Refcount, true) => &self.refcount_write,
+            (IoKind::Refcount, false) => &self.refcount_read,
+            (IoKind::Index, true) => &self.index_write,
+            (IoKind::Index, false) => &self.index_read,
+            (IoKind::Verify, _) => &self.verify_read,
+            (IoKind::Superblock, true) => &self.superblock_write,
+            (IoKind::Superblock, false) => &self.superblock_read,
+        }
+    }
+
+    /// A point-in-time copy for stats.
+    pub fn snapshot(&self) -> IoStats {
+        IoStats {
+            data_write: self.data_write.snapshot(),
+            data_read: self.data_read.snapshot(),
+            journal_write: self.journal_write.snapshot(),
+            journal_read: self.journal_read.snapshot(),
+            block_map_write: self.block_map_write.snapshot(),
+            block_map_read: self.block_map_read.snapshot(),
+            refcount_write: self.refcount_write.snapshot(),
+            refcount_read: self.refcount_read.snapshot(),
+            index_write: self.index_write.snapshot(),
+            index_read: self.index_read.snapshot(),
+            verify_read: self.verify_read.snapshot(),
+            superblock_write: self.superblock_write.snapshot(),
+            superblock_read: self.superblock_read.snapshot(),
+            syncs: self.syncs.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// I/O counters by category (bytes and operations), as reported by `stats`.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct IoStats {
+    /// Client data written to the data device (raw and packed blocks).
+    pub data_write: IoFigure,
+    /// Data blocks read to serve client reads.
+    pub data_read: IoFigure,
+    /// Recovery journal blocks written.
+    pub journal_write: IoFigure,
+    /// Journal blocks read (recovery).
+    pub journal_read: IoFigure,
+    /// Block map pages written.
+    pub block_map_write: IoFigure,
+    /// Block map pages read (cache misses).
+    pub block_map_read: IoFigure,
+    /// Reference count pages written.
+    pub refcount_write: IoFigure,
+    /// Reference count pages read (open).
+    pub refcount_read: IoFigure,
+    /// Fingerprint index saved.
+    pub index_write: IoFigure,
+    /// Fingerprint index loaded.
+    pub index_read: IoFigure,
+    /// Data read to verify duplicates (cache misses only).
+    pub verify_read: IoFigure,
+    /// Superblock writes.
+    pub superblock_write: IoFigure,
+    /// Superblock reads.
+    pub superblock_read: IoFigure,
+    /// Durability barriers (fdatasync) issued, all devices.
+    pub syncs: u64,
+}
+
+impl IoStats {
+    /// Total bytes written to all devices.
+    pub fn total_written_bytes(&self) -> u64 {
+        self.data_write.bytes
+            + self.journal_write.bytes
+            + self.block_map_write.bytes
+            + self.refcount_write.bytes
+            + self.index_write.bytes
+            + self.superblock_write.bytes
+    }
+}
+
+/// A device plus the shared counters: every access names its category.
+#[derive(Clone)]
+pub struct Dev {
+    inner: Arc<dyn Storage>,
+    counters: Arc<IoCounters>,
+}
+
+impl Dev {
+    /// Wraps a device.
+    pub fn new(inner: Arc<dyn Storage>, counters: Arc<IoCounters>) -> Self {
+        Dev { inner, counters }
+    }
+    /// Counted, contextual read.
+    pub fn read(&self, kind: IoKind, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.counters.counter(kind, false).add(buf.len());
+        self.inner.read_at(buf, offset).map_err(|e| {
+            Error::io(format!("reading {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
+        })
+    }
+    /// Counted, contextual write.
+    pub fn write(&self, kind: IoKind, buf: &[u8], offset: u64) -> Result<()> {
+        self.counters.counter(kind, true).add(buf.len());
+        self.inner.write_at(buf, offset).map_err(|e| {
+            Error::io(format!("writing {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
+        })
+    }
+    /// Durability barrier.
+    pub fn sync(&self) -> Result<()> {
+        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        self.inner.sync().map_err(|e| Error::io(format!("syncing {}", self.inner.name()), e))
+    }
+    /// Device size in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    /// True for a zero-length device.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len() == 0
+    }
+    /// Device name.
+    pub fn name(&self) -> String {
+        self.inner.name()
+    }
+    /// True when both handles are the same device object.
+    pub fn same_as(&self, other: &Dev) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_storage_round_trip_across_chunks() {
+        let m = MemStorage::new(3 * MEM_CHUNK_BYTES);
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let off = MEM_CHUNK_BYTES - 5000;
+        m.write_at(&data, off).expect("write");
+        let mut back = vec![0u8; data.len()];
+        m.read_at(&mut back, off).expect("read");
+        assert_eq!(back, data);
+        assert!(m.read_at(&mut back, 3 * MEM_CHUNK_BYTES - 10).is_err());
+    }
+}
