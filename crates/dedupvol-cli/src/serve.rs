@@ -1,15 +1,144 @@
-//! (being written)
+//! `dedupvol serve`: export one volume over NBD (see docs/nbd.md).
+//!
+//! One volume per process: the volume is opened once and shared by every connection,
+//! which is what lets the server advertise multi-conn. To serve several volumes, run
+//! several processes on different ports or sockets.
+//!
+//! Shutdown: SIGINT/SIGTERM stop accepting, in-flight requests finish and are answered,
+//! then the volume is closed cleanly (flushed, marked clean). A second signal exits at once.
+
+use anyhow::{bail, Context};
 use clap::Subcommand;
+use dedupvol_core::{FileStorage, OpenOptions, Storage, Volume, WritePolicy};
+use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, Server, ServerConfig};
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+
+/// Default listening address (the IANA NBD port on loopback only).
+const LISTEN_DEFAULT: &str = "127.0.0.1:10809";
+/// Default bound on concurrent client connections.
+const CONNECTIONS_MAX_DEFAULT: usize = 16;
 
 #[derive(Subcommand)]
 pub enum ServeCommand {
-    /// (being written)
-    ServePlaceholder,
+    /// Serve a volume over NBD (one volume per process; see docs/nbd.md).
+    Serve {
+        /// The volume's data device or file.
+        path: PathBuf,
+        /// TCP address to listen on (HOST:PORT; port 0 picks a free port, printed on start).
+        #[arg(long, default_value = LISTEN_DEFAULT)]
+        listen: String,
+        /// Listen on this Unix-domain socket instead of TCP.
+        #[arg(long, conflicts_with = "listen")]
+        socket: Option<PathBuf>,
+        /// Export name clients ask for (the empty default name is accepted too).
+        #[arg(long, default_value = "dedupvol")]
+        export_name: String,
+        /// Refuse writes (EPERM) and open the volume read-only.
+        #[arg(long)]
+        read_only: bool,
+        /// Most client connections served at once; more are closed at accept.
+        #[arg(long, default_value_t = CONNECTIONS_MAX_DEFAULT)]
+        connections_max: usize,
+        /// Separate metadata device, when the volume was formatted with one.
+        #[arg(long)]
+        meta_device: Option<PathBuf>,
+        /// Override the volume's write policy: sync (durable before ack) or async.
+        #[arg(long)]
+        write_policy: Option<WritePolicy>,
+        /// Worker threads per connection (requests executed concurrently per client).
+        #[arg(long, default_value_t = 4)]
+        workers_per_connection: usize,
+        /// Serve a RAM disk of this size instead of the volume (protocol testing only;
+        /// PATH is ignored and nothing is stored).
+        #[arg(long, hide = true)]
+        in_memory: Option<String>,
+    },
+}
+
+fn open_volume(path: &std::path::Path, meta: Option<&std::path::Path>, opts: &OpenOptions) -> anyhow::Result<Volume> {
+    let data: Arc<dyn Storage> = Arc::new(
+        FileStorage::open(path, opts.read_only).with_context(|| format!("opening data device {}", path.display()))?,
+    );
+    let meta: Option<Arc<dyn Storage>> = match meta {
+        Some(m) => Some(Arc::new(
+            FileStorage::open(m, opts.read_only).with_context(|| format!("opening metadata device {}", m.display()))?,
+        )),
+        None => None,
+    };
+    Volume::open(data, meta, opts).with_context(|| format!("opening volume {}", path.display()))
 }
 
 impl ServeCommand {
     pub fn run(self) -> anyhow::Result<ExitCode> {
-        anyhow::bail!("not yet implemented")
+        let ServeCommand::Serve {
+            path,
+            listen,
+            socket,
+            export_name,
+            read_only,
+            connections_max,
+            meta_device,
+            write_policy,
+            workers_per_connection,
+            in_memory,
+        } = self;
+        if connections_max == 0 {
+            bail!("--connections-max must be at least 1");
+        }
+        if !(1..=64).contains(&workers_per_connection) {
+            bail!("--workers-per-connection must be between 1 and 64");
+        }
+        if export_name.len() > dedupvol_nbd::proto::NAME_BYTES_MAX {
+            bail!("--export-name is longer than {} bytes", dedupvol_nbd::proto::NAME_BYTES_MAX);
+        }
+
+        // Open the volume (replaying its journal if needed) before listening, so a client
+        // never connects to a server that then fails to open.
+        let (volume, backend): (Option<Arc<Volume>>, Arc<dyn Backend>) = match &in_memory {
+            Some(size) => {
+                let size = dedupvol_core::parse_size(size).context("--in-memory size")?;
+                (None, Arc::new(MemBackend::new(size, read_only).map_err(|e| anyhow::anyhow!("{e}"))?))
+            }
+            None => {
+                let opts = OpenOptions { read_only, write_policy, ..Default::default() };
+                let v = Arc::new(open_volume(&path, meta_device.as_deref(), &opts)?);
+                (Some(v.clone()), v)
+            }
+        };
+
+        let addr = match socket {
+            Some(p) => ListenAddr::Unix(p),
+            None => ListenAddr::Tcp(listen),
+        };
+        let config = ServerConfig {
+            export: ExportConfig {
+                name: export_name.clone(),
+                description: Some(format!("dedupvol volume {}", path.display())),
+                read_only,
+            },
+            connections_max,
+            limits: ConnectionLimits { workers: workers_per_connection, ..Default::default() },
+        };
+        let server = Server::bind(&addr, config).with_context(|| format!("listening on {addr:?}"))?;
+        server.stop_on_signals().context("installing signal handlers")?;
+        let size = backend.size();
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "dedupvol: serving {export_name} ({size} bytes) on {}", server.display_addr())?;
+        out.flush()?;
+        drop(out);
+
+        let summary = server.run(backend).context("serving")?;
+        eprintln!(
+            "dedupvol: stopped after {} connection(s) ({} refused); closing the volume",
+            summary.connections_served, summary.connections_refused
+        );
+        if let Some(v) = volume {
+            let v = Arc::try_unwrap(v).map_err(|_| anyhow::anyhow!("volume still referenced after the server stopped"))?;
+            v.close().with_context(|| format!("closing volume {}", path.display()))?;
+        }
+        Ok(ExitCode::SUCCESS)
     }
 }

@@ -1,1 +1,26 @@
-//! placeholder
+//! dedupvol-nbd: an NBD (Network Block Device) server for dedupvol volumes.
+//!
+//! Written from the protocol specification (NetworkBlockDevice/nbd `doc/proto.md`). It
+//! speaks the fixed-newstyle handshake (options GO, INFO, LIST, ABORT and the EXPORT_NAME
+//! fallback; NO_ZEROES honoured) and simple replies, and serves READ, WRITE (+FUA), FLUSH,
+//! TRIM, WRITE_ZEROES (+FUA, NO_HOLE) and DISC over TCP or a Unix-domain socket.
+//!
+//! Layout: [`proto`] holds the wire format as pure functions over byte slices (fuzzed);
+//! [`connection`] runs one client (handshake, then a reader thread and a bounded worker
+//! pool); [`server`] accepts clients and shuts down cleanly; [`backend`] is the disk
+//! being served — a [`dedupvol_core::Volume`], or a RAM disk for tests.
+//!
+//! One server serves one export, backed by one volume shared by every connection, which
+//! is what makes `NBD_FLAG_CAN_MULTI_CONN` truthful (a flush on any connection covers the
+//! writes completed on all of them).
+
+pub mod backend;
+pub mod connection;
+pub mod proto;
+pub mod server;
+pub mod stream;
+
+pub use backend::{Backend, BackendError, MemBackend};
+pub use connection::{ConnectionLimits, ExportConfig};
+pub use server::{RunSummary, Server, ServerConfig, StopHandle};
+pub use stream::{ListenAddr, Listener};

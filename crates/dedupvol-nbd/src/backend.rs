@@ -1,0 +1,137 @@
+//! What the NBD server serves: a byte-addressed disk behind the [`Backend`] trait.
+//!
+//! The trait is implemented for [`dedupvol_core::Volume`] (the real engine) and for
+//! [`MemBackend`] (a RAM disk for protocol tests that must not depend on the engine).
+//!
+//! Invariants:
+//! - Every method takes `&self` and may be called from many threads at once; a backend
+//!   shared by all connections is what makes `NBD_FLAG_CAN_MULTI_CONN` truthful: `flush`
+//!   covers every write that completed before it, on any connection.
+//! - Errors carry the host errno the frontend maps to an NBD error code, plus context.
+
+use dedupvol_core::Volume;
+use parking_lot::RwLock;
+
+/// A backend failure: the errno to report and a message for the log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message} (errno {errno})")]
+pub struct BackendError {
+    /// Host errno (EIO, ENOSPC, EINVAL, EROFS, ...).
+    pub errno: i32,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// A disk the server can export.
+pub trait Backend: Send + Sync {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// Fills `buf` from byte `offset`.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError>;
+    /// Writes `data` at `offset`; durable on return when `fua`.
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), BackendError>;
+    /// Makes every write completed before the call durable.
+    fn flush(&self) -> Result<(), BackendError>;
+    /// Discards a range; it reads back as zeros.
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError>;
+    /// Writes zeros to a range; durable on return when `fua`.
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), BackendError>;
+}
+
+fn engine_error(op: &str, offset: u64, len: u64, e: dedupvol_core::Error) -> BackendError {
+    BackendError { errno: e.errno(), message: format!("{op} at {offset}+{len}: {e}") }
+}
+
+impl Backend for Volume {
+    fn size(&self) -> u64 {
+        self.logical_size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
+        Volume::read(self, offset, buf).map_err(|e| engine_error("read", offset, buf.len() as u64, e))
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), BackendError> {
+        Volume::write(self, offset, data, fua).map_err(|e| engine_error("write", offset, data.len() as u64, e))
+    }
+    fn flush(&self) -> Result<(), BackendError> {
+        Volume::flush(self).map_err(|e| engine_error("flush", 0, 0, e))
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError> {
+        Volume::discard(self, offset, len).map_err(|e| engine_error("trim", offset, len, e))
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), BackendError> {
+        Volume::write_zeroes(self, offset, len, fua).map_err(|e| engine_error("write-zeroes", offset, len, e))
+    }
+}
+
+/// Largest RAM disk [`MemBackend`] will allocate.
+pub const MEM_BACKEND_BYTES_MAX: u64 = 4 << 30;
+
+/// A RAM disk: for protocol tests. Flush is a no-op (nothing is volatile).
+pub struct MemBackend {
+    data: RwLock<Vec<u8>>,
+    read_only: bool,
+}
+
+impl MemBackend {
+    /// A zero-filled disk of `size` bytes (at most [`MEM_BACKEND_BYTES_MAX`]).
+    pub fn new(size: u64, read_only: bool) -> Result<Self, BackendError> {
+        if size > MEM_BACKEND_BYTES_MAX {
+            return Err(BackendError {
+                errno: libc::EINVAL,
+                message: format!("memory backend of {size} bytes exceeds {MEM_BACKEND_BYTES_MAX}"),
+            });
+        }
+        let len = usize::try_from(size).map_err(|_| BackendError { errno: libc::EINVAL, message: "size".into() })?;
+        Ok(MemBackend { data: RwLock::new(vec![0; len]), read_only })
+    }
+
+    fn range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, BackendError> {
+        let size = self.size();
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(offset as usize..end as usize),
+            _ => Err(BackendError { errno: libc::EINVAL, message: format!("{offset}+{len} beyond {size}") }),
+        }
+    }
+
+    fn check_writable(&self) -> Result<(), BackendError> {
+        if self.read_only {
+            return Err(BackendError { errno: libc::EROFS, message: "memory backend is read-only".into() });
+        }
+        Ok(())
+    }
+}
+
+impl Backend for MemBackend {
+    fn size(&self) -> u64 {
+        self.data.read().len() as u64
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
+        let r = self.range(offset, buf.len() as u64)?;
+        let data = self.data.read();
+        let src = data.get(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+    fn write(&self, offset: u64, src: &[u8], _fua: bool) -> Result<(), BackendError> {
+        self.check_writable()?;
+        let r = self.range(offset, src.len() as u64)?;
+        let mut data = self.data.write();
+        let dst = data.get_mut(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+    fn flush(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError> {
+        self.write_zeroes(offset, len, false)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, _fua: bool) -> Result<(), BackendError> {
+        self.check_writable()?;
+        let r = self.range(offset, len)?;
+        let mut data = self.data.write();
+        let dst = data.get_mut(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        dst.fill(0);
+        Ok(())
+    }
+}

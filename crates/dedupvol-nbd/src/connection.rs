@@ -1,0 +1,385 @@
+//! One client connection: the fixed-newstyle handshake, then the transmission phase.
+//!
+//! Transmission runs one reader thread (this one) and a small pool of worker threads per
+//! connection. The reader parses each request header, reads any write payload, and hands
+//! the request to the workers through a bounded queue; workers run it against the backend
+//! and write the reply under a mutex, so replies may leave out of order (the spec allows
+//! it: the client matches them by cookie).
+//!
+//! Invariants:
+//! - Requests in flight per connection are bounded twice: by count (queue depth plus
+//!   workers) and by bytes ([`ConnectionLimits::inflight_bytes_max`]), so a client
+//!   pipelining 32 MiB writes cannot make the server buffer without bound.
+//! - A reply is written whole under the writer mutex: replies never interleave on the wire.
+//! - A request the client already sent is either executed and answered, or the connection
+//!   is closed; a client that disconnects mid-request only loses its own unanswered
+//!   requests (its completed writes are in the shared backend, for every connection).
+//! - Nothing the client sends can panic the server: protocol decisions are made by the
+//!   pure functions in [`crate::proto`].
+
+use crate::backend::Backend;
+use crate::proto::{self, Command, Disposition, ExportLimits};
+use crate::stream::Stream;
+use parking_lot::{Condvar, Mutex};
+use std::io::{self, BufReader, Read, Write};
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+/// Options after which a still-negotiating client is disconnected (it is spinning).
+pub const OPTIONS_PER_CONNECTION_MAX: usize = 1024;
+/// Socket read buffer: holds many pipelined request headers per system call.
+const READ_BUFFER_BYTES: usize = 256 << 10;
+
+/// Per-connection bounds on the transmission phase.
+#[derive(Debug, Clone)]
+pub struct ConnectionLimits {
+    /// Worker threads per connection (requests executed concurrently).
+    pub workers: usize,
+    /// Requests queued for the workers before the reader stops reading the socket.
+    pub queue_requests_max: usize,
+    /// Read and write payload bytes held in flight before the reader stops reading.
+    pub inflight_bytes_max: u64,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits { workers: 4, queue_requests_max: 16, inflight_bytes_max: 64 << 20 }
+    }
+}
+
+/// What a connection serves: the export and its policy.
+#[derive(Debug, Clone)]
+pub struct ExportConfig {
+    /// The export's name; the empty (default) name also selects it.
+    pub name: String,
+    /// Optional human description (NBD_INFO_DESCRIPTION).
+    pub description: Option<String>,
+    /// Refuse writes with EPERM and advertise READ_ONLY.
+    pub read_only: bool,
+}
+
+impl ExportConfig {
+    fn matches(&self, requested: &str) -> bool {
+        requested.is_empty() || requested == self.name
+    }
+
+    /// Transmission flags advertised for this export.
+    pub fn transmission_flags(&self) -> u16 {
+        let mut f = proto::TFLAG_HAS_FLAGS
+            | proto::TFLAG_SEND_FLUSH
+            | proto::TFLAG_SEND_FUA
+            | proto::TFLAG_SEND_TRIM
+            | proto::TFLAG_SEND_WRITE_ZEROES
+            // One backend shared by every connection: a flush covers all of them.
+            | proto::TFLAG_CAN_MULTI_CONN;
+        if self.read_only {
+            f |= proto::TFLAG_READ_ONLY;
+        }
+        f
+    }
+}
+
+/// How a connection ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The client aborted the handshake or disconnected cleanly.
+    Closed,
+    /// The connection was dropped for a reason worth logging.
+    Dropped(String),
+}
+
+fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
+    match r.read_exact(buf) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Runs one connection to completion. `stopping` makes negotiation refuse new sessions.
+pub fn serve_connection(
+    stream: Stream,
+    backend: Arc<dyn Backend>,
+    export: &ExportConfig,
+    limits: &ConnectionLimits,
+    stopping: &AtomicBool,
+) -> Outcome {
+    let mut s = stream;
+    match handshake(&mut s, backend.size(), export, stopping) {
+        Ok(true) => {}
+        Ok(false) => return Outcome::Closed,
+        Err(e) => return Outcome::Dropped(format!("handshake: {e}")),
+    }
+    transmission(s, backend, export, limits)
+}
+
+fn send_option_reply(s: &mut Stream, option: u32, reply: u32, data: &[u8]) -> io::Result<()> {
+    s.write_all(&proto::encode_option_reply(option, reply, data))
+}
+
+/// Option haggling. Ok(true): enter transmission; Ok(false): the client left politely.
+fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &AtomicBool) -> io::Result<bool> {
+    let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
+    s.write_all(&proto::encode_greeting())?;
+    let mut flags = [0u8; 4];
+    if !read_exact_or_eof(s, &mut flags)? {
+        return Ok(false);
+    }
+    let client = proto::parse_client_flags(&flags).map_err(|e| invalid(e.to_string()))?;
+    let tflags = export.transmission_flags();
+    for _ in 0..OPTIONS_PER_CONNECTION_MAX {
+        let mut hdr = [0u8; proto::OPTION_HEADER_BYTES];
+        if !read_exact_or_eof(s, &mut hdr)? {
+            return Ok(false);
+        }
+        let h = proto::parse_option_header(&hdr).map_err(|e| invalid(e.to_string()))?;
+        // Bounded by OPTION_DATA_BYTES_MAX in parse_option_header.
+        let mut data = vec![0u8; h.len as usize];
+        s.read_exact(&mut data)?;
+        match h.option {
+            proto::OPT_EXPORT_NAME => {
+                let name = proto::parse_name(&data).map_err(|e| invalid(e.to_string()))?;
+                if !export.matches(&name) || stopping.load(Ordering::Relaxed) {
+                    // EXPORT_NAME cannot carry an error: the spec says to close.
+                    return Err(invalid(format!("unknown export {name:?} requested by EXPORT_NAME")));
+                }
+                s.write_all(&proto::encode_export_name_reply(size, tflags, client.no_zeroes))?;
+                return Ok(true);
+            }
+            proto::OPT_ABORT => {
+                // The client may already have closed; a failed ACK is not an error.
+                let _ = send_option_reply(s, h.option, proto::REP_ACK, &[]);
+                return Ok(false);
+            }
+            proto::OPT_LIST => {
+                if !data.is_empty() {
+                    send_option_reply(s, h.option, proto::REP_ERR_INVALID, b"LIST takes no data")?;
+                    continue;
+                }
+                send_option_reply(s, h.option, proto::REP_SERVER, &proto::encode_rep_server(&export.name))?;
+                send_option_reply(s, h.option, proto::REP_ACK, &[])?;
+            }
+            proto::OPT_INFO | proto::OPT_GO => {
+                let req = match proto::parse_info_request(&data) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        send_option_reply(s, h.option, proto::REP_ERR_INVALID, e.to_string().as_bytes())?;
+                        continue;
+                    }
+                };
+                if !export.matches(&req.name) {
+                    let msg = format!("no export named {:?}; this server exports {:?}", req.name, export.name);
+                    send_option_reply(s, h.option, proto::REP_ERR_UNKNOWN, msg.as_bytes())?;
+                    continue;
+                }
+                if stopping.load(Ordering::Relaxed) {
+                    send_option_reply(s, h.option, proto::REP_ERR_SHUTDOWN, b"server is shutting down")?;
+                    continue;
+                }
+                send_option_reply(s, h.option, proto::REP_INFO, &proto::encode_info_export(size, tflags))?;
+                // Sent whether asked or not: min 1 / max 32 MiB are the spec's defaults,
+                // so a client that ignores it loses nothing.
+                send_option_reply(s, h.option, proto::REP_INFO, &proto::encode_info_block_size())?;
+                if req.requests.contains(&proto::INFO_NAME) {
+                    let d = proto::encode_info_string(proto::INFO_NAME, &export.name);
+                    send_option_reply(s, h.option, proto::REP_INFO, &d)?;
+                }
+                if let (true, Some(desc)) = (req.requests.contains(&proto::INFO_DESCRIPTION), &export.description) {
+                    let d = proto::encode_info_string(proto::INFO_DESCRIPTION, desc);
+                    send_option_reply(s, h.option, proto::REP_INFO, &d)?;
+                }
+                send_option_reply(s, h.option, proto::REP_ACK, &[])?;
+                if h.option == proto::OPT_GO {
+                    return Ok(true);
+                }
+            }
+            other => {
+                // STRUCTURED_REPLY, STARTTLS, META_CONTEXT, EXTENDED_HEADERS, ...: clients
+                // fall back to simple replies and plain connections.
+                let msg = format!("option {other} is not supported");
+                send_option_reply(s, other, proto::REP_ERR_UNSUP, msg.as_bytes())?;
+            }
+        }
+    }
+    Err(invalid(format!("client sent more than {OPTIONS_PER_CONNECTION_MAX} options")))
+}
+
+/// A byte budget shared by the reader (acquire) and the workers (release).
+struct Budget {
+    used: Mutex<u64>,
+    freed: Condvar,
+    max: u64,
+}
+
+impl Budget {
+    fn acquire(&self, n: u64) {
+        let mut used = self.used.lock();
+        // A single request larger than the budget still runs, alone, so nothing deadlocks.
+        while *used > 0 && *used + n > self.max {
+            self.freed.wait(&mut used);
+        }
+        *used += n;
+    }
+    fn release(&self, n: u64) {
+        let mut used = self.used.lock();
+        *used = used.saturating_sub(n);
+        self.freed.notify_all();
+    }
+}
+
+struct Job {
+    cookie: u64,
+    cmd: Command,
+    payload: Vec<u8>,
+    cost_bytes: u64,
+}
+
+/// Writes replies; shared by the reader (for rejects) and the workers.
+struct ReplyWriter {
+    stream: Mutex<Stream>,
+    broken: AtomicBool,
+}
+
+impl ReplyWriter {
+    fn send(&self, error: u32, cookie: u64, payload: Option<&[u8]>) {
+        if self.broken.load(Ordering::Relaxed) {
+            return;
+        }
+        let hdr = proto::encode_simple_reply(error, cookie);
+        let mut s = self.stream.lock();
+        let r = s.write_all(&hdr).and_then(|()| match payload {
+            Some(p) => s.write_all(p),
+            None => Ok(()),
+        });
+        if r.is_err() {
+            // The client is gone or the stream is out of sync: stop the reader too.
+            self.broken.store(true, Ordering::Relaxed);
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter) {
+    let report = |e: crate::backend::BackendError| {
+        eprintln!("dedupvol-nbd: request {:#x} failed: {e}", job.cookie);
+        proto::nbd_error_from_errno(e.errno)
+    };
+    match job.cmd {
+        Command::Read { offset, len } => {
+            let mut buf = vec![0u8; len as usize];
+            match backend.read(offset, &mut buf) {
+                Ok(()) => writer.send(0, job.cookie, Some(&buf)),
+                // Simple replies carry no payload after an error.
+                Err(e) => writer.send(report(e), job.cookie, None),
+            }
+        }
+        Command::Write { offset, fua, .. } => {
+            let r = backend.write(offset, &job.payload, fua);
+            writer.send(r.err().map_or(0, report), job.cookie, None);
+        }
+        Command::Flush => {
+            let r = backend.flush();
+            writer.send(r.err().map_or(0, report), job.cookie, None);
+        }
+        Command::Trim { offset, len, fua } => {
+            // The engine's discard has no FUA of its own; a flush after it gives the same.
+            let r = backend.trim(offset, u64::from(len)).and_then(|()| if fua { backend.flush() } else { Ok(()) });
+            writer.send(r.err().map_or(0, report), job.cookie, None);
+        }
+        Command::WriteZeroes { offset, len, fua } => {
+            let r = backend.write_zeroes(offset, u64::from(len), fua);
+            writer.send(r.err().map_or(0, report), job.cookie, None);
+        }
+    }
+}
+
+fn transmission(stream: Stream, backend: Arc<dyn Backend>, export: &ExportConfig, limits: &ConnectionLimits) -> Outcome {
+    let write_half = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => return Outcome::Dropped(format!("cannot clone socket: {e}")),
+    };
+    let writer = Arc::new(ReplyWriter { stream: Mutex::new(write_half), broken: AtomicBool::new(false) });
+    let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
+    let (tx, rx) = mpsc::sync_channel::<Job>(limits.queue_requests_max.max(1));
+    let rx = Arc::new(Mutex::new(rx));
+    let mut workers = Vec::with_capacity(limits.workers);
+    for i in 0..limits.workers.max(1) {
+        let (rx, writer, budget, backend) = (rx.clone(), writer.clone(), budget.clone(), backend.clone());
+        let spawned = std::thread::Builder::new().name(format!("nbd-worker-{i}")).spawn(move || loop {
+            // Hold the receiver lock only to take one job.
+            let job = rx.lock().recv();
+            let Ok(job) = job else { break };
+            execute(backend.as_ref(), &job, &writer);
+            budget.release(job.cost_bytes);
+        });
+        match spawned {
+            Ok(h) => workers.push(h),
+            Err(e) => {
+                if workers.is_empty() {
+                    return Outcome::Dropped(format!("cannot start a worker thread: {e}"));
+                }
+                break;
+            }
+        }
+    }
+
+    let limits_export = ExportLimits { size: backend.size(), read_only: export.read_only };
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+    let outcome = loop {
+        if writer.broken.load(Ordering::Relaxed) {
+            break Outcome::Dropped("reply could not be written".into());
+        }
+        let mut hdr = [0u8; proto::REQUEST_HEADER_BYTES];
+        match read_exact_or_eof(&mut reader, &mut hdr) {
+            Ok(true) => {}
+            Ok(false) => break Outcome::Closed,
+            Err(e) => break Outcome::Dropped(format!("reading request: {e}")),
+        }
+        let req = match proto::parse_request(&hdr) {
+            Ok(r) => r,
+            Err(e) => break Outcome::Dropped(format!("bad request: {e}")),
+        };
+        match proto::classify_request(&req, &limits_export) {
+            Disposition::Disconnect => break Outcome::Closed,
+            Disposition::Close(why) => break Outcome::Dropped(why),
+            Disposition::Reject { error, skip, reason } => {
+                eprintln!("dedupvol-nbd: rejecting request {:#x}: {reason}", req.cookie);
+                let skipped = io::copy(&mut (&mut reader).take(u64::from(skip)), &mut io::sink());
+                match skipped {
+                    Ok(n) if n == u64::from(skip) => writer.send(error, req.cookie, None),
+                    Ok(_) => break Outcome::Closed,
+                    Err(e) => break Outcome::Dropped(format!("reading payload: {e}")),
+                }
+            }
+            Disposition::Execute(cmd) => {
+                let (cost_bytes, payload_len) = match cmd {
+                    Command::Read { len, .. } => (u64::from(len), 0),
+                    Command::Write { len, .. } => (u64::from(len), len as usize),
+                    _ => (0, 0),
+                };
+                budget.acquire(cost_bytes);
+                let mut payload = vec![0u8; payload_len];
+                match read_exact_or_eof(&mut reader, &mut payload) {
+                    Ok(true) => {}
+                    // The client left mid-payload: the partial write is never applied.
+                    Ok(false) => break Outcome::Closed,
+                    Err(e) => break Outcome::Dropped(format!("reading write payload: {e}")),
+                }
+                if tx.send(Job { cookie: req.cookie, cmd, payload, cost_bytes }).is_err() {
+                    break Outcome::Dropped("worker pool is gone".into());
+                }
+            }
+        }
+    };
+    // Let the workers finish (and answer) every request already accepted.
+    drop(tx);
+    for w in workers {
+        if w.join().is_err() {
+            eprintln!("dedupvol-nbd: a worker thread panicked");
+        }
+    }
+    let _ = writer.stream.lock().shutdown(Shutdown::Both);
+    outcome
+}

@@ -1,0 +1,206 @@
+//! The accept loop: listens, admits up to `connections_max` clients, and shuts down cleanly.
+//!
+//! Shutdown (SIGINT/SIGTERM, or [`StopHandle::stop`]): stop accepting; shut down the read
+//! half of every connection so its reader sees end-of-file; each connection's workers
+//! finish and answer the requests already accepted; every connection thread is joined.
+//! [`Server::run`] then returns, and the caller flushes and closes the backend (for a
+//! [`dedupvol_core::Volume`], `close()` does both).
+//!
+//! Invariants:
+//! - When `run` returns, no thread the server started is alive and the server holds no
+//!   reference to the backend, so the caller can take it back out of its `Arc`.
+//! - At most `connections_max` connections are served at once; extra clients are closed
+//!   at accept, before any handshake.
+
+use crate::backend::Backend;
+use crate::connection::{serve_connection, ConnectionLimits, ExportConfig, Outcome};
+use crate::stream::{ListenAddr, Listener, Stream};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Everything the server needs besides the backend.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The export.
+    pub export: ExportConfig,
+    /// Most clients served at once.
+    pub connections_max: usize,
+    /// Per-connection bounds.
+    pub limits: ConnectionLimits,
+}
+
+/// Stops a running server from another thread (or a test).
+#[derive(Debug)]
+pub struct StopHandle(UnixStream);
+
+impl StopHandle {
+    /// Asks the server to stop; returns at once.
+    pub fn stop(&self) -> io::Result<()> {
+        (&self.0).write_all(&[1])
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RunSummary {
+    /// Connections accepted and served.
+    pub connections_served: u64,
+    /// Connections refused because `connections_max` were open.
+    pub connections_refused: u64,
+}
+
+/// A bound NBD server.
+pub struct Server {
+    listener: Listener,
+    config: ServerConfig,
+    stop_read: UnixStream,
+    stop_write: UnixStream,
+}
+
+impl Server {
+    /// Binds the listening socket. Clients that connect before [`Server::run`] wait in the
+    /// kernel's backlog, so a readiness line printed after `bind` is truthful.
+    pub fn bind(addr: &ListenAddr, config: ServerConfig) -> io::Result<Server> {
+        let listener = Listener::bind(addr)?;
+        let (stop_read, stop_write) = UnixStream::pair()?;
+        stop_read.set_nonblocking(true)?;
+        stop_write.set_nonblocking(true)?;
+        Ok(Server { listener, config, stop_read, stop_write })
+    }
+
+    /// The bound address (`127.0.0.1:10809`, or `unix:/path`).
+    pub fn display_addr(&self) -> String {
+        self.listener.display_addr()
+    }
+
+    /// A handle that stops [`Server::run`].
+    pub fn stop_handle(&self) -> io::Result<StopHandle> {
+        Ok(StopHandle(self.stop_write.try_clone()?))
+    }
+
+    /// Makes SIGINT and SIGTERM stop the server; a second signal exits at once (for a
+    /// shutdown stuck on a dead device).
+    pub fn stop_on_signals(&self) -> io::Result<()> {
+        let second = Arc::new(AtomicBool::new(false));
+        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            signal_hook::flag::register_conditional_shutdown(sig, 130, second.clone())?;
+            signal_hook::flag::register(sig, second.clone())?;
+            signal_hook::low_level::pipe::register(sig, self.stop_write.try_clone()?)?;
+        }
+        Ok(())
+    }
+
+    /// Serves until stopped. See the module docs for the shutdown sequence.
+    pub fn run(self, backend: Arc<dyn Backend>) -> io::Result<RunSummary> {
+        let stopping = Arc::new(AtomicBool::new(false));
+        let live: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
+        let mut threads: Vec<JoinHandle<()>> = Vec::new();
+        let mut summary = RunSummary::default();
+        let mut next_id: u64 = 0;
+        let result = loop {
+            match wait_readable(self.listener.as_raw_fd(), self.stop_read.as_raw_fd()) {
+                Ok(Ready::Stop) => break Ok(()),
+                Ok(Ready::Listener) => {}
+                Err(e) => break Err(e),
+            }
+            let stream = match self.listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => continue,
+                // ECONNABORTED and friends concern one client, not the server.
+                Err(e) => {
+                    eprintln!("dedupvol-nbd: accept failed: {e}");
+                    continue;
+                }
+            };
+            threads.retain(|t| !t.is_finished());
+            if live.lock().len() >= self.config.connections_max {
+                eprintln!(
+                    "dedupvol-nbd: refusing {}: {} connections already open (--connections-max)",
+                    stream.peer(),
+                    self.config.connections_max
+                );
+                summary.connections_refused += 1;
+                continue;
+            }
+            let id = next_id;
+            next_id += 1;
+            let shutdown_handle = match stream.try_clone() {
+                Ok(h) => h,
+                Err(e) => {
+                    eprintln!("dedupvol-nbd: cannot track connection: {e}");
+                    continue;
+                }
+            };
+            live.lock().insert(id, shutdown_handle);
+            let (backend, export, limits, stopping, live2) =
+                (backend.clone(), self.config.export.clone(), self.config.limits.clone(), stopping.clone(), live.clone());
+            let peer = stream.peer();
+            let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
+                let outcome = serve_connection(stream, backend, &export, &limits, &stopping);
+                if let Outcome::Dropped(why) = outcome {
+                    eprintln!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
+                }
+                live2.lock().remove(&id);
+            });
+            match spawned {
+                Ok(t) => {
+                    threads.push(t);
+                    summary.connections_served += 1;
+                }
+                Err(e) => {
+                    eprintln!("dedupvol-nbd: cannot start a connection thread: {e}");
+                    live.lock().remove(&id);
+                }
+            }
+        };
+        // Stop: refuse new sessions, wake every reader, let in-flight requests finish.
+        stopping.store(true, Ordering::Relaxed);
+        for s in live.lock().values() {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+        for t in threads {
+            if t.join().is_err() {
+                eprintln!("dedupvol-nbd: a connection thread panicked");
+            }
+        }
+        let mut drain = [0u8; 64];
+        let _ = (&self.stop_read).read(&mut drain);
+        result.map(|()| summary)
+    }
+}
+
+enum Ready {
+    Listener,
+    Stop,
+}
+
+fn wait_readable(listener: i32, stop: i32) -> io::Result<Ready> {
+    loop {
+        let mut fds = [
+            libc::pollfd { fd: listener, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: stop, events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if fds[1].revents != 0 {
+            return Ok(Ready::Stop);
+        }
+        if fds[0].revents != 0 {
+            return Ok(Ready::Listener);
+        }
+    }
+}
