@@ -1,0 +1,592 @@
+//! The in-process engine benchmark (`dedupvol bench`): writes a workload into a freshly
+//! formatted volume with several writer threads and prints the engine's speed beside the
+//! machine's primitives and a no-reduction baseline measured in the same run.
+//!
+//! Scenarios:
+//! - `seq`: generated data ([`DataSpec`]) written in `request_bytes` requests; request `k`
+//!   goes to offset `k × request_bytes` and writer `k mod threads` issues it;
+//! - `overwrite`: the logical range is first filled (untimed) with the same kind of data,
+//!   then random 4 KiB writes at uniformly random aligned offsets are timed (writes/s);
+//! - `ingest`: a real file read in `request_bytes` chunks (page cache warmed first, so the
+//!   disk the file lives on is not what is measured).
+//!
+//! Every timed run ends with a `flush()` inside the clock: with the async write policy an
+//! acknowledged write is only in memory, and a figure that leaves data there is not a write
+//! speed. The baselines are the same requests into a volume formatted with
+//! `--dedup off --compression none`, and raw `pwrite` into a plain file (+ fdatasync).
+//!
+//! Invariants:
+//! - The data is generated before the clock starts (the generator is not measured).
+//! - Write amplification counts every byte the engine wrote to its devices during the timed
+//!   phase (`stats.io`), over the logical bytes written and over the ideal (the unique
+//!   chunks' stored sizes, computed by the estimator on the same bytes).
+
+use crate::content::{ContentModel, DataSpec, BLOCK_BYTES, LANE_BLOCKS};
+use crate::estimate::{EstimateOptions, EstimateReport, Estimator};
+use crate::primitives::{measure_cpu, measure_disk_seq_write, CpuPrimitives, DiskFigure, RemoveOnDrop};
+use crate::rng::WyRand;
+use dedupvol_core::{Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume, WritePolicy};
+use serde::Serialize;
+use std::fs::{File, OpenOptions as FsOpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Bytes of scenario data the CPU primitives are measured on.
+const PRIMITIVE_SAMPLE_BYTES: usize = 8 << 20;
+/// Bytes written by the disk sequential-write measurement.
+const DISK_SEQ_BYTES: u64 = 512 << 20;
+/// Extra physical space beyond the data, for metadata and slack, in bytes.
+const PHYSICAL_SLACK_BYTES: u64 = 1 << 30;
+
+/// What one scenario writes.
+#[derive(Debug, Clone, Serialize)]
+pub enum Scenario {
+    /// Generated data written sequentially.
+    Seq {
+        /// The data.
+        data: DataSpec,
+        /// Total bytes written.
+        size_bytes: u64,
+    },
+    /// Random 4 KiB overwrites of a prefilled range.
+    Overwrite {
+        /// The data (prefill and overwrites).
+        data: DataSpec,
+        /// Logical range, in bytes.
+        range_bytes: u64,
+        /// Timed 4 KiB writes.
+        writes: u64,
+    },
+    /// A real file.
+    Ingest {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// A target from the issue, to print beside the measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    /// Minimum value.
+    pub min: f64,
+    /// "MB/s" or "writes/s".
+    pub unit: String,
+}
+
+/// Common settings.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchOptions {
+    /// Directory for the volume and baseline files (same filesystem as the disk figure).
+    pub dir: PathBuf,
+    /// Writer threads.
+    pub threads: usize,
+    /// Request size of `seq` and `ingest`, in bytes.
+    pub request_bytes: usize,
+    /// Compression of the engine volume.
+    pub compression: Compression,
+    /// Write policy of the engine volume.
+    pub write_policy: WritePolicy,
+    /// Also run the no-reduction volume and raw-file baselines.
+    pub baselines: bool,
+    /// Index memory of the engine volume, in bytes.
+    pub index_memory_bytes: u64,
+}
+
+/// One timed run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RunFigure {
+    /// Logical bytes written in the timed phase.
+    pub bytes: u64,
+    /// Write requests in the timed phase.
+    pub ops: u64,
+    /// Seconds, including the final flush.
+    pub seconds: f64,
+    /// Seconds of the final flush alone.
+    pub flush_seconds: f64,
+    /// MB/s (10^6 bytes per second).
+    pub mb_s: f64,
+    /// Requests per second.
+    pub ops_s: f64,
+}
+
+impl RunFigure {
+    fn new(bytes: u64, ops: u64, seconds: f64, flush_seconds: f64) -> Self {
+        RunFigure { bytes, ops, seconds, flush_seconds, mb_s: bytes as f64 / seconds / 1e6, ops_s: ops as f64 / seconds }
+    }
+}
+
+/// Device bytes written by category in the timed phase.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct IoBreakdown {
+    /// Data blocks written.
+    pub data_write: u64,
+    /// Journal written.
+    pub journal_write: u64,
+    /// Block map pages written.
+    pub block_map_write: u64,
+    /// Refcount pages written.
+    pub refcount_write: u64,
+    /// Index written.
+    pub index_write: u64,
+    /// Superblocks written.
+    pub superblock_write: u64,
+    /// Data read for client reads / read-modify-write.
+    pub data_read: u64,
+    /// Block map pages read.
+    pub block_map_read: u64,
+    /// Reads to verify duplicates.
+    pub verify_read: u64,
+    /// fdatasync calls.
+    pub syncs: u64,
+}
+
+impl IoBreakdown {
+    fn between(a: &IoStats, b: &IoStats) -> Self {
+        IoBreakdown {
+            data_write: b.data_write.bytes - a.data_write.bytes,
+            journal_write: b.journal_write.bytes - a.journal_write.bytes,
+            block_map_write: b.block_map_write.bytes - a.block_map_write.bytes,
+            refcount_write: b.refcount_write.bytes - a.refcount_write.bytes,
+            index_write: b.index_write.bytes - a.index_write.bytes,
+            superblock_write: b.superblock_write.bytes - a.superblock_write.bytes,
+            data_read: b.data_read.bytes - a.data_read.bytes,
+            block_map_read: b.block_map_read.bytes - a.block_map_read.bytes,
+            verify_read: b.verify_read.bytes - a.verify_read.bytes,
+            syncs: b.syncs - a.syncs,
+        }
+    }
+    /// All bytes written.
+    pub fn written(&self) -> u64 {
+        self.data_write
+            + self.journal_write
+            + self.block_map_write
+            + self.refcount_write
+            + self.index_write
+            + self.superblock_write
+    }
+}
+
+/// What one scenario measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScenarioResult {
+    /// Short name.
+    pub name: String,
+    /// The data and pattern in words.
+    pub description: String,
+    /// The issue's target, if any.
+    pub target: Option<Target>,
+    /// One-core primitives on this scenario's data.
+    pub primitives: Option<CpuPrimitives>,
+    /// The engine (dedup + compression as configured).
+    pub engine: Option<RunFigure>,
+    /// Error of the engine run, if it failed.
+    pub engine_error: Option<String>,
+    /// The same requests into a `--dedup off --compression none` volume.
+    pub no_reduction_volume: Option<RunFigure>,
+    /// Error of the baseline volume run, if it failed.
+    pub no_reduction_error: Option<String>,
+    /// The same requests as raw pwrite into a file (+ fdatasync).
+    pub raw_file: Option<RunFigure>,
+    /// Engine stats after the timed phase.
+    pub stats: Option<Stats>,
+    /// Device bytes by category written in the timed phase.
+    pub io: Option<IoBreakdown>,
+    /// Estimator on the same bytes (the ideal).
+    pub estimate: Option<EstimateReport>,
+    /// Ideal bytes of the timed phase: unique chunks at their stored (compressed) size.
+    pub ideal_bytes: u64,
+    /// Device bytes written / logical bytes written.
+    pub write_amp_logical: Option<f64>,
+    /// Device bytes written / ideal bytes.
+    pub write_amp_ideal: Option<f64>,
+}
+
+/// Generated or file-backed requests, prepared before the clock starts.
+enum Source {
+    /// Contiguous data; request k covers `[k*req, (k+1)*req)`.
+    Memory { data: Vec<u8>, req: usize },
+    /// A file read in requests of `req` bytes.
+    File { file: File, len: u64, req: usize },
+    /// Per-thread 4 KiB random writes: offsets and their data.
+    Random { per_thread: Vec<(Vec<u64>, Vec<u8>)> },
+}
+
+impl Source {
+    fn total_bytes(&self) -> u64 {
+        match self {
+            Source::Memory { data, .. } => data.len() as u64,
+            Source::File { len, .. } => len.div_ceil(BLOCK_BYTES as u64) * BLOCK_BYTES as u64,
+            Source::Random { per_thread } => per_thread.iter().map(|p| p.1.len() as u64).sum(),
+        }
+    }
+
+    fn total_ops(&self) -> u64 {
+        match self {
+            Source::Memory { data, req } => data.len().div_ceil(*req) as u64,
+            Source::File { len, req, .. } => len.div_ceil(*req as u64),
+            Source::Random { per_thread } => per_thread.iter().map(|p| p.0.len() as u64).sum(),
+        }
+    }
+
+    /// Calls `f(offset, bytes)` for every request of writer `t` of `n`.
+    fn for_each(&self, t: usize, n: usize, f: &mut dyn FnMut(u64, &[u8]) -> Result<(), String>) -> Result<(), String> {
+        match self {
+            Source::Memory { data, req } => {
+                for (k, chunk) in data.chunks(*req).enumerate().skip(t).step_by(n) {
+                    f((k * req) as u64, chunk)?;
+                }
+            }
+            Source::File { file, len, req } => {
+                let mut buf = vec![0u8; *req];
+                let mut k = t as u64;
+                while k * (*req as u64) < *len {
+                    let off = k * *req as u64;
+                    let want = (*len - off).min(*req as u64) as usize;
+                    // Pad the tail to whole blocks with zeros, as import does.
+                    let padded = want.div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
+                    buf[..padded].fill(0);
+                    file.read_exact_at(&mut buf[..want], off).map_err(|e| format!("reading input at {off}: {e}"))?;
+                    f(off, &buf[..padded])?;
+                    k += n as u64;
+                }
+            }
+            Source::Random { per_thread } => {
+                if let Some((offs, data)) = per_thread.get(t) {
+                    for (o, d) in offs.iter().zip(data.chunks_exact(BLOCK_BYTES)) {
+                        f(*o, d)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn generate(model: &ContentModel, first_index: u64, bytes: u64, threads: usize) -> Vec<u8> {
+    let mut data = vec![0u8; bytes as usize];
+    let per = (bytes as usize / BLOCK_BYTES).div_ceil(threads.max(1)) * BLOCK_BYTES;
+    std::thread::scope(|s| {
+        for (k, part) in data.chunks_mut(per.max(BLOCK_BYTES)).enumerate() {
+            s.spawn(move || model.fill_range(first_index + (k * per / BLOCK_BYTES) as u64, part));
+        }
+    });
+    data
+}
+
+/// Formats a volume at `path` and opens it.
+fn fresh_volume(path: &Path, logical: u64, physical: u64, fmt: &FormatOptions) -> Result<Volume, String> {
+    let _ = std::fs::remove_file(path);
+    let dev: Arc<dyn Storage> =
+        Arc::new(FileStorage::create(path, Some(physical)).map_err(|e| format!("creating {}: {e}", path.display()))?);
+    let mut opts = fmt.clone();
+    opts.logical_size_bytes = logical;
+    Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
+    let dev: Arc<dyn Storage> =
+        Arc::new(FileStorage::open(path, false).map_err(|e| format!("opening {}: {e}", path.display()))?);
+    Volume::open(dev, None, &OpenOptions::default()).map_err(|e| format!("opening volume {}: {e}", path.display()))
+}
+
+/// Writes `source` with `threads` writers into `vol`; returns (seconds, flush seconds).
+fn timed_volume_writes(vol: &Arc<Volume>, source: &Source, threads: usize) -> Result<(f64, f64), String> {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let vol = Arc::clone(vol);
+                s.spawn(move || {
+                    source.for_each(t, threads, &mut |off, d| {
+                        vol.write(off, d, false).map_err(|e| format!("engine write at {off} ({} bytes): {e}", d.len()))
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join().map_err(|_| "writer thread panicked".to_string())?)
+    })?;
+    let flush_start = Instant::now();
+    vol.flush().map_err(|e| format!("final flush: {e}"))?;
+    Ok((start.elapsed().as_secs_f64(), flush_start.elapsed().as_secs_f64()))
+}
+
+fn timed_raw_writes(path: &Path, size: u64, source: &Source, threads: usize) -> Result<RunFigure, String> {
+    let _ = std::fs::remove_file(path);
+    let f = FsOpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+    f.set_len(size).map_err(|e| format!("sizing {}: {e}", path.display()))?;
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let f = &f;
+                s.spawn(move || {
+                    source.for_each(t, threads, &mut |off, d| f.write_all_at(d, off).map_err(|e| format!("pwrite at {off}: {e}")))
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join().map_err(|_| "writer thread panicked".to_string())?)
+    })?;
+    let fs = Instant::now();
+    f.sync_data().map_err(|e| format!("fdatasync {}: {e}", path.display()))?;
+    let flush = fs.elapsed().as_secs_f64();
+    Ok(RunFigure::new(source.total_bytes(), source.total_ops(), start.elapsed().as_secs_f64(), flush))
+}
+
+/// Prefill (untimed) for the overwrite scenario.
+fn prefill(vol: &Volume, model: &ContentModel, range: u64) -> Result<(), String> {
+    const STEP_BYTES: u64 = 8 << 20;
+    let mut buf = vec![0u8; STEP_BYTES as usize];
+    let mut off = 0;
+    while off < range {
+        let n = (range - off).min(STEP_BYTES) as usize;
+        model.fill_range(off / BLOCK_BYTES as u64, &mut buf[..n]);
+        vol.write(off, &buf[..n], false).map_err(|e| format!("prefill write at {off}: {e}"))?;
+        off += n as u64;
+    }
+    vol.flush().map_err(|e| format!("prefill flush: {e}"))
+}
+
+fn ideal_bytes(r: &EstimateReport) -> u64 {
+    r.physical_bytes - r.packing_overhead_bytes
+}
+
+/// Runs one scenario. Failures of the engine are recorded in the result, not returned, so a
+/// table still shows the primitives and baselines.
+pub fn run_scenario(
+    name: &str,
+    scenario: &Scenario,
+    target: Option<Target>,
+    opts: &BenchOptions,
+) -> Result<ScenarioResult, String> {
+    let threads = opts.threads.max(1);
+    let vol_path = opts.dir.join(format!(".dedupvol-bench-{}-vol", std::process::id()));
+    let base_path = opts.dir.join(format!(".dedupvol-bench-{}-base", std::process::id()));
+    let raw_path = opts.dir.join(format!(".dedupvol-bench-{}-raw", std::process::id()));
+    let _cleanup = (RemoveOnDrop(vol_path.clone()), RemoveOnDrop(base_path.clone()), RemoveOnDrop(raw_path.clone()));
+    let est_opts = EstimateOptions { chunk_bytes: BLOCK_BYTES, threads };
+
+    // Prepare the requests, the estimate of the ideal, and the primitives' sample.
+    let (source, description, logical, model, estimate, ideal, sample) = match scenario {
+        Scenario::Seq { data, size_bytes } => {
+            let model = ContentModel::new(data.clone())?;
+            let size = size_bytes.div_ceil(opts.request_bytes as u64) * opts.request_bytes as u64;
+            let bytes = generate(&model, 0, size, threads);
+            let mut est = Estimator::new(est_opts)?;
+            est.feed(&bytes);
+            let sample = bytes[..bytes.len().min(PRIMITIVE_SAMPLE_BYTES)].to_vec();
+            let desc = format!(
+                "{}; {} MiB in {} KiB sequential requests, {threads} writers",
+                data.describe(),
+                size >> 20,
+                opts.request_bytes >> 10
+            );
+            let report = est.finish();
+            let ideal = ideal_bytes(&report);
+            (Source::Memory { data: bytes, req: opts.request_bytes }, desc, size, Some(model), report, ideal, sample)
+        }
+        Scenario::Overwrite { data, range_bytes, writes } => {
+            let model = ContentModel::new(data.clone())?;
+            let blocks = range_bytes / BLOCK_BYTES as u64;
+            // Prefill takes lane 0 indices 0..blocks; overwrites continue in the same lane so
+            // their duplicates are drawn from the prefill and each other.
+            let mut est = Estimator::new(est_opts)?;
+            let mut buf = vec![0u8; 8 << 20];
+            let mut i = 0;
+            while i < blocks {
+                let n = (blocks - i).min((buf.len() / BLOCK_BYTES) as u64) as usize;
+                model.fill_range(i, &mut buf[..n * BLOCK_BYTES]);
+                est.feed(&buf[..n * BLOCK_BYTES]);
+                i += n as u64;
+            }
+            let before = ideal_bytes(est.report());
+            let per = writes.div_ceil(threads as u64);
+            let mut per_thread = Vec::new();
+            let mut next = blocks;
+            for t in 0..threads {
+                let mut rng = WyRand::new(data.seed ^ 0x0E5E_A7E5 ^ t as u64);
+                let offs: Vec<u64> = (0..per).map(|_| rng.below(blocks) * BLOCK_BYTES as u64).collect();
+                let d = generate(&model, next, per * BLOCK_BYTES as u64, 1);
+                next += per;
+                est.feed(&d);
+                per_thread.push((offs, d));
+            }
+            let report = est.finish();
+            let ideal = ideal_bytes(&report).saturating_sub(before);
+            let sample = per_thread.first().map(|p| p.1[..p.1.len().min(PRIMITIVE_SAMPLE_BYTES)].to_vec()).unwrap_or_default();
+            let desc = format!(
+                "{}; random 4 KiB overwrites of a {} MiB range (prefilled with the same data), {} writes, {threads} writers",
+                data.describe(),
+                range_bytes >> 20,
+                per * threads as u64
+            );
+            debug_assert!(next < LANE_BLOCKS);
+            (Source::Random { per_thread }, desc, *range_bytes, Some(model), report, ideal, sample)
+        }
+        Scenario::Ingest { path } => {
+            let file = File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+            let len = file.metadata().map_err(|e| format!("stat {}: {e}", path.display()))?.len();
+            if len == 0 {
+                return Err(format!("{} is empty", path.display()));
+            }
+            // Warm the page cache and compute the ideal in one pass.
+            let mut est = Estimator::new(est_opts)?;
+            est.scan_path(path)?;
+            let mut sample = vec![0u8; (len as usize).min(PRIMITIVE_SAMPLE_BYTES) / BLOCK_BYTES * BLOCK_BYTES];
+            file.read_exact_at(&mut sample, 0).map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let desc = format!(
+                "file {} ({} MiB), {} KiB sequential requests, {threads} writers (page cache warm)",
+                path.display(),
+                len >> 20,
+                opts.request_bytes >> 10
+            );
+            let logical = len.div_ceil(BLOCK_BYTES as u64) * BLOCK_BYTES as u64;
+            let report = est.finish();
+            let ideal = ideal_bytes(&report);
+            (Source::File { file, len, req: opts.request_bytes }, desc, logical, None, report, ideal, sample)
+        }
+    };
+    let primitives = if sample.len() >= BLOCK_BYTES { Some(measure_cpu(&sample)) } else { None };
+    let physical = logical + source.total_bytes() + PHYSICAL_SLACK_BYTES;
+
+    let fmt = FormatOptions {
+        compression: opts.compression,
+        write_policy: opts.write_policy,
+        index_memory_bytes: opts.index_memory_bytes,
+        ..FormatOptions::default()
+    };
+    let mut result = ScenarioResult {
+        name: name.to_string(),
+        description,
+        target,
+        primitives,
+        engine: None,
+        engine_error: None,
+        no_reduction_volume: None,
+        no_reduction_error: None,
+        raw_file: None,
+        stats: None,
+        io: None,
+        estimate: Some(estimate),
+        ideal_bytes: ideal,
+        write_amp_logical: None,
+        write_amp_ideal: None,
+    };
+
+    let is_overwrite = matches!(scenario, Scenario::Overwrite { .. });
+    let engine = (|| -> Result<(RunFigure, Stats, IoBreakdown), String> {
+        let vol = Arc::new(fresh_volume(&vol_path, logical, physical, &fmt)?);
+        if let (true, Some(m)) = (is_overwrite, &model) {
+            prefill(&vol, m, logical)?;
+        }
+        let before = vol.stats().io;
+        let (secs, flush) = timed_volume_writes(&vol, &source, threads)?;
+        let stats = vol.stats();
+        let io = IoBreakdown::between(&before, &stats.io);
+        if let Ok(v) = Arc::try_unwrap(vol) {
+            v.close().map_err(|e| format!("closing the volume: {e}"))?;
+        }
+        Ok((RunFigure::new(source.total_bytes(), source.total_ops(), secs, flush), stats, io))
+    })();
+    let _ = std::fs::remove_file(&vol_path);
+    match engine {
+        Ok((fig, stats, io)) => {
+            let written = io.written();
+            result.write_amp_logical = Some(written as f64 / fig.bytes.max(1) as f64);
+            result.write_amp_ideal = (ideal > 0).then(|| written as f64 / ideal as f64);
+            result.engine = Some(fig);
+            result.stats = Some(stats);
+            result.io = Some(io);
+        }
+        Err(e) => result.engine_error = Some(e),
+    }
+
+    if opts.baselines {
+        let base_fmt = FormatOptions { compression: Compression::None, dedup: false, ..fmt.clone() };
+        let base = (|| -> Result<RunFigure, String> {
+            let vol = Arc::new(fresh_volume(&base_path, logical, physical, &base_fmt)?);
+            if let (true, Some(m)) = (is_overwrite, &model) {
+                prefill(&vol, m, logical)?;
+            }
+            let (secs, flush) = timed_volume_writes(&vol, &source, threads)?;
+            if let Ok(v) = Arc::try_unwrap(vol) {
+                v.close().map_err(|e| format!("closing the baseline volume: {e}"))?;
+            }
+            Ok(RunFigure::new(source.total_bytes(), source.total_ops(), secs, flush))
+        })();
+        let _ = std::fs::remove_file(&base_path);
+        match base {
+            Ok(f) => result.no_reduction_volume = Some(f),
+            Err(e) => result.no_reduction_error = Some(e),
+        }
+        result.raw_file = Some(timed_raw_writes(&raw_path, logical, &source, threads)?);
+    }
+    Ok(result)
+}
+
+/// The whole benchmark output.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// UTC time of the run (RFC 3339).
+    pub date: String,
+    /// Host name, CPU model and core count, kernel.
+    pub machine: String,
+    /// The command line.
+    pub command: String,
+    /// Settings.
+    pub options: BenchOptions,
+    /// Disk sequential write speed of the benchmark directory's filesystem.
+    pub disk_seq_write: Option<DiskFigure>,
+    /// Scenarios in order.
+    pub scenarios: Vec<ScenarioResult>,
+}
+
+/// Measures the disk under `dir` (write + fdatasync of a 512 MiB temp file).
+pub fn disk_seq(dir: &Path) -> Result<DiskFigure, String> {
+    measure_disk_seq_write(dir, DISK_SEQ_BYTES).map_err(|e| format!("disk write test in {}: {e}", dir.display()))
+}
+
+/// Host, CPU and kernel, in one line.
+pub fn machine_description() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mem_gib = read("/proc/meminfo")
+        .lines()
+        .find(|l| l.starts_with("MemTotal"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|k| k.parse::<u64>().ok())
+        .map(|k| k >> 20)
+        .unwrap_or(0);
+    let kernel = read("/proc/sys/kernel/osrelease").trim().to_string();
+    let host = read("/proc/sys/kernel/hostname").trim().to_string();
+    format!("{host}: {cpu}, {cores} cores, {mem_gib} GiB RAM, Linux {kernel}")
+}
+
+/// UTC now as RFC 3339, without a date library.
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}

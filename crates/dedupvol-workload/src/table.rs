@@ -1,0 +1,267 @@
+//! Plain-text tables for benchmark and estimate output.
+//!
+//! Invariants:
+//! - Columns are padded to their widest cell; the first column is left-aligned, the others
+//!   right-aligned (numbers line up).
+//! - A missing figure prints as `-`, a failed one as `error` (with the message below the
+//!   table) — never as zero.
+
+use crate::bench::{BenchReport, ScenarioResult};
+use crate::estimate::EstimateReport;
+
+/// A simple text table.
+#[derive(Debug, Default)]
+pub struct Table {
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// A table with a header row.
+    pub fn new(header: &[&str]) -> Self {
+        Table { rows: vec![header.iter().map(|s| s.to_string()).collect()] }
+    }
+
+    /// Appends a row.
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    /// Renders with two spaces between columns and a rule under the header.
+    pub fn render(&self) -> String {
+        let cols = self.rows.iter().map(|r| r.len()).max().unwrap_or(0);
+        let mut width = vec![0usize; cols];
+        for r in &self.rows {
+            for (i, c) in r.iter().enumerate() {
+                width[i] = width[i].max(c.chars().count());
+            }
+        }
+        let mut out = String::new();
+        for (n, r) in self.rows.iter().enumerate() {
+            let mut line = String::new();
+            for (i, w) in width.iter().enumerate() {
+                let c = r.get(i).map(String::as_str).unwrap_or("");
+                if i == 0 {
+                    line.push_str(&format!("{c:<w$}"));
+                } else {
+                    line.push_str(&format!("  {c:>w$}"));
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+            if n == 0 {
+                out.push_str(&"-".repeat(width.iter().sum::<usize>() + 2 * cols.saturating_sub(1)));
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+/// `1234.5` → `"1235"`; `None` → `"-"`.
+pub fn num(v: Option<f64>, decimals: usize) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{x:.decimals$}"),
+        _ => "-".into(),
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+/// The value a scenario is judged by: MB/s, or writes/s for the overwrite scenario.
+fn headline(s: &ScenarioResult, f: Option<&crate::bench::RunFigure>) -> Option<f64> {
+    let per_ops = s.target.as_ref().map(|t| t.unit == "writes/s").unwrap_or(false);
+    f.map(|f| if per_ops { f.ops_s } else { f.mb_s })
+}
+
+/// The full benchmark printout: primitives, engine vs baselines vs target, reduction, I/O.
+pub fn render_bench(r: &BenchReport) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
+    out.push_str(&format!(
+        "volume: {:?} compression, {:?} write policy, {} writers, final flush inside the clock\n\n",
+        r.options.compression, r.options.write_policy, r.options.threads
+    ));
+
+    let mut p = Table::new(&["primitive (1 core, 4 KiB chunks of the scenario data)", "scenario", "MB/s"]);
+    for s in &r.scenarios {
+        if let Some(c) = &s.primitives {
+            p.row(vec!["BLAKE3".into(), s.name.clone(), num(Some(c.blake3_mb_s), 0)]);
+            p.row(vec![
+                format!("LZ4 compress (output {:.0}% of input)", c.lz4_size_fraction * 100.0),
+                s.name.clone(),
+                num(Some(c.lz4_compress_mb_s), 0),
+            ]);
+            p.row(vec!["LZ4 decompress".into(), s.name.clone(), num(Some(c.lz4_decompress_mb_s), 0)]);
+            p.row(vec![
+                format!("zstd-1 compress (output {:.0}% of input)", c.zstd1_size_fraction * 100.0),
+                s.name.clone(),
+                num(Some(c.zstd1_compress_mb_s), 0),
+            ]);
+        }
+    }
+    if let Some(d) = &r.disk_seq_write {
+        p.row(vec![format!("disk: {}", d.what), "-".into(), num(Some(d.mb_s), 0)]);
+    }
+    out.push_str(&p.render());
+    out.push('\n');
+
+    let mut t = Table::new(&[
+        "scenario",
+        "unit",
+        "target",
+        "engine",
+        "met",
+        "no-reduction vol",
+        "raw pwrite",
+        "engine/no-red",
+        "engine/raw",
+        "reduction",
+        "WA dev/logical",
+        "WA dev/ideal",
+    ]);
+    for s in &r.scenarios {
+        let unit = s.target.as_ref().map(|t| t.unit.clone()).unwrap_or_else(|| "MB/s".into());
+        let e = headline(s, s.engine.as_ref());
+        let b = headline(s, s.no_reduction_volume.as_ref());
+        let raw = headline(s, s.raw_file.as_ref());
+        let met = match (&s.target, e) {
+            (Some(t), Some(v)) => if v >= t.min { "yes" } else { "NO" }.to_string(),
+            (Some(_), None) => "NO".into(),
+            _ => "-".into(),
+        };
+        t.row(vec![
+            s.name.clone(),
+            unit,
+            s.target.as_ref().map(|t| format!(">= {}", t.min)).unwrap_or_else(|| "-".into()),
+            if s.engine_error.is_some() { "error".into() } else { num(e, 0) },
+            met,
+            if s.no_reduction_error.is_some() { "error".into() } else { num(b, 0) },
+            num(raw, 0),
+            num(ratio(e, b), 2),
+            num(ratio(e, raw), 2),
+            num(s.stats.as_ref().map(|x| x.reduction_ratio), 2),
+            num(s.write_amp_logical, 3),
+            num(s.write_amp_ideal, 2),
+        ]);
+    }
+    out.push_str(&t.render());
+    out.push('\n');
+
+    for s in &r.scenarios {
+        out.push_str(&format!("[{}] {}\n", s.name, s.description));
+        if let Some(est) = &s.estimate {
+            out.push_str(&format!(
+                "  estimate of the same bytes: reduction {:.2}x (zero {:.1}%, dedup {:.1}%, compression {:.1}% of scanned), ideal {} MiB stored\n",
+                est.reduction_ratio,
+                pct(est.savings_zero_bytes, est.scanned_bytes),
+                pct(est.savings_dedup_bytes, est.scanned_bytes),
+                pct(est.savings_compression_bytes, est.scanned_bytes),
+                s.ideal_bytes >> 20
+            ));
+        }
+        if let Some(io) = &s.io {
+            out.push_str(&format!(
+                "  device bytes written in the timed phase (MiB): data {:.1}, journal {:.1}, block map {:.1}, refcounts {:.1}, index {:.1}, superblock {:.2}; read: data {:.1}, block map {:.1}, verify {:.1}; {} syncs\n",
+                mib(io.data_write),
+                mib(io.journal_write),
+                mib(io.block_map_write),
+                mib(io.refcount_write),
+                mib(io.index_write),
+                mib(io.superblock_write),
+                mib(io.data_read),
+                mib(io.block_map_read),
+                mib(io.verify_read),
+                io.syncs
+            ));
+        }
+        if let Some(e) = &s.engine {
+            out.push_str(&format!(
+                "  engine: {:.1} MiB in {:.3} s ({:.3} s of it the final flush), {:.0} requests/s\n",
+                mib(e.bytes),
+                e.seconds,
+                e.flush_seconds,
+                e.ops_s
+            ));
+        }
+        if let Some(st) = &s.stats {
+            out.push_str(&format!(
+                "  engine stats: dedup hits {}, compressed {}, raw {}, packed blocks {}, index {} entries / {} MiB\n",
+                st.counters.dedup_hits,
+                st.counters.compressed_blocks,
+                st.counters.raw_blocks,
+                st.counters.packed_blocks_written,
+                st.index_entries,
+                st.index_memory_bytes >> 20
+            ));
+        }
+        if let Some(e) = &s.engine_error {
+            out.push_str(&format!("  engine error: {e}\n"));
+        }
+        if let Some(e) = &s.no_reduction_error {
+            out.push_str(&format!("  no-reduction volume error: {e}\n"));
+        }
+    }
+    out
+}
+
+fn pct(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 * 100.0 / b as f64
+    }
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// The estimate printout.
+pub fn render_estimate(r: &EstimateReport) -> String {
+    let mut t = Table::new(&["", "chunks", "MiB", "% of scanned"]);
+    let c = r.chunk_bytes;
+    let row = |name: &str, chunks: u64, bytes: u64| {
+        vec![name.to_string(), chunks.to_string(), format!("{:.1}", mib(bytes)), format!("{:.1}", pct(bytes, r.scanned_bytes))]
+    };
+    t.row(row("scanned", r.chunks, r.scanned_bytes));
+    t.row(row("zero (saved)", r.zero_chunks, r.savings_zero_bytes));
+    t.row(row("duplicate (saved)", r.dup_chunks, r.savings_dedup_bytes));
+    t.row(row("unique", r.unique_chunks, r.unique_chunks * c));
+    t.row(row("  compression saved", r.compressed_chunks, r.savings_compression_bytes));
+    t.row(row("  stored raw", r.raw_chunks, r.raw_chunks * c));
+    t.row(row("  packed blocks", r.packed_blocks, r.packed_blocks * 4096));
+    t.row(row("  packing overhead", 0, r.packing_overhead_bytes));
+    t.row(row("physical (estimate)", r.physical_bytes / 4096, r.physical_bytes));
+    format!(
+        "dedupvol estimate — {} KiB chunks, {}\n{}reduction: {:.2}x of non-zero data ({:.2}x including zeros); fingerprint set {:.1} MiB; scanned at {:.0} MB/s\n",
+        c >> 10,
+        r.paths.join(", "),
+        t.render(),
+        r.reduction_ratio,
+        r.total_reduction_ratio,
+        mib(r.fingerprint_set_bytes),
+        r.mb_per_s
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_align() {
+        let mut t = Table::new(&["a", "bb"]);
+        t.row(vec!["long name".into(), "1".into()]);
+        let s = t.render();
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "a          bb");
+        assert_eq!(lines[2], "long name   1");
+        assert_eq!(num(None, 1), "-");
+        assert_eq!(num(Some(f64::NAN), 1), "-");
+    }
+}
