@@ -1,0 +1,117 @@
+//! Handshake behaviour against the spec: GO/INFO answers, LIST, ABORT, EXPORT_NAME
+//! fallback with and without NO_ZEROES, unknown options and unknown exports.
+
+mod common;
+use common::*;
+use dedupvol_nbd::proto::*;
+
+#[test]
+fn go_reports_size_flags_and_block_sizes() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
+    send_option(&mut s, OPT_INFO, &info_data("vol", &[INFO_BLOCK_SIZE, INFO_NAME]));
+    let mut seen = Vec::new();
+    loop {
+        let (opt, rep, data) = read_option_reply(&mut s);
+        assert_eq!(opt, OPT_INFO);
+        if rep == REP_ACK {
+            break;
+        }
+        assert_eq!(rep, REP_INFO);
+        match u16_at(&data, 0) {
+            INFO_EXPORT => {
+                assert_eq!(u64_at(&data, 2), 1 << 20);
+                let f = u16_at(&data, 10);
+                for bit in [TFLAG_HAS_FLAGS, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES, TFLAG_CAN_MULTI_CONN] {
+                    assert_ne!(f & bit, 0, "flag {bit:#x} missing from {f:#x}");
+                }
+                assert_eq!(f & TFLAG_READ_ONLY, 0);
+            }
+            INFO_BLOCK_SIZE => {
+                assert_eq!((u32_at(&data, 2), u32_at(&data, 6), u32_at(&data, 10)), (1, 4096, 32 << 20));
+            }
+            INFO_NAME => assert_eq!(&data[2..], b"vol"),
+            other => panic!("unexpected info {other}"),
+        }
+        seen.push(u16_at(&data, 0));
+    }
+    seen.sort();
+    assert_eq!(seen, vec![INFO_EXPORT, INFO_NAME, INFO_BLOCK_SIZE]);
+    // INFO leaves us in negotiation: GO with the default name still works.
+    send_option(&mut s, OPT_GO, &info_data("", &[]));
+    let (_, rep, data) = read_option_reply(&mut s);
+    assert_eq!((rep, u16_at(&data, 0)), (REP_INFO, INFO_EXPORT));
+    srv.shutdown();
+}
+
+#[test]
+fn unknown_option_and_unknown_export_are_errors_not_disconnects() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
+    send_option(&mut s, 8 /* STRUCTURED_REPLY */, &[]);
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
+    send_option(&mut s, 0xdead, b"junk");
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
+    send_option(&mut s, OPT_GO, &info_data("nope", &[]));
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNKNOWN);
+    send_option(&mut s, OPT_GO, &[0, 0, 0, 9, b'x']);
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_INVALID);
+    send_option(&mut s, OPT_LIST, &[]);
+    let (_, rep, data) = read_option_reply(&mut s);
+    assert_eq!(rep, REP_SERVER);
+    assert_eq!(&data[4..], b"vol");
+    assert_eq!(read_option_reply(&mut s).1, REP_ACK);
+    send_option(&mut s, OPT_ABORT, &[]);
+    assert_eq!(read_option_reply(&mut s).1, REP_ACK);
+    assert!(is_closed(&mut s));
+    srv.shutdown();
+}
+
+#[test]
+fn export_name_fallback_honours_no_zeroes() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    for (flags, reply_len) in [(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES, 10), (FLAG_C_FIXED_NEWSTYLE, 134)] {
+        let mut s = connect_raw(&srv.socket);
+        greet(&mut s, flags);
+        send_option(&mut s, OPT_EXPORT_NAME, b"vol");
+        let r = read_n(&mut s, reply_len);
+        assert_eq!(u64_at(&r, 0), 1 << 20);
+        assert!(r[10..].iter().all(|&b| b == 0));
+        // Transmission works right after the reply: a flush answers cleanly.
+        send_request(&mut s, CMD_FLUSH, 0, 42, 0, 0, &[]);
+        assert_eq!(read_reply(&mut s), (0, 42));
+    }
+    // An unknown name under EXPORT_NAME cannot be answered with an error: the server closes.
+    let mut s = connect_raw(&srv.socket);
+    greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
+    send_option(&mut s, OPT_EXPORT_NAME, b"other");
+    assert!(is_closed(&mut s));
+    srv.shutdown();
+}
+
+#[test]
+fn unknown_client_flags_and_bad_option_magic_close_the_connection() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    greet(&mut s, 1 << 7);
+    assert!(is_closed(&mut s));
+    let mut s = connect_raw(&srv.socket);
+    greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
+    std::io::Write::write_all(&mut s, &[0u8; 16]).unwrap();
+    assert!(is_closed(&mut s));
+    srv.shutdown();
+}
+
+#[test]
+fn connections_beyond_the_maximum_are_refused() {
+    let srv = TestServer::start(1 << 20, false, 1);
+    let mut a = connect_raw(&srv.socket);
+    go(&mut a, "vol");
+    let mut b = connect_raw(&srv.socket);
+    assert!(is_closed(&mut b), "second connection should be refused with connections_max = 1");
+    drop(a);
+    let summary = srv.shutdown();
+    assert_eq!(summary.connections_refused, 1);
+}

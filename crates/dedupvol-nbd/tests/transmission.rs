@@ -1,0 +1,196 @@
+//! Transmission behaviour: pipelined requests answered by cookie, the error table
+//! (EINVAL / ENOSPC / EPERM), oversized and truncated requests, multi-conn visibility,
+//! and a clean stop with requests in flight.
+
+mod common;
+use common::*;
+use dedupvol_nbd::proto::*;
+use std::collections::HashMap;
+use std::io::Write;
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn pipelined_writes_then_reads_round_trip() {
+    let srv = TestServer::start(8 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    assert_eq!(go(&mut s, "vol").0, 8 << 20);
+    const N: u64 = 64;
+    const LEN: usize = 65536 + 123; // unaligned on purpose: minimum block size is 1
+    // Send every write before reading any reply: the server must keep up with a pipeline
+    // deeper than its queue (4) and its byte budget (1 MiB) without deadlocking.
+    let writer = {
+        let mut w = s.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for i in 0..N {
+                let fua = if i % 5 == 0 { CMD_FLAG_FUA } else { 0 };
+                send_request(&mut w, CMD_WRITE, fua, 1000 + i, i * LEN as u64, LEN as u32, &pattern(i, LEN));
+            }
+        })
+    };
+    let mut cookies: Vec<u64> = (0..N).map(|_| { let (e, c) = read_reply(&mut s); assert_eq!(e, 0); c }).collect();
+    writer.join().unwrap();
+    cookies.sort();
+    assert_eq!(cookies, (1000..1000 + N).collect::<Vec<_>>());
+    send_request(&mut s, CMD_FLUSH, 0, 1, 0, 0, &[]);
+    assert_eq!(read_reply(&mut s), (0, 1));
+    // Pipelined reads: replies may come back in any order; match them by cookie.
+    for i in 0..N {
+        send_request(&mut s, CMD_READ, 0, 5000 + i, i * LEN as u64, LEN as u32, &[]);
+    }
+    let mut got = HashMap::new();
+    for _ in 0..N {
+        let (e, c) = read_reply(&mut s);
+        assert_eq!(e, 0);
+        got.insert(c, read_n(&mut s, LEN));
+    }
+    for i in 0..N {
+        assert!(got[&(5000 + i)] == pattern(i, LEN), "read {i} differs");
+    }
+    send_request(&mut s, CMD_DISC, 0, 0, 0, 0, &[]);
+    assert!(is_closed(&mut s));
+    srv.shutdown();
+}
+
+#[test]
+fn trim_and_write_zeroes_read_back_zeros() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    send_request(&mut s, CMD_WRITE, 0, 1, 0, 3 * 4096, &pattern(9, 3 * 4096));
+    assert_eq!(read_reply(&mut s), (0, 1));
+    send_request(&mut s, CMD_TRIM, CMD_FLAG_FUA, 2, 0, 4096, &[]);
+    assert_eq!(read_reply(&mut s), (0, 2));
+    send_request(&mut s, CMD_WRITE_ZEROES, CMD_FLAG_FUA | CMD_FLAG_NO_HOLE, 3, 4096, 100, &[]);
+    assert_eq!(read_reply(&mut s), (0, 3));
+    send_request(&mut s, CMD_READ, 0, 4, 0, 3 * 4096, &[]);
+    assert_eq!(read_reply(&mut s), (0, 4));
+    let data = read_n(&mut s, 3 * 4096);
+    let want = pattern(9, 3 * 4096);
+    assert!(data[..4096 + 100].iter().all(|&b| b == 0));
+    assert_eq!(&data[4096 + 100..], &want[4096 + 100..]);
+    srv.shutdown();
+}
+
+#[test]
+fn errors_follow_the_spec_and_keep_the_connection() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    send_request(&mut s, CMD_READ, 0, 1, (1 << 20) - 10, 11, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EINVAL, 1), "read past the end");
+    send_request(&mut s, CMD_WRITE, 0, 2, (1 << 20) - 10, 11, &[7u8; 11]);
+    assert_eq!(read_reply(&mut s), (NBD_ENOSPC, 2), "write past the end");
+    send_request(&mut s, CMD_TRIM, 0, 3, 1 << 20, 1, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EINVAL, 3), "trim past the end");
+    send_request(&mut s, 77, 0, 4, 0, 0, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EINVAL, 4), "unknown command");
+    send_request(&mut s, CMD_READ, CMD_FLAG_FUA, 5, 0, 1, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EINVAL, 5), "flag not valid for READ");
+    send_request(&mut s, CMD_READ, 0, 6, 0, REQUEST_BYTES_MAX + 1, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EINVAL, 6), "oversized read");
+    // After all that the connection is still in sync.
+    send_request(&mut s, CMD_READ, 0, 7, 0, 4, &[]);
+    assert_eq!(read_reply(&mut s), (0, 7));
+    assert_eq!(read_n(&mut s, 4), vec![0; 4]);
+    srv.shutdown();
+}
+
+#[test]
+fn read_only_export_refuses_writes_with_eperm() {
+    let srv = TestServer::start(1 << 20, true, 4);
+    let mut s = connect_raw(&srv.socket);
+    let (_, flags) = go(&mut s, "vol");
+    assert_ne!(flags & TFLAG_READ_ONLY, 0);
+    send_request(&mut s, CMD_WRITE, 0, 1, 0, 8, &[1u8; 8]);
+    assert_eq!(read_reply(&mut s), (NBD_EPERM, 1));
+    send_request(&mut s, CMD_TRIM, 0, 2, 0, 8, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EPERM, 2));
+    send_request(&mut s, CMD_WRITE_ZEROES, 0, 3, 0, 8, &[]);
+    assert_eq!(read_reply(&mut s), (NBD_EPERM, 3));
+    send_request(&mut s, CMD_READ, 0, 4, 0, 8, &[]);
+    assert_eq!(read_reply(&mut s), (0, 4));
+    assert_eq!(read_n(&mut s, 8), vec![0; 8]);
+    srv.shutdown();
+}
+
+#[test]
+fn bad_magic_and_oversized_write_close_only_that_connection() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    s.write_all(&[0xabu8; REQUEST_HEADER_BYTES]).unwrap();
+    assert!(is_closed(&mut s));
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    send_request(&mut s, CMD_WRITE, 0, 1, 0, REQUEST_BYTES_MAX + 1, &[]);
+    assert!(is_closed(&mut s));
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    send_request(&mut s, CMD_FLUSH, 0, 1, 0, 0, &[]);
+    assert_eq!(read_reply(&mut s), (0, 1));
+    srv.shutdown();
+}
+
+#[test]
+fn disconnect_mid_payload_applies_nothing_and_spares_others() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut other = connect_raw(&srv.socket);
+    go(&mut other, "vol");
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    send_request(&mut s, CMD_WRITE, 0, 1, 0, 65536, &[0x55u8; 1000]);
+    drop(s);
+    send_request(&mut other, CMD_READ, 0, 2, 0, 65536, &[]);
+    assert_eq!(read_reply(&mut other), (0, 2));
+    assert!(read_n(&mut other, 65536).iter().all(|&b| b == 0), "a truncated write was applied");
+    srv.shutdown();
+}
+
+#[test]
+fn writes_on_one_connection_are_visible_and_flushed_from_another() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut a = connect_raw(&srv.socket);
+    let (_, flags) = go(&mut a, "vol");
+    assert_ne!(flags & TFLAG_CAN_MULTI_CONN, 0);
+    let mut b = connect_raw(&srv.socket);
+    go(&mut b, "vol");
+    send_request(&mut a, CMD_WRITE, 0, 1, 4096, 4096, &pattern(3, 4096));
+    assert_eq!(read_reply(&mut a), (0, 1));
+    send_request(&mut b, CMD_FLUSH, 0, 2, 0, 0, &[]);
+    assert_eq!(read_reply(&mut b), (0, 2));
+    send_request(&mut b, CMD_READ, 0, 3, 4096, 4096, &[]);
+    assert_eq!(read_reply(&mut b), (0, 3));
+    assert_eq!(read_n(&mut b, 4096), pattern(3, 4096));
+    srv.shutdown();
+}
+
+#[test]
+fn stop_answers_requests_already_sent_then_returns() {
+    let srv = TestServer::start(4 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    go(&mut s, "vol");
+    for i in 0..16u64 {
+        send_request(&mut s, CMD_WRITE, 0, i, i * 65536, 65536, &pattern(i, 65536));
+    }
+    // Wait until the first reply proves the server is processing, then stop it.
+    let mut replies = vec![read_reply(&mut s)];
+    srv.stop.stop().unwrap();
+    while replies.len() < 16 {
+        replies.push(read_reply(&mut s));
+    }
+    assert!(replies.iter().all(|&(e, _)| e == 0));
+    assert!(is_closed(&mut s));
+    let summary = srv.shutdown();
+    assert_eq!(summary.connections_served, 1);
+}
