@@ -1,0 +1,719 @@
+//! A simulated machine with one or two simulated disks, driven by one seeded RNG.
+//!
+//! Each [`SimDisk`] implements [`dedupvol_core::Storage`]. The disks of a machine share one
+//! RNG, one operation counter and one crash switch, so a crash is a whole-machine power
+//! failure and the order of faults depends only on the seed and the sequence of I/O calls.
+//!
+//! Model of one disk: a `durable` image (the media) and a `current` image (what reads see:
+//! the media plus the volatile write cache), plus the list of `pending` writes not yet made
+//! durable by `sync`.
+//!
+//! Invariants:
+//! - Every byte where `current` and `durable` differ is covered by some pending write
+//!   (so `sync` only needs to copy the pending ranges from `current` to `durable`).
+//! - After `sync` returns Ok, `durable == current` for every byte written before the call.
+//! - After [`SimMachine::power_cycle`], `current == durable` and nothing is pending.
+//! - `bad_current` / `bad_durable` hold every 4 KiB block whose content differs from what
+//!   the engine last wrote there because of an injected *persistent* fault (lost or
+//!   misdirected write, bit flip). Loss or tearing of unsynced writes at a crash is not
+//!   a fault: it is the normal behaviour of a volatile cache, and the engine must cope.
+//! - Persistent faults only ever touch the configured *data region* of a disk (never
+//!   metadata, which has no redundant copy); transient faults (read errors, bits flipped in
+//!   transit) may touch any read of the data region, and read errors any read at all.
+//! - After the crash point is reached every I/O call fails until `power_cycle`.
+
+use parking_lot::Mutex;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeSet;
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Bytes of a sector: the unit of tearing.
+pub const SECTOR_BYTES: u64 = 512;
+/// Bytes of a block: the unit of fault bookkeeping.
+pub const BLOCK_BYTES: u64 = 4096;
+/// Unsynced bytes a disk's write cache holds before it destages writes on its own.
+pub const CACHE_BYTES_MAX: u64 = 8 << 20;
+/// Recently written data blocks remembered as targets for bit flips and misdirection.
+pub const RECENT_BLOCKS_MAX: usize = 4096;
+/// Persistent faults (lost, misdirected, bit flips) injected per power cycle, at most.
+pub const PERSISTENT_FAULTS_PER_CYCLE_MAX: u64 = 4;
+
+/// Which fault kinds are enabled, and how often (parts per million of eligible calls).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultConfig {
+    /// At a power failure, unsynced writes may be lost and the rest land in any order.
+    pub crash_loss: bool,
+    /// At a power failure, a surviving unsynced write may be torn at sector granularity.
+    pub torn_writes: bool,
+    /// The cache may write unsynced data to the media early, out of order.
+    pub destage: bool,
+    /// Data-region writes acknowledged but never stored.
+    pub lost_writes: bool,
+    /// Data-region writes stored at another data-region offset.
+    pub misdirected_writes: bool,
+    /// Transient `io::Error` on reads.
+    pub read_errors: bool,
+    /// Persistent bit flips in written data-region blocks.
+    pub bit_flips: bool,
+    /// Bits flipped in a read's buffer only (data region).
+    pub read_flips: bool,
+    /// Probability of a lost write per data-region write, ppm.
+    pub lost_write_ppm: u32,
+    /// Probability of a misdirected write per data-region write, ppm.
+    pub misdirect_ppm: u32,
+    /// Probability of a transient read error per read, ppm.
+    pub read_error_ppm: u32,
+    /// Probability of a persistent bit flip per write call, ppm.
+    pub bit_flip_ppm: u32,
+    /// Probability of a flipped bit in transit per data-region read, ppm.
+    pub read_flip_ppm: u32,
+    /// Probability of an early destage per write, ppm.
+    pub destage_ppm: u32,
+}
+
+impl FaultConfig {
+    /// No faults at all (crashes still drop the cache when `crash_loss` is later set).
+    pub fn none() -> Self {
+        FaultConfig {
+            crash_loss: false,
+            torn_writes: false,
+            destage: false,
+            lost_writes: false,
+            misdirected_writes: false,
+            read_errors: false,
+            bit_flips: false,
+            read_flips: false,
+            lost_write_ppm: 0,
+            misdirect_ppm: 0,
+            read_error_ppm: 0,
+            bit_flip_ppm: 0,
+            read_flip_ppm: 0,
+            destage_ppm: 0,
+        }
+    }
+
+    /// True when some fault can make data-region content persistently wrong.
+    pub fn has_persistent_data_faults(&self) -> bool {
+        self.lost_writes || self.misdirected_writes || self.bit_flips
+    }
+}
+
+/// Faults injected so far, by kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// Power failures.
+    pub power_failures: u64,
+    /// Crashes that kept the whole cache (a process kill, not a power failure).
+    pub process_crashes: u64,
+    /// Unsynced writes dropped at a power failure.
+    pub unsynced_lost: u64,
+    /// Unsynced writes torn at a power failure.
+    pub torn: u64,
+    /// Unsynced writes destaged early.
+    pub destaged: u64,
+    /// Lost writes.
+    pub lost_writes: u64,
+    /// Misdirected writes.
+    pub misdirected_writes: u64,
+    /// Transient read errors.
+    pub read_errors: u64,
+    /// Persistent bit flips.
+    pub bit_flips: u64,
+    /// Bits flipped in transit.
+    pub read_flips: u64,
+}
+
+impl FaultCounts {
+    /// Adds `o` into `self`.
+    pub fn add(&mut self, o: &FaultCounts) {
+        self.power_failures += o.power_failures;
+        self.process_crashes += o.process_crashes;
+        self.unsynced_lost += o.unsynced_lost;
+        self.torn += o.torn;
+        self.destaged += o.destaged;
+        self.lost_writes += o.lost_writes;
+        self.misdirected_writes += o.misdirected_writes;
+        self.read_errors += o.read_errors;
+        self.bit_flips += o.bit_flips;
+        self.read_flips += o.read_flips;
+    }
+
+    /// One line, every kind.
+    pub fn summary(&self) -> String {
+        format!(
+            "power_failures={} process_crashes={} unsynced_lost={} torn={} destaged={} lost_writes={} misdirected={} read_errors={} bit_flips={} read_flips={}",
+            self.power_failures,
+            self.process_crashes,
+            self.unsynced_lost,
+            self.torn,
+            self.destaged,
+            self.lost_writes,
+            self.misdirected_writes,
+            self.read_errors,
+            self.bit_flips,
+            self.read_flips
+        )
+    }
+}
+
+/// Monotonic counters the checker uses to attribute an engine error to an injected fault.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Evidence {
+    /// Transient faults returned (read errors, bits flipped in transit).
+    pub transient: u64,
+    /// Reads that returned at least one block marked bad by a persistent fault.
+    pub bad_reads: u64,
+    /// I/O calls refused because the machine had crashed.
+    pub crashed_calls: u64,
+}
+
+impl Evidence {
+    /// True when anything happened between `earlier` and `self`.
+    pub fn any_since(&self, earlier: &Evidence) -> bool {
+        self != earlier
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PendingKind {
+    Clean,
+    /// Never stored; `offset` is where the engine wanted it.
+    Lost,
+    /// Stored at `offset`, intended for `from`.
+    Misdirected { from: u64 },
+}
+
+#[derive(Debug, Clone)]
+struct Pending {
+    offset: u64,
+    data: Vec<u8>,
+    kind: PendingKind,
+}
+
+struct Disk {
+    durable: Vec<u8>,
+    current: Vec<u8>,
+    pending: Vec<Pending>,
+    pending_bytes: u64,
+    bad_current: BTreeSet<u64>,
+    bad_durable: BTreeSet<u64>,
+    data_region: Option<Range<u64>>,
+    recent_data_blocks: Vec<u64>,
+    recent_next: usize,
+}
+
+fn blocks_touched(offset: u64, len: u64) -> Range<u64> {
+    offset / BLOCK_BYTES..(offset + len).div_ceil(BLOCK_BYTES)
+}
+
+fn blocks_covered(offset: u64, len: u64) -> Range<u64> {
+    offset.div_ceil(BLOCK_BYTES)..(offset + len) / BLOCK_BYTES
+}
+
+impl Disk {
+    fn in_data_region(&self, offset: u64, len: u64) -> bool {
+        self.data_region.as_ref().is_some_and(|r| offset >= r.start && offset + len <= r.end)
+    }
+
+    fn remember_data_blocks(&mut self, offset: u64, len: u64) {
+        for b in blocks_covered(offset, len) {
+            if self.recent_data_blocks.len() < RECENT_BLOCKS_MAX {
+                self.recent_data_blocks.push(b);
+            } else {
+                self.recent_data_blocks[self.recent_next] = b;
+                self.recent_next = (self.recent_next + 1) % RECENT_BLOCKS_MAX;
+            }
+        }
+    }
+
+    fn overlaps_pending(&self, offset: u64, len: u64) -> bool {
+        self.pending.iter().any(|p| {
+            let (a, b) = match p.kind {
+                PendingKind::Misdirected { from } => (p.offset.min(from), p.offset.max(from) + p.data.len() as u64),
+                _ => (p.offset, p.offset + p.data.len() as u64),
+            };
+            a < offset + len && offset < b
+        })
+    }
+
+    /// Applies a pending write (whole, or only the sectors in `sectors`) to the media.
+    fn apply_to_durable(&mut self, p: &Pending, sectors: Option<&[bool]>) {
+        let len = p.data.len() as u64;
+        match p.kind {
+            PendingKind::Lost => {
+                self.bad_durable.extend(blocks_touched(p.offset, len));
+            }
+            PendingKind::Clean | PendingKind::Misdirected { .. } => {
+                match sectors {
+                    None => {
+                        let o = p.offset as usize;
+                        self.durable[o..o + p.data.len()].copy_from_slice(&p.data);
+                    }
+                    Some(keep) => {
+                        for (i, k) in keep.iter().enumerate() {
+                            if *k {
+                                let s = i * SECTOR_BYTES as usize;
+                                let e = (s + SECTOR_BYTES as usize).min(p.data.len());
+                                let o = p.offset as usize;
+                                self.durable[o + s..o + e].copy_from_slice(&p.data[s..e]);
+                            }
+                        }
+                    }
+                }
+                if let PendingKind::Misdirected { from } = p.kind {
+                    self.bad_durable.extend(blocks_touched(from, len));
+                    self.bad_durable.extend(blocks_touched(p.offset, len));
+                } else if sectors.is_none() {
+                    for b in blocks_covered(p.offset, len) {
+                        self.bad_durable.remove(&b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct MachineState {
+    rng: ChaCha8Rng,
+    disks: Vec<Disk>,
+    cfg: FaultConfig,
+    faults_enabled: bool,
+    crashed: bool,
+    crash_countdown: Option<u64>,
+    persistent_this_cycle: u64,
+    counts: FaultCounts,
+    evidence: Evidence,
+    ops: u64,
+    trace: u64,
+}
+
+impl MachineState {
+    fn chance(&mut self, ppm: u32) -> bool {
+        ppm > 0 && self.rng.gen_range(0..1_000_000u32) < ppm
+    }
+
+    fn trace(&mut self, kind: u64, disk: usize, offset: u64, len: u64, crc: u32) {
+        // FNV-style fold of every I/O call: two runs of one seed must give the same value.
+        for v in [kind, disk as u64, offset, len, u64::from(crc)] {
+            self.trace = (self.trace ^ v).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    /// Counts one I/O call against the crash point; true when the call must fail.
+    fn tick(&mut self) -> bool {
+        self.ops += 1;
+        if self.crashed {
+            self.evidence.crashed_calls += 1;
+            return true;
+        }
+        if let Some(n) = self.crash_countdown {
+            if n == 0 {
+                self.crashed = true;
+                self.crash_countdown = None;
+                self.evidence.crashed_calls += 1;
+                return true;
+            }
+            self.crash_countdown = Some(n - 1);
+        }
+        false
+    }
+
+    fn persistent_budget_left(&self) -> bool {
+        self.persistent_this_cycle < PERSISTENT_FAULTS_PER_CYCLE_MAX
+    }
+
+    fn maybe_destage(&mut self, d: usize) {
+        let cfg_destage = self.cfg.destage && self.faults_enabled;
+        let disk_over = self.disks[d].pending_bytes > CACHE_BYTES_MAX;
+        if !(disk_over || (cfg_destage && self.chance(self.cfg.destage_ppm))) {
+            return;
+        }
+        if self.disks[d].pending.is_empty() {
+            return;
+        }
+        // A full cache destages the oldest write (keeps memory bounded without making the
+        // fault model depend on it); a destage fault picks any write.
+        let i = if cfg_destage { self.rng.gen_range(0..self.disks[d].pending.len()) } else { 0 };
+        let disk = &mut self.disks[d];
+        let p = disk.pending.remove(i);
+        disk.apply_to_durable(&p, None);
+        // Older writes wholly inside the destaged one are superseded in the cache.
+        let (s, e) = (p.offset, p.offset + p.data.len() as u64);
+        let mut j = 0;
+        let mut k = 0;
+        disk.pending.retain(|q| {
+            let older = j < i;
+            j += 1;
+            let inside = q.kind == PendingKind::Clean && q.offset >= s && q.offset + q.data.len() as u64 <= e;
+            if older && inside {
+                k += 1;
+                false
+            } else {
+                true
+            }
+        });
+        disk.pending_bytes = disk.pending.iter().map(|q| q.data.len() as u64).sum();
+        if cfg_destage {
+            self.counts.destaged += 1 + k;
+        }
+    }
+
+    fn maybe_bit_flip(&mut self, d: usize) {
+        if !(self.faults_enabled && self.cfg.bit_flips && self.persistent_budget_left()) {
+            return;
+        }
+        if !self.chance(self.cfg.bit_flip_ppm) || self.disks[d].recent_data_blocks.is_empty() {
+            return;
+        }
+        let n = self.disks[d].recent_data_blocks.len();
+        let b = self.disks[d].recent_data_blocks[self.rng.gen_range(0..n)];
+        // Flipping under a pending write would make `current` and `durable` disagree
+        // outside the pending bookkeeping; such blocks are skipped.
+        if self.disks[d].overlaps_pending(b * BLOCK_BYTES, BLOCK_BYTES) {
+            return;
+        }
+        let bit = self.rng.gen_range(0..BLOCK_BYTES * 8);
+        let byte = (b * BLOCK_BYTES + bit / 8) as usize;
+        let disk = &mut self.disks[d];
+        disk.current[byte] ^= 1 << (bit % 8);
+        disk.durable[byte] ^= 1 << (bit % 8);
+        disk.bad_current.insert(b);
+        disk.bad_durable.insert(b);
+        self.counts.bit_flips += 1;
+        self.persistent_this_cycle += 1;
+    }
+}
+
+/// A machine: disks, a seeded RNG, a crash switch. Shared by its disks.
+pub struct SimMachine {
+    state: Mutex<MachineState>,
+}
+
+/// One simulated disk of a machine.
+pub struct SimDisk {
+    machine: Arc<SimMachine>,
+    index: usize,
+    len: u64,
+    name: String,
+}
+
+fn crash_error() -> io::Error {
+    io::Error::other("simulated machine has crashed")
+}
+
+impl SimMachine {
+    /// A machine with no disks; `seed` drives every random choice.
+    pub fn new(seed: u64, cfg: FaultConfig) -> Arc<Self> {
+        Arc::new(SimMachine {
+            state: Mutex::new(MachineState {
+                rng: ChaCha8Rng::seed_from_u64(seed ^ 0x5157_4449_534b),
+                disks: Vec::new(),
+                cfg,
+                faults_enabled: false,
+                crashed: false,
+                crash_countdown: None,
+                persistent_this_cycle: 0,
+                counts: FaultCounts::default(),
+                evidence: Evidence::default(),
+                ops: 0,
+                trace: 0xcbf2_9ce4_8422_2325,
+            }),
+        })
+    }
+
+    /// Adds a zero-filled disk of `len` bytes (a multiple of 4096).
+    pub fn add_disk(self: &Arc<Self>, name: &str, len: u64) -> Arc<SimDisk> {
+        assert!(len % BLOCK_BYTES == 0, "disk length must be whole blocks");
+        let mut st = self.state.lock();
+        let index = st.disks.len();
+        st.disks.push(Disk {
+            durable: vec![0; len as usize],
+            current: vec![0; len as usize],
+            pending: Vec::new(),
+            pending_bytes: 0,
+            bad_current: BTreeSet::new(),
+            bad_durable: BTreeSet::new(),
+            data_region: None,
+            recent_data_blocks: Vec::new(),
+            recent_next: 0,
+        });
+        Arc::new(SimDisk { machine: Arc::clone(self), index, len, name: name.to_string() })
+    }
+
+    /// Marks a byte range of disk `index` as the data region (block-aligned).
+    pub fn set_data_region(&self, index: usize, region: Range<u64>) {
+        assert!(region.start % BLOCK_BYTES == 0 && region.end % BLOCK_BYTES == 0);
+        self.state.lock().disks[index].data_region = Some(region);
+    }
+
+    /// Turns fault injection on or off (crashes armed with `arm_crash` still happen).
+    pub fn set_faults_enabled(&self, on: bool) {
+        self.state.lock().faults_enabled = on;
+    }
+
+    /// The crash happens at the `after_calls`-th I/O call from now (0: the next one).
+    pub fn arm_crash(&self, after_calls: u64) {
+        self.state.lock().crash_countdown = Some(after_calls);
+    }
+
+    /// Cancels an armed crash that has not happened yet.
+    pub fn disarm_crash(&self) {
+        self.state.lock().crash_countdown = None;
+    }
+
+    /// True once the crash point was reached (every I/O fails until `power_cycle`).
+    pub fn is_crashed(&self) -> bool {
+        self.state.lock().crashed
+    }
+
+    /// Crashes the machine now (no more I/O), as a `kill -9` or power cut would.
+    pub fn crash_now(&self) {
+        self.state.lock().crashed = true;
+    }
+
+    /// Restarts the machine after a crash. With `power_loss`, each unsynced write is kept
+    /// or dropped at random, kept ones may be torn, and they land in a random order; without,
+    /// the cache survives (a process crash: the OS still holds the writes).
+    pub fn power_cycle(&self, power_loss: bool) {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let faults = st.faults_enabled;
+        let power_loss = power_loss && st.cfg.crash_loss && faults;
+        let keep_ppm: u32 = st.rng.gen_range(0..=1_000_000);
+        let torn_ppm: u32 = if st.cfg.torn_writes && faults { st.rng.gen_range(0..=500_000) } else { 0 };
+        if power_loss {
+            st.counts.power_failures += 1;
+        } else {
+            st.counts.process_crashes += 1;
+        }
+        for d in 0..st.disks.len() {
+            let pending = std::mem::take(&mut st.disks[d].pending);
+            let mut kept: Vec<(Pending, Option<Vec<bool>>)> = Vec::new();
+            if power_loss {
+                for p in pending {
+                    if !st.chance(keep_ppm) {
+                        st.counts.unsynced_lost += 1;
+                        // A lost write that was also a fault still leaves its target wrong.
+                        if let PendingKind::Lost = p.kind {
+                            st.disks[d].bad_durable.extend(blocks_touched(p.offset, p.data.len() as u64));
+                        }
+                        if let PendingKind::Misdirected { from } = p.kind {
+                            st.disks[d].bad_durable.extend(blocks_touched(from, p.data.len() as u64));
+                        }
+                        continue;
+                    }
+                    let sectors = p.data.len().div_ceil(SECTOR_BYTES as usize);
+                    let torn = if sectors > 1 && st.chance(torn_ppm) {
+                        st.counts.torn += 1;
+                        Some((0..sectors).map(|_| st.rng.gen_bool(0.5)).collect())
+                    } else {
+                        None
+                    };
+                    kept.push((p, torn));
+                }
+                kept.shuffle(&mut st.rng);
+            } else {
+                kept = pending.into_iter().map(|p| (p, None)).collect();
+            }
+            let disk = &mut st.disks[d];
+            for (p, torn) in &kept {
+                disk.apply_to_durable(p, torn.as_deref());
+            }
+            disk.current.copy_from_slice(&disk.durable);
+            disk.bad_current = disk.bad_durable.clone();
+            disk.pending_bytes = 0;
+        }
+        st.crashed = false;
+        st.crash_countdown = None;
+        st.persistent_this_cycle = 0;
+    }
+
+    /// Fault counts so far.
+    pub fn counts(&self) -> FaultCounts {
+        self.state.lock().counts.clone()
+    }
+
+    /// Attribution counters so far.
+    pub fn evidence(&self) -> Evidence {
+        self.state.lock().evidence
+    }
+
+    /// A hash of every I/O call so far (same seed ⇒ same value, or the run is not reproducible).
+    pub fn trace_hash(&self) -> u64 {
+        self.state.lock().trace
+    }
+
+    /// I/O calls so far.
+    pub fn io_calls(&self) -> u64 {
+        self.state.lock().ops
+    }
+
+    /// Blocks of disk `index` currently marked bad by persistent faults.
+    pub fn bad_blocks(&self, index: usize) -> usize {
+        self.state.lock().disks[index].bad_current.len()
+    }
+
+    /// A copy of the media image of disk `index` (tests).
+    pub fn durable_image(&self, index: usize) -> Vec<u8> {
+        self.state.lock().disks[index].durable.clone()
+    }
+
+    /// A copy of what reads of disk `index` see (tests).
+    pub fn current_image(&self, index: usize) -> Vec<u8> {
+        self.state.lock().disks[index].current.clone()
+    }
+
+    /// A random number from the machine's RNG (lets the driver share the one seed stream).
+    pub fn random_below(&self, n: u64) -> u64 {
+        self.state.lock().rng.gen_range(0..n.max(1))
+    }
+}
+
+impl SimDisk {
+    /// The disk's index in its machine.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl dedupvol_core::Storage for SimDisk {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let mut guard = self.machine.state.lock();
+        let st = &mut *guard;
+        let len = buf.len() as u64;
+        if offset.checked_add(len).map_or(true, |e| e > self.len) {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read beyond end of simulated disk"));
+        }
+        st.trace(1, self.index, offset, len, 0);
+        if st.tick() {
+            return Err(crash_error());
+        }
+        if st.faults_enabled && st.cfg.read_errors && st.chance(st.cfg.read_error_ppm) {
+            st.counts.read_errors += 1;
+            st.evidence.transient += 1;
+            return Err(io::Error::other("simulated transient read error"));
+        }
+        let disk = &st.disks[self.index];
+        buf.copy_from_slice(&disk.current[offset as usize..(offset + len) as usize]);
+        if blocks_touched(offset, len).any(|b| disk.bad_current.contains(&b)) {
+            st.evidence.bad_reads += 1;
+        }
+        let in_data = disk.in_data_region(offset, len);
+        if in_data && st.faults_enabled && st.cfg.read_flips && !buf.is_empty() && st.chance(st.cfg.read_flip_ppm) {
+            let bit = st.rng.gen_range(0..len * 8);
+            buf[(bit / 8) as usize] ^= 1 << (bit % 8);
+            st.counts.read_flips += 1;
+            st.evidence.transient += 1;
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let mut guard = self.machine.state.lock();
+        let st = &mut *guard;
+        let len = buf.len() as u64;
+        if offset.checked_add(len).map_or(true, |e| e > self.len) {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "write beyond end of simulated disk"));
+        }
+        st.trace(2, self.index, offset, len, crc32c::crc32c(buf));
+        if st.tick() {
+            return Err(crash_error());
+        }
+        let d = self.index;
+        let in_data = st.disks[d].in_data_region(offset, len);
+        let faulty = in_data && st.faults_enabled && st.persistent_budget_left();
+        let mut kind = PendingKind::Clean;
+        let mut store_at = offset;
+        if faulty && st.cfg.lost_writes && st.chance(st.cfg.lost_write_ppm) {
+            kind = PendingKind::Lost;
+        } else if faulty && st.cfg.misdirected_writes && st.chance(st.cfg.misdirect_ppm) {
+            let region = st.disks[d].data_region.clone().unwrap_or(0..0);
+            let slots = (region.end - region.start).saturating_sub(len) / BLOCK_BYTES;
+            let to = region.start + st.rng.gen_range(0..=slots) * BLOCK_BYTES;
+            if to != offset {
+                kind = PendingKind::Misdirected { from: offset };
+                store_at = to;
+            }
+        }
+        let disk = &mut st.disks[d];
+        match kind {
+            PendingKind::Clean => {
+                disk.current[offset as usize..(offset + len) as usize].copy_from_slice(buf);
+                for b in blocks_covered(offset, len) {
+                    disk.bad_current.remove(&b);
+                }
+            }
+            PendingKind::Lost => {
+                disk.bad_current.extend(blocks_touched(offset, len));
+            }
+            PendingKind::Misdirected { from } => {
+                disk.current[store_at as usize..(store_at + len) as usize].copy_from_slice(buf);
+                disk.bad_current.extend(blocks_touched(from, len));
+                disk.bad_current.extend(blocks_touched(store_at, len));
+            }
+        }
+        disk.pending_bytes += len;
+        disk.pending.push(Pending { offset: store_at, data: buf.to_vec(), kind });
+        if in_data {
+            disk.remember_data_blocks(offset, len);
+        }
+        match kind {
+            PendingKind::Clean => {}
+            PendingKind::Lost => {
+                st.counts.lost_writes += 1;
+                st.persistent_this_cycle += 1;
+            }
+            PendingKind::Misdirected { .. } => {
+                st.counts.misdirected_writes += 1;
+                st.persistent_this_cycle += 1;
+            }
+        }
+        st.maybe_destage(d);
+        st.maybe_bit_flip(d);
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        let mut guard = self.machine.state.lock();
+        let st = &mut *guard;
+        st.trace(3, self.index, 0, 0, 0);
+        if st.tick() {
+            return Err(crash_error());
+        }
+        let disk = &mut st.disks[self.index];
+        let pending = std::mem::take(&mut disk.pending);
+        for p in &pending {
+            let len = p.data.len() as u64;
+            let mut ranges = vec![(p.offset, len)];
+            if let PendingKind::Misdirected { from } = p.kind {
+                ranges.push((from, len));
+            }
+            for (o, l) in ranges {
+                let r = o as usize..(o + l) as usize;
+                let (cur, dur) = (&disk.current, &mut disk.durable);
+                dur[r.clone()].copy_from_slice(&cur[r]);
+                for b in blocks_touched(o, l) {
+                    if disk.bad_current.contains(&b) {
+                        disk.bad_durable.insert(b);
+                    } else {
+                        disk.bad_durable.remove(&b);
+                    }
+                }
+            }
+        }
+        disk.pending_bytes = 0;
+        Ok(())
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}

@@ -1,0 +1,857 @@
+//! The seeded workload driver and the checker loop: format, run a mixed workload from
+//! several logical writers, crash at random I/O calls (also inside recovery), recover,
+//! verify every touched block against the [`Model`], close cleanly now and then and
+//! require the volume audit to be clean.
+//!
+//! Invariants:
+//! - Everything random comes from the seed: the run configuration, the workload RNG and
+//!   the machine's fault RNG are each derived from it, and the driver is single-threaded,
+//!   so one seed replays one run exactly (the machine's trace hash proves it).
+//! - An engine error is accepted only when the machine can account for it (a crash, a
+//!   transient fault, a read of a block hit by a persistent fault, or a `Failed` volume
+//!   after such a fault); anything else fails the run.
+//! - Wrong data is never accepted, whatever faults were injected.
+//! - Every loop is bounded: ops per run, open attempts, read retries.
+
+use crate::content::{self, Class, BLOCK};
+use crate::disk::{Evidence, FaultConfig, FaultCounts, SimDisk, SimMachine};
+use crate::engine::{short, SimEngine};
+use crate::model::Model;
+use dedupvol_core::{Compression, DedupVerify, Error, FormatOptions, OpenOptions, Storage, WritePolicy};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+
+const B: u64 = BLOCK as u64;
+/// Attempts to open a volume after a crash before the run fails.
+pub const OPEN_ATTEMPTS_MAX: u32 = 24;
+/// Retries of a read that failed on a transient fault.
+pub const READ_RETRIES_MAX: u32 = 24;
+/// Blocks per write request, at most.
+pub const WRITE_BLOCKS_MAX: u64 = 8;
+/// Blocks per discard / write-zeroes request, at most.
+pub const ZERO_BLOCKS_MAX: u64 = 16;
+/// Recent operations kept for a failure report.
+pub const OP_LOG_MAX: usize = 48;
+/// Logical writers, at most.
+pub const WRITERS_MAX: usize = 4;
+/// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
+pub const ALLOWED_SET_FLUSH_AT: usize = 24;
+/// Untouched blocks sampled in each verification (they must read as zeros).
+pub const UNTOUCHED_SAMPLES: u64 = 16;
+
+/// What the user chose for a run (everything else comes from the seed).
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Fault kinds allowed (rates are drawn per seed).
+    pub faults: FaultKinds,
+    /// Workload operations per run.
+    pub ops: u64,
+    /// Print progress and the recent-op log.
+    pub verbose: bool,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { faults: FaultKinds::all(), ops: 400, verbose: false }
+    }
+}
+
+/// Switchable fault kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultKinds {
+    /// Crashes at random I/O calls (else only clean closes).
+    pub crash: bool,
+    /// Unsynced writes lost / reordered at power failure.
+    pub cache_loss: bool,
+    /// Torn unsynced writes at power failure.
+    pub torn: bool,
+    /// Early out-of-order destage.
+    pub destage: bool,
+    /// Lost data writes.
+    pub lost: bool,
+    /// Misdirected data writes.
+    pub misdirect: bool,
+    /// Transient read errors.
+    pub read_error: bool,
+    /// Persistent bit flips in data.
+    pub bitflip: bool,
+    /// Bit flips in transit.
+    pub read_flip: bool,
+}
+
+/// Names accepted by `--faults`.
+pub const FAULT_NAMES: &[&str] = &["crash", "cache-loss", "torn", "destage", "lost", "misdirect", "read-error", "bitflip", "read-flip"];
+
+impl FaultKinds {
+    /// Every kind.
+    pub fn all() -> Self {
+        FaultKinds { crash: true, cache_loss: true, torn: true, destage: true, lost: true, misdirect: true, read_error: true, bitflip: true, read_flip: true }
+    }
+    /// No kind.
+    pub fn none() -> Self {
+        FaultKinds { crash: false, cache_loss: false, torn: false, destage: false, lost: false, misdirect: false, read_error: false, bitflip: false, read_flip: false }
+    }
+    /// Parses a comma list of `FAULT_NAMES`, or `all` / `none`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "all" {
+            return Ok(Self::all());
+        }
+        let mut k = Self::none();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty() && *n != "none") {
+            match name {
+                "crash" => k.crash = true,
+                "cache-loss" => k.cache_loss = true,
+                "torn" => k.torn = true,
+                "destage" => k.destage = true,
+                "lost" => k.lost = true,
+                "misdirect" => k.misdirect = true,
+                "read-error" => k.read_error = true,
+                "bitflip" => k.bitflip = true,
+                "read-flip" => k.read_flip = true,
+                _ => return Err(format!("unknown fault kind {name:?}; known: all, none, {}", FAULT_NAMES.join(", "))),
+            }
+        }
+        Ok(k)
+    }
+    /// The `--faults` argument that selects these kinds.
+    pub fn to_arg(&self) -> String {
+        if *self == Self::all() {
+            return "all".into();
+        }
+        let flags = [self.crash, self.cache_loss, self.torn, self.destage, self.lost, self.misdirect, self.read_error, self.bitflip, self.read_flip];
+        let v: Vec<&str> = FAULT_NAMES.iter().zip(flags).filter(|(_, f)| *f).map(|(n, _)| *n).collect();
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(",")
+        }
+    }
+}
+
+/// Everything a seed decides about a run.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The seed.
+    pub seed: u64,
+    /// Separate metadata device.
+    pub meta_dev: bool,
+    /// Data device bytes.
+    pub data_bytes: u64,
+    /// Metadata device bytes (when `meta_dev`).
+    pub meta_bytes: u64,
+    /// Format options.
+    pub format: FormatOptions,
+    /// Open options.
+    pub open: OpenOptions,
+    /// Device fault configuration.
+    pub faults: FaultConfig,
+    /// Crash probability per workload op, ppm (0: no crashes).
+    pub crash_ppm: u32,
+    /// Probability that a crash is armed during a recovery, percent.
+    pub crash_in_recovery_pct: u32,
+    /// Clean close + audit probability per op, ppm.
+    pub close_ppm: u32,
+    /// Workload operations.
+    pub ops: u64,
+    /// Logical writers.
+    pub writers: usize,
+}
+
+fn pick<T: Copy>(r: &mut ChaCha8Rng, v: &[T]) -> T {
+    v[r.gen_range(0..v.len())]
+}
+
+impl RunConfig {
+    /// Derives the configuration of `seed`.
+    pub fn for_seed(seed: u64, opts: &SimOptions) -> Self {
+        let mut r = ChaCha8Rng::seed_from_u64(seed ^ 0xC0F1_6000);
+        let k = opts.faults;
+        let meta_dev = r.gen_bool(0.4);
+        let data_bytes = pick(&mut r, &[16u64, 24, 32]) << 20;
+        let logical_blocks = pick(&mut r, &[512u64, 1024, 1536]);
+        let write_policy = if r.gen_bool(0.3) { WritePolicy::Sync } else { WritePolicy::Async };
+        let format = FormatOptions {
+            logical_size_bytes: logical_blocks * B,
+            compression: if r.gen_bool(0.7) { Compression::Lz4 } else { Compression::None },
+            dedup: r.gen_bool(0.9),
+            index_memory_bytes: pick(&mut r, &[64u64, 128, 256]) << 10,
+            write_policy,
+            slab_size_bytes: 1 << 20,
+            verify: if r.gen_bool(0.5) { DedupVerify::Bytes } else { DedupVerify::Hash },
+            journal_size_bytes: Some(pick(&mut r, &[256u64, 256, 512, 1024]) << 10),
+        };
+        let open = OpenOptions {
+            read_only: false,
+            write_policy: if r.gen_bool(0.15) { Some(if write_policy == WritePolicy::Sync { WritePolicy::Async } else { WritePolicy::Sync }) } else { None },
+            block_map_cache_bytes: pick(&mut r, &[16u64, 64, 64, 256]) << 10,
+            content_cache_bytes: pick(&mut r, &[64u64, 256, 1024]) << 10,
+            index_memory_bytes: None,
+        };
+        let mut f = FaultConfig::none();
+        f.crash_loss = k.cache_loss;
+        f.torn_writes = k.torn;
+        f.destage = k.destage && r.gen_bool(0.7);
+        f.destage_ppm = pick(&mut r, &[5_000, 50_000]);
+        // Some seeds get no persistent data faults, so that every error there is suspect.
+        let persistent = r.gen_bool(0.6);
+        f.lost_writes = k.lost && persistent && r.gen_bool(0.5);
+        f.lost_write_ppm = pick(&mut r, &[300, 2_000]);
+        f.misdirected_writes = k.misdirect && persistent && r.gen_bool(0.5);
+        f.misdirect_ppm = pick(&mut r, &[300, 2_000]);
+        f.bit_flips = k.bitflip && persistent && r.gen_bool(0.5);
+        f.bit_flip_ppm = pick(&mut r, &[500, 3_000]);
+        f.read_errors = k.read_error && r.gen_bool(0.5);
+        f.read_error_ppm = pick(&mut r, &[20, 300]);
+        f.read_flips = k.read_flip && r.gen_bool(0.4);
+        f.read_flip_ppm = pick(&mut r, &[500, 3_000]);
+        RunConfig {
+            seed,
+            meta_dev,
+            data_bytes,
+            meta_bytes: 4 << 20,
+            format,
+            open,
+            faults: f,
+            crash_ppm: if k.crash { pick(&mut r, &[4_000, 10_000, 20_000]) } else { 0 },
+            crash_in_recovery_pct: if k.crash { pick(&mut r, &[0, 20, 50]) } else { 0 },
+            close_ppm: pick(&mut r, &[2_000, 5_000]),
+            ops: opts.ops,
+            writers: r.gen_range(1..=WRITERS_MAX),
+        }
+    }
+
+    /// One line describing the configuration.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} data={}MiB meta={} logical={}KiB policy={:?}/{:?} comp={:?} dedup={} verify={:?} journal={}KiB bm_cache={}KiB writers={} crash_ppm={} faults={:?}",
+            if self.meta_dev { "two-device" } else { "one-device" },
+            self.data_bytes >> 20,
+            if self.meta_dev { format!("{}MiB", self.meta_bytes >> 20) } else { "shared".into() },
+            self.format.logical_size_bytes >> 10,
+            self.format.write_policy,
+            self.open.write_policy,
+            self.format.compression,
+            self.format.dedup,
+            self.format.verify,
+            self.format.journal_size_bytes.unwrap_or(0) >> 10,
+            self.open.block_map_cache_bytes >> 10,
+            self.writers,
+            self.crash_ppm,
+            self.faults
+        )
+    }
+}
+
+/// Figures of one run.
+#[derive(Debug, Clone, Default)]
+pub struct RunStats {
+    /// Workload operations issued.
+    pub ops: u64,
+    /// Write requests (incl. FUA).
+    pub writes: u64,
+    /// Read requests.
+    pub reads: u64,
+    /// Flushes.
+    pub flushes: u64,
+    /// Discards and write-zeroes.
+    pub zeroings: u64,
+    /// Crashes (workload and recovery).
+    pub crashes: u64,
+    /// Crashes during recovery.
+    pub crashes_in_recovery: u64,
+    /// Successful recoveries (opens), each followed by a full verification.
+    pub recoveries: u64,
+    /// Clean closes followed by a clean audit.
+    pub clean_checks: u64,
+    /// Blocks verified after recoveries.
+    pub blocks_verified: u64,
+    /// Reads that failed because the engine detected an injected corruption.
+    pub corruption_detected: u64,
+    /// Requests refused with no space left.
+    pub no_space: u64,
+    /// Restarts after an engine error caused by a fault.
+    pub restarts: u64,
+    /// Faults injected by kind.
+    pub faults: FaultCounts,
+    /// I/O calls made by the engine.
+    pub io_calls: u64,
+    /// Hash of every I/O call (reproducibility).
+    pub trace: u64,
+}
+
+impl RunStats {
+    /// Adds `o` into `self`.
+    pub fn add(&mut self, o: &RunStats) {
+        self.ops += o.ops;
+        self.writes += o.writes;
+        self.reads += o.reads;
+        self.flushes += o.flushes;
+        self.zeroings += o.zeroings;
+        self.crashes += o.crashes;
+        self.crashes_in_recovery += o.crashes_in_recovery;
+        self.recoveries += o.recoveries;
+        self.clean_checks += o.clean_checks;
+        self.blocks_verified += o.blocks_verified;
+        self.corruption_detected += o.corruption_detected;
+        self.no_space += o.no_space;
+        self.restarts += o.restarts;
+        self.faults.add(&o.faults);
+        self.io_calls += o.io_calls;
+    }
+}
+
+/// A failed run: the seed, what went wrong and how to replay it.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The seed.
+    pub seed: u64,
+    /// What the checker saw.
+    pub message: String,
+    /// The one-line replay command.
+    pub replay: String,
+    /// Recent operations, oldest first.
+    pub recent_ops: Vec<String>,
+    /// The run configuration.
+    pub config: String,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "SEED {} FAILED: {}", self.seed, self.message)?;
+        writeln!(f, "  config: {}", self.config)?;
+        writeln!(f, "  recent ops (oldest first):")?;
+        for op in &self.recent_ops {
+            writeln!(f, "    {op}")?;
+        }
+        write!(f, "  replay: {}", self.replay)
+    }
+}
+
+/// The replay command for `seed` under `opts`.
+pub fn replay_command(seed: u64, opts: &SimOptions, engine: &str) -> String {
+    let mut s = format!("cargo run --release -p dedupvol-sim -- --seed {seed}");
+    if opts.faults != FaultKinds::all() {
+        s += &format!(" --faults {}", opts.faults.to_arg());
+    }
+    if opts.ops != SimOptions::default().ops {
+        s += &format!(" --ops {}", opts.ops);
+    }
+    if engine != "dedupvol" {
+        s += &format!(" --engine {engine}");
+    }
+    s
+}
+
+#[derive(Clone, Copy)]
+enum Pattern {
+    Sequential,
+    Random,
+    Hot,
+}
+
+struct Writer {
+    start: u64,
+    len: u64,
+    cursor: u64,
+    pattern: Pattern,
+    /// Percent weights: zero, duplicate, compressible (rest unique).
+    mix: [u32; 3],
+}
+
+/// What explains an engine error.
+#[derive(Debug, PartialEq, Eq)]
+enum Cause {
+    Crash,
+    Transient,
+    Corruption,
+    FaultEarlier,
+    NoSpace,
+    Unexplained,
+}
+
+struct Run<'a, E: SimEngine> {
+    cfg: RunConfig,
+    opts: &'a SimOptions,
+    machine: Arc<SimMachine>,
+    data: Arc<SimDisk>,
+    meta: Option<Arc<SimDisk>>,
+    rng: ChaCha8Rng,
+    model: Model,
+    vol: Option<E>,
+    stats: RunStats,
+    ev_open: Evidence,
+    writers: Vec<Writer>,
+    next_id: u64,
+    log: VecDeque<String>,
+    logical_blocks: u64,
+    sync_policy: bool,
+}
+
+/// Runs one seed against engine `E`.
+pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, Failure> {
+    let cfg = RunConfig::for_seed(seed, opts);
+    let machine = SimMachine::new(seed, cfg.faults.clone());
+    let data = machine.add_disk("sim-data", cfg.data_bytes);
+    let meta = cfg.meta_dev.then(|| machine.add_disk("sim-meta", cfg.meta_bytes));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x00D0_1A0D);
+    let logical_blocks = cfg.format.logical_size_bytes / B;
+    let writers = (0..cfg.writers)
+        .map(|_| {
+            let len = rng.gen_range(logical_blocks / 8..=logical_blocks);
+            let start = rng.gen_range(0..=logical_blocks - len);
+            let pattern = pick(&mut rng, &[Pattern::Sequential, Pattern::Random, Pattern::Hot]);
+            let mix = pick(&mut rng, &[[10, 40, 30], [5, 70, 15], [10, 10, 60], [30, 20, 20], [5, 15, 20]]);
+            Writer { start, len, cursor: 0, pattern, mix }
+        })
+        .collect();
+    let sync_policy = cfg.open.write_policy.unwrap_or(cfg.format.write_policy) == WritePolicy::Sync;
+    let mut run = Run::<E> {
+        opts,
+        machine,
+        data,
+        meta,
+        rng,
+        model: Model::new(),
+        vol: None,
+        stats: RunStats::default(),
+        ev_open: Evidence::default(),
+        writers,
+        next_id: 1,
+        log: VecDeque::new(),
+        logical_blocks,
+        sync_policy,
+        cfg,
+    };
+    let r = run.run();
+    run.stats.faults = run.machine.counts();
+    run.stats.io_calls = run.machine.io_calls();
+    run.stats.trace = run.machine.trace_hash();
+    match r {
+        Ok(()) => Ok(run.stats),
+        Err(message) => Err(Failure {
+            seed,
+            message,
+            replay: replay_command(seed, opts, E::NAME),
+            recent_ops: run.log.iter().cloned().collect(),
+            config: run.cfg.summary(),
+        }),
+    }
+}
+
+impl<E: SimEngine> Run<'_, E> {
+    fn data_dyn(&self) -> Arc<dyn Storage> {
+        self.data.clone()
+    }
+
+    fn meta_dyn(&self) -> Option<Arc<dyn Storage>> {
+        self.meta.clone().map(|m| m as Arc<dyn Storage>)
+    }
+
+    fn note(&mut self, s: String) {
+        if self.opts.verbose {
+            eprintln!("  [{}] {s}", self.cfg.seed);
+        }
+        if self.log.len() == OP_LOG_MAX {
+            self.log.pop_front();
+        }
+        self.log.push_back(s);
+    }
+
+    fn cause(&self, e: &Error, before: &Evidence) -> Cause {
+        let now = self.machine.evidence();
+        if self.machine.is_crashed() || now.crashed_calls > before.crashed_calls {
+            Cause::Crash
+        } else if now.bad_reads > before.bad_reads {
+            Cause::Corruption
+        } else if now.transient > before.transient {
+            Cause::Transient
+        } else if matches!(e, Error::NoSpace(_)) {
+            Cause::NoSpace
+        } else if matches!(e, Error::Failed(_)) && now.any_since(&self.ev_open) {
+            Cause::FaultEarlier
+        } else {
+            Cause::Unexplained
+        }
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        let (data, meta) = (self.data_dyn(), self.meta_dyn());
+        E::format(data.clone(), meta.clone(), &self.cfg.format).map_err(|e| format!("format failed: {}", short(&e)))?;
+        if let Some(region) = E::data_region(&*data, meta.is_some()) {
+            let region = region.start..region.end.min(self.cfg.data_bytes);
+            self.machine.set_data_region(self.data.index(), region);
+        } else if self.cfg.faults.has_persistent_data_faults() {
+            return Err("could not find the data region of the formatted volume".into());
+        }
+        self.note(format!("format {}", self.cfg.summary()));
+        self.machine.set_faults_enabled(true);
+        self.recover()?;
+        let mut i = 0;
+        while i < self.cfg.ops {
+            i += 1;
+            self.stats.ops += 1;
+            if self.cfg.crash_ppm > 0 && self.rng.gen_range(0..1_000_000) < self.cfg.crash_ppm {
+                let after = self.rng.gen_range(0..64);
+                self.note(format!("arm crash after {after} I/O calls"));
+                self.machine.arm_crash(after);
+            }
+            self.step()?;
+            if self.machine.is_crashed() {
+                self.crash_and_recover()?;
+            } else if self.rng.gen_range(0..1_000_000) < self.cfg.close_ppm {
+                self.close_and_check(true)?;
+            }
+        }
+        self.machine.disarm_crash();
+        if self.machine.is_crashed() {
+            self.crash_and_recover()?;
+        }
+        self.close_and_check(false)
+    }
+
+    fn vol(&self) -> &E {
+        self.vol.as_ref().unwrap_or_else(|| unreachable!("volume is open during the workload"))
+    }
+
+    fn next_content(&mut self, w: usize) -> u64 {
+        let mix = self.writers[w].mix;
+        let x = self.rng.gen_range(0..100);
+        let class = if x < mix[0] {
+            Class::Zero
+        } else if x < mix[0] + mix[1] {
+            Class::Duplicate
+        } else if x < mix[0] + mix[1] + mix[2] {
+            Class::Compressible
+        } else {
+            Class::Unique
+        };
+        let n = match class {
+            Class::Duplicate => self.rng.gen_range(0..content::DUPLICATE_POOL_SIZE),
+            _ => {
+                self.next_id += 1;
+                self.next_id
+            }
+        };
+        content::make(class, n)
+    }
+
+    fn pick_range(&mut self, w: usize, max_blocks: u64) -> (u64, u64) {
+        let n = self.rng.gen_range(1..=max_blocks);
+        let wr = &mut self.writers[w];
+        let n = n.min(wr.len);
+        let rel = match wr.pattern {
+            Pattern::Sequential => {
+                let c = wr.cursor;
+                wr.cursor = (wr.cursor + n) % wr.len;
+                c
+            }
+            Pattern::Random => self.rng.gen_range(0..wr.len),
+            Pattern::Hot => self.rng.gen_range(0..wr.len.min(32)),
+        };
+        let lba = wr.start + rel.min(wr.len - n);
+        (lba, n)
+    }
+
+    fn step(&mut self) -> Result<(), String> {
+        let w = self.rng.gen_range(0..self.writers.len());
+        let x = self.rng.gen_range(0..100);
+        if x < 55 {
+            self.op_write(w)
+        } else if x < 72 {
+            self.op_read(w)
+        } else if x < 82 {
+            self.op_flush()
+        } else if x < 91 {
+            self.op_zero(w, true)
+        } else {
+            self.op_zero(w, false)
+        }
+    }
+
+    /// Handles an error of a mutating request; Ok(()) when it is explained.
+    fn mutation_error(&mut self, what: &str, e: &Error, before: &Evidence) -> Result<(), String> {
+        let cause = self.cause(e, before);
+        self.note(format!("{what} -> error ({cause:?}): {}", short(e)));
+        match cause {
+            Cause::Crash => Ok(()),
+            Cause::Unexplained => Err(format!("{what} failed with no fault injected: {}", short(e))),
+            Cause::NoSpace => {
+                self.stats.no_space += 1;
+                Ok(())
+            }
+            Cause::Transient | Cause::Corruption | Cause::FaultEarlier => {
+                // The engine may have failed itself to stay consistent; restart it the way
+                // an operator would (a process restart, not a power failure).
+                self.stats.restarts += 1;
+                self.machine.crash_now();
+                Ok(())
+            }
+        }
+    }
+
+    fn op_write(&mut self, w: usize) -> Result<(), String> {
+        let (lba, n) = self.pick_range(w, WRITE_BLOCKS_MAX);
+        let ids: Vec<u64> = (0..n).map(|_| self.next_content(w)).collect();
+        let fua = self.rng.gen_bool(0.1);
+        let mut buf = vec![0u8; (n * B) as usize];
+        for (i, id) in ids.iter().enumerate() {
+            content::fill(*id, &mut buf[i * BLOCK..(i + 1) * BLOCK]);
+        }
+        let before = self.machine.evidence();
+        self.stats.writes += 1;
+        let what = format!("write lba {lba}+{n} fua={fua} ids={ids:x?}");
+        match self.vol().write(lba * B, &buf, fua) {
+            Ok(()) => {
+                self.note(what);
+                let durable = fua || self.sync_policy;
+                let mut big = false;
+                for (i, id) in ids.iter().enumerate() {
+                    self.model.write_acked(lba + i as u64, *id, durable);
+                    big |= self.model.allowed_after_crash(lba + i as u64).len() > ALLOWED_SET_FLUSH_AT;
+                }
+                if big {
+                    self.op_flush()?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for (i, id) in ids.iter().enumerate() {
+                    self.model.write_failed(lba + i as u64, *id);
+                }
+                self.mutation_error(&what, &e, &before)
+            }
+        }
+    }
+
+    fn op_zero(&mut self, w: usize, discard: bool) -> Result<(), String> {
+        let (lba, n) = self.pick_range(w, ZERO_BLOCKS_MAX);
+        let fua = !discard && self.rng.gen_bool(0.2);
+        let before = self.machine.evidence();
+        self.stats.zeroings += 1;
+        let what = format!("{} lba {lba}+{n} fua={fua}", if discard { "discard" } else { "write_zeroes" });
+        let r = if discard { self.vol().discard(lba * B, n * B) } else { self.vol().write_zeroes(lba * B, n * B, fua) };
+        match r {
+            Ok(()) => {
+                self.note(what);
+                for l in lba..lba + n {
+                    self.model.write_acked(l, content::ZERO, fua || self.sync_policy);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for l in lba..lba + n {
+                    self.model.write_failed(l, content::ZERO);
+                }
+                self.mutation_error(&what, &e, &before)
+            }
+        }
+    }
+
+    fn op_flush(&mut self) -> Result<(), String> {
+        let before = self.machine.evidence();
+        self.stats.flushes += 1;
+        match self.vol().flush() {
+            Ok(()) => {
+                self.note("flush".into());
+                self.model.flush_completed();
+                Ok(())
+            }
+            Err(e) => self.mutation_error("flush", &e, &before),
+        }
+    }
+
+    /// Reads `n` blocks at `lba` and checks each against the model's `now` sets.
+    /// Returns Ok(false) when the read failed for an explained reason.
+    fn read_check(&mut self, lba: u64, n: u64, after_recovery: bool) -> Result<bool, String> {
+        let mut buf = vec![0u8; (n * B) as usize];
+        for attempt in 0..=READ_RETRIES_MAX {
+            let before = self.machine.evidence();
+            self.stats.reads += 1;
+            match self.vol().read(lba * B, &mut buf) {
+                Ok(()) => {
+                    let corrupt_seen = self.machine.evidence().bad_reads > before.bad_reads;
+                    for i in 0..n {
+                        let got = &buf[(i * B) as usize..((i + 1) * B) as usize];
+                        let allowed = self.model.allowed_now(lba + i);
+                        match content::identify(got, &allowed) {
+                            Some(id) => self.model.observed(lba + i, id, after_recovery),
+                            None => {
+                                return Err(format!(
+                                    "lba {} read back {} but the contract allows only {:x?}{}{}",
+                                    lba + i,
+                                    content::describe(got),
+                                    allowed,
+                                    if after_recovery { " (verification after recovery)" } else { "" },
+                                    if corrupt_seen { "; a block hit by an injected persistent fault was read during this call: corruption was returned as data" } else { "" }
+                                ));
+                            }
+                        }
+                    }
+                    if after_recovery {
+                        self.stats.blocks_verified += n;
+                    }
+                    return Ok(true);
+                }
+                Err(e) => match self.cause(&e, &before) {
+                    Cause::Transient if attempt < READ_RETRIES_MAX => continue,
+                    Cause::Crash => {
+                        self.note(format!("read lba {lba}+{n} -> crash"));
+                        return Ok(false);
+                    }
+                    Cause::Corruption => {
+                        self.note(format!("read lba {lba}+{n} -> detected corruption: {}", short(&e)));
+                        self.stats.corruption_detected += 1;
+                        return Ok(false);
+                    }
+                    Cause::FaultEarlier => {
+                        self.note(format!("read lba {lba}+{n} -> volume failed after an earlier fault; restart: {}", short(&e)));
+                        self.stats.restarts += 1;
+                        self.machine.crash_now();
+                        return Ok(false);
+                    }
+                    c => {
+                        return Err(format!("read of lba {lba}+{n} failed ({c:?}, attempt {attempt}) with no fault to explain it: {}", short(&e)));
+                    }
+                },
+            }
+        }
+        Err(format!("read of lba {lba}+{n} failed {READ_RETRIES_MAX} times on transient faults"))
+    }
+
+    fn op_read(&mut self, w: usize) -> Result<(), String> {
+        let (lba, n) = self.pick_range(w, WRITE_BLOCKS_MAX);
+        self.note(format!("read lba {lba}+{n}"));
+        self.read_check(lba, n, false).map(|_| ())
+    }
+
+    /// Reads back every touched block (and a sample of untouched ones). Ok(false) when the
+    /// volume failed itself after a fault and must be restarted.
+    fn verify_all(&mut self) -> Result<bool, String> {
+        let mut lbas = self.model.touched();
+        for _ in 0..UNTOUCHED_SAMPLES {
+            lbas.push(self.rng.gen_range(0..self.logical_blocks));
+        }
+        for lba in lbas {
+            self.read_check(lba, 1, true)?;
+            if self.machine.is_crashed() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn crash_and_recover(&mut self) -> Result<(), String> {
+        self.vol = None;
+        self.machine.disarm_crash();
+        let power = self.rng.gen_bool(0.8);
+        self.note(format!("crash ({})", if power { "power failure" } else { "process kill" }));
+        self.machine.power_cycle(power);
+        self.model.crashed();
+        self.stats.crashes += 1;
+        self.recover()
+    }
+
+    fn recover(&mut self) -> Result<(), String> {
+        for attempt in 0..OPEN_ATTEMPTS_MAX {
+            let crash_here = attempt + 2 < OPEN_ATTEMPTS_MAX && self.rng.gen_range(0..100) < self.cfg.crash_in_recovery_pct;
+            if crash_here {
+                let after = self.rng.gen_range(0..400);
+                self.note(format!("open: arm crash after {after} I/O calls"));
+                self.machine.arm_crash(after);
+            }
+            let before = self.machine.evidence();
+            match E::open(self.data_dyn(), self.meta_dyn(), &self.cfg.open) {
+                Ok(v) => {
+                    if self.machine.is_crashed() {
+                        // The engine swallowed an I/O error during open; treat it as a crash.
+                        drop(v);
+                        self.note("open returned Ok although an I/O call failed (crash during open)".into());
+                        self.crash_in_recovery();
+                        continue;
+                    }
+                    self.machine.disarm_crash();
+                    self.vol = Some(v);
+                    self.ev_open = self.machine.evidence();
+                    self.stats.recoveries += 1;
+                    self.note("open ok; verifying".into());
+                    if self.verify_all()? {
+                        return Ok(());
+                    }
+                    self.vol = None;
+                    self.crash_in_recovery();
+                }
+                Err(e) => match self.cause(&e, &before) {
+                    Cause::Crash => {
+                        self.note(format!("open -> crash: {}", short(&e)));
+                        self.crash_in_recovery();
+                    }
+                    Cause::Transient | Cause::Corruption => {
+                        self.note(format!("open -> transient: {}", short(&e)));
+                        self.machine.disarm_crash();
+                    }
+                    c => return Err(format!("open failed ({c:?}) with no fault to explain it: {}", short(&e))),
+                },
+            }
+        }
+        Err(format!("volume did not open after {OPEN_ATTEMPTS_MAX} attempts"))
+    }
+
+    fn crash_in_recovery(&mut self) {
+        self.machine.disarm_crash();
+        let power = self.rng.gen_bool(0.8);
+        self.machine.power_cycle(power);
+        self.stats.crashes += 1;
+        self.stats.crashes_in_recovery += 1;
+    }
+
+    fn close_and_check(&mut self, reopen: bool) -> Result<(), String> {
+        self.machine.disarm_crash();
+        let Some(vol) = self.vol.take() else { return Err("no open volume to close".into()) };
+        let before = self.machine.evidence();
+        if let Err(e) = vol.close() {
+            let cause = self.cause(&e, &before);
+            self.note(format!("close -> error ({cause:?}): {}", short(&e)));
+            if cause == Cause::Unexplained || cause == Cause::NoSpace {
+                return Err(format!("close failed with no fault to explain it: {}", short(&e)));
+            }
+            self.stats.restarts += 1;
+            self.machine.power_cycle(false);
+            self.model.crashed();
+            self.recover()?;
+            return if reopen { Ok(()) } else { self.close_and_check(false) };
+        }
+        self.note("close ok; power cycle; check".into());
+        // A clean close makes everything durable: a power failure right after it loses nothing.
+        self.model.flush_completed();
+        self.machine.power_cycle(true);
+        self.model.crashed();
+        self.machine.set_faults_enabled(false);
+        let report = E::check(self.data_dyn(), self.meta_dyn());
+        self.machine.set_faults_enabled(true);
+        match report {
+            Err(e) => return Err(format!("check could not audit the closed volume: {}", short(&e))),
+            Ok(r) if !r.is_clean() => {
+                let bad = self.machine.bad_blocks(self.data.index());
+                return Err(format!(
+                    "check of the cleanly closed volume found {} problem(s) ({bad} data blocks hit by persistent faults): {}",
+                    r.problems.len(),
+                    r.problems.iter().take(8).cloned().collect::<Vec<_>>().join(" | ")
+                ));
+            }
+            Ok(_) => self.stats.clean_checks += 1,
+        }
+        self.recover()?;
+        if reopen {
+            Ok(())
+        } else {
+            let vol = self.vol.take();
+            if let Some(v) = vol {
+                v.close().map_err(|e| format!("final close failed: {}", short(&e)))?;
+            }
+            Ok(())
+        }
+    }
+}

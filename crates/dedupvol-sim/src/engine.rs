@@ -1,0 +1,88 @@
+//! The engine under test, behind a small trait, so the driver and checker can be proven
+//! on a toy engine (including deliberately broken ones) as well as run on the real one.
+
+use dedupvol_core::{check_volume, CheckReport, Error, FormatOptions, OpenOptions, Result, Storage, Volume};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// What the simulator needs from a volume engine.
+pub trait SimEngine: Sized {
+    /// A short name for reports.
+    const NAME: &'static str;
+    /// Formats a new volume.
+    fn format(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &FormatOptions) -> Result<()>;
+    /// Opens (and recovers) a volume.
+    fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Self>;
+    /// Reads at a byte offset.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+    /// Writes at a byte offset.
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
+    /// Makes completed writes durable.
+    fn flush(&self) -> Result<()>;
+    /// Discards a range (reads back as zeros).
+    fn discard(&self, offset: u64, len: u64) -> Result<()>;
+    /// Writes zeros to a range.
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()>;
+    /// Clean shutdown.
+    fn close(self) -> Result<()>;
+    /// Audits a closed volume.
+    fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
+    /// The byte range of the data device that holds only data blocks (where persistent
+    /// faults are survivable), read from a freshly formatted, synced volume.
+    fn data_region(data: &dyn Storage, has_meta: bool) -> Option<Range<u64>>;
+}
+
+/// The real engine.
+impl SimEngine for Volume {
+    const NAME: &'static str = "dedupvol";
+    fn format(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &FormatOptions) -> Result<()> {
+        Volume::format(data, meta, opts, false)
+    }
+    fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Self> {
+        Volume::open(data, meta, opts)
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        Volume::read(self, offset, buf)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        Volume::write(self, offset, data, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        Volume::flush(self)
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        Volume::discard(self, offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        Volume::write_zeroes(self, offset, len, fua)
+    }
+    fn close(self) -> Result<()> {
+        Volume::close(self)
+    }
+    fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport> {
+        check_volume(data, meta, false)
+    }
+    fn data_region(data: &dyn Storage, _has_meta: bool) -> Option<Range<u64>> {
+        let mut buf = vec![0u8; 4096];
+        for copy in 0..2u64 {
+            if data.read_at(&mut buf, copy * 4096).is_err() {
+                continue;
+            }
+            if let Ok(Some(sb)) = dedupvol_core::superblock::Superblock::decode(&buf, 0) {
+                let g = sb.geometry;
+                return Some(g.data_start * 4096..(g.data_start + g.data_blocks) * 4096);
+            }
+        }
+        None
+    }
+}
+
+/// Turns an engine error into a short line.
+pub fn short(e: &Error) -> String {
+    let s = e.to_string();
+    if s.len() > 300 {
+        format!("{}…", &s[..s.char_indices().take_while(|(i, _)| *i < 300).last().map_or(0, |(i, _)| i)])
+    } else {
+        s
+    }
+}

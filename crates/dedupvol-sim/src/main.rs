@@ -1,0 +1,147 @@
+//! `dedupvol-sim`: run one seed (`--seed N`), many (`--seeds N`, `--minutes M` soak), or act
+//! as the child of the real-process crash test (`--child-writer FILE`).
+
+use clap::Parser;
+use dedupvol_sim::{run_seed, FaultKinds, RunStats, SimOptions, ToyVolume};
+use std::time::{Duration, Instant};
+
+mod child;
+
+#[derive(Parser, Debug)]
+#[command(name = "dedupvol-sim", about = "Deterministic crash and fault simulation of the dedupvol engine")]
+struct Args {
+    /// Run exactly this seed, verbosely.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Run this many seeds (from --start).
+    #[arg(long)]
+    seeds: Option<u64>,
+    /// First seed of a --seeds run.
+    #[arg(long, default_value_t = 0)]
+    start: u64,
+    /// Stop a --seeds run after this many minutes (soak).
+    #[arg(long)]
+    minutes: Option<f64>,
+    /// Fault kinds: all, none, or a comma list of crash, cache-loss, torn, destage, lost,
+    /// misdirect, read-error, bitflip, read-flip.
+    #[arg(long, default_value = "all")]
+    faults: String,
+    /// Workload operations per seed.
+    #[arg(long, default_value_t = 400)]
+    ops: u64,
+    /// Engine: dedupvol (the real one) or toy (the simulator's self-test engine).
+    #[arg(long, default_value = "dedupvol")]
+    engine: String,
+    /// Print every operation.
+    #[arg(long, short)]
+    verbose: bool,
+    /// Stop at the first failing seed.
+    #[arg(long)]
+    fail_fast: bool,
+    /// Run each seed twice and require identical I/O traces.
+    #[arg(long)]
+    check_determinism: bool,
+    /// Child mode of the kill -9 test: format FILE, write and flush forever, print "flushed N".
+    #[arg(long, value_name = "FILE")]
+    child_writer: Option<std::path::PathBuf>,
+}
+
+fn run_one(engine: &str, seed: u64, opts: &SimOptions) -> Result<RunStats, dedupvol_sim::Failure> {
+    if engine == "toy" {
+        run_seed::<ToyVolume>(seed, opts)
+    } else {
+        run_seed::<dedupvol_core::Volume>(seed, opts)
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Some(path) = &args.child_writer {
+        child::child_writer(path);
+        return;
+    }
+    if args.engine != "toy" && args.engine != "dedupvol" {
+        eprintln!("unknown engine {:?} (dedupvol or toy)", args.engine);
+        std::process::exit(2);
+    }
+    let faults = match FaultKinds::parse(&args.faults) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let opts = SimOptions { faults, ops: args.ops, verbose: args.verbose };
+    if let Some(seed) = args.seed {
+        let opts = SimOptions { verbose: args.verbose, ..opts };
+        match run_one(&args.engine, seed, &opts) {
+            Ok(s) => {
+                println!("seed {seed}: ok — {}", figures(&s));
+                println!("trace {:#018x}", s.trace);
+            }
+            Err(f) => {
+                eprintln!("{f}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    let count = args.seeds.unwrap_or(if args.minutes.is_some() { u64::MAX } else { 100 });
+    let deadline = args.minutes.map(|m| Instant::now() + Duration::from_secs_f64(m * 60.0));
+    let started = Instant::now();
+    let mut total = RunStats::default();
+    let mut failures = Vec::new();
+    let mut seeds_run = 0u64;
+    let mut nondeterministic = Vec::new();
+    let mut last_report = Instant::now();
+    for seed in args.start..args.start.saturating_add(count) {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        seeds_run += 1;
+        match run_one(&args.engine, seed, &opts) {
+            Ok(s) => {
+                if args.check_determinism {
+                    if let Ok(s2) = run_one(&args.engine, seed, &opts) {
+                        if s2.trace != s.trace {
+                            eprintln!("seed {seed}: NOT REPRODUCIBLE (trace {:#x} vs {:#x})", s.trace, s2.trace);
+                            nondeterministic.push(seed);
+                        }
+                    }
+                }
+                total.add(&s);
+            }
+            Err(f) => {
+                eprintln!("{f}");
+                failures.push(f);
+                if args.fail_fast {
+                    break;
+                }
+            }
+        }
+        if last_report.elapsed() > Duration::from_secs(60) {
+            last_report = Instant::now();
+            println!("[{:.0}s] seeds {seeds_run} failures {} — {}", started.elapsed().as_secs_f64(), failures.len(), figures(&total));
+        }
+    }
+    println!("seeds run: {seeds_run} (from {}) in {:.1}s, engine {}, faults {}", args.start, started.elapsed().as_secs_f64(), args.engine, faults.to_arg());
+    println!("passed: {}  failed: {}", seeds_run - failures.len() as u64, failures.len());
+    println!("{}", figures(&total));
+    println!("faults injected: {}", total.faults.summary());
+    if !nondeterministic.is_empty() {
+        println!("non-reproducible seeds: {nondeterministic:?}");
+    }
+    for f in &failures {
+        println!("FAILED seed {}: {}\n  replay: {}", f.seed, f.message, f.replay);
+    }
+    if !failures.is_empty() || !nondeterministic.is_empty() {
+        std::process::exit(1);
+    }
+}
+
+fn figures(s: &RunStats) -> String {
+    format!(
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}) recoveries={} clean_checks={} blocks_verified={} corruption_detected={} no_space={} restarts={} io_calls={}",
+        s.ops, s.writes, s.reads, s.flushes, s.zeroings, s.crashes, s.crashes_in_recovery, s.recoveries, s.clean_checks, s.blocks_verified, s.corruption_detected, s.no_space, s.restarts, s.io_calls
+    )
+}
