@@ -1,15 +1,457 @@
-//! (being written)
-use clap::Subcommand;
+//! Workload commands: `bench` (in-process engine benchmark), `gen` (generated data files)
+//! and `estimate` (what the engine would save on existing data).
+//!
+//! These are thin: argument parsing and printing; the work lives in `dedupvol-workload`.
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use dedupvol_core::{parse_size, Compression, FileStorage, FormatOptions, OpenOptions, Storage, Volume, WritePolicy};
+use dedupvol_workload::bench::{self, BenchOptions, BenchReport, Scenario, Target};
+use dedupvol_workload::table::{num, render_bench, render_estimate, Table};
+use dedupvol_workload::{ContentModel, DataSpec, EstimateOptions, EstimateReport, Estimator, Workload, PRESET_NAMES};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Subcommand)]
 pub enum WorkloadCommand {
-    /// (being written)
-    GenPlaceholder,
+    /// Benchmark the engine in-process: generated data (or a real file) into a fresh volume,
+    /// printed beside BLAKE3/LZ4/zstd/disk speeds and a no-reduction baseline.
+    Bench(BenchArgs),
+    /// Write a generated data file with a target dedup and compression ratio.
+    Gen(GenArgs),
+    /// Estimate the zero/dedup/compression savings of files or devices, without writing.
+    Estimate(EstimateArgs),
+}
+
+/// What `bench` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchMode {
+    /// Sequential writes of generated data (--dup, --compress, --size).
+    Seq,
+    /// Random 4 KiB overwrites over --range (writes/s).
+    Overwrite,
+    /// A real file (--file) in --request-size chunks.
+    Ingest,
+    /// The four targets: 75% dup + 50% compressible, unique incompressible,
+    /// --file (if given, e.g. a kernel source tar), random 4 KiB overwrites.
+    Targets,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// What to run.
+    #[arg(long, value_enum, default_value = "seq")]
+    mode: BenchMode,
+    /// Percent of 4 KiB blocks that duplicate an earlier block (drawn from the working set).
+    #[arg(long, default_value_t = 75.0)]
+    dup: f64,
+    /// Percent of a unique block's bytes LZ4 saves.
+    #[arg(long, default_value_t = 50.0)]
+    compress: f64,
+    /// Percent of all-zero blocks.
+    #[arg(long, default_value_t = 0.0)]
+    zero: f64,
+    /// Duplicates are drawn from this much preceding data (default: all of it).
+    #[arg(long)]
+    working_set: Option<String>,
+    /// Seed of the generated data.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Bytes written by `seq` scenarios.
+    #[arg(long, default_value = "1G")]
+    size: String,
+    /// Writer threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Request size of `seq` and `ingest`.
+    #[arg(long, default_value = "128K")]
+    request_size: String,
+    /// Logical range of `overwrite`.
+    #[arg(long, default_value = "4G")]
+    range: String,
+    /// Timed 4 KiB writes of `overwrite`.
+    #[arg(long, default_value_t = 400_000)]
+    writes: u64,
+    /// Input file of `ingest` (e.g. an uncompressed Linux kernel source tar).
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Directory for the volume and the baseline files (default: the system temp dir).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Compression of the engine volume.
+    #[arg(long, default_value = "lz4")]
+    compression: String,
+    /// Write policy of the engine volume.
+    #[arg(long, default_value = "async")]
+    write_policy: String,
+    /// Fingerprint index memory of the engine volume.
+    #[arg(long, default_value = "256M")]
+    index_memory: String,
+    /// Skip the no-reduction volume and raw-file baselines.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Skip the disk sequential-write measurement.
+    #[arg(long)]
+    no_disk: bool,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct GenArgs {
+    /// A preset (its data: write-low, write-medium, write-high, mixed-medium, sql, vdi);
+    /// --dup/--compress/--zero override it.
+    #[arg(long)]
+    preset: Option<String>,
+    /// Percent duplicates.
+    #[arg(long)]
+    dup: Option<f64>,
+    /// Percent compressible (LZ4 savings on unique blocks).
+    #[arg(long)]
+    compress: Option<f64>,
+    /// Percent zero blocks.
+    #[arg(long)]
+    zero: Option<f64>,
+    /// Duplicates are drawn from this much preceding data (default: all of it).
+    #[arg(long)]
+    working_set: Option<String>,
+    /// Bytes to write (rounded up to 4 KiB).
+    #[arg(long)]
+    size: String,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output file.
+    #[arg(short = 'o', long)]
+    output: PathBuf,
+    /// Print the generated data's description as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct EstimateArgs {
+    /// Files or block devices.
+    #[arg(required = true)]
+    paths: Vec<PathBuf>,
+    /// Chunk size: 4K, 8K, 16K or 32K (the engine uses 4K).
+    #[arg(long, default_value = "4K")]
+    chunk_size: String,
+    /// Also import the data into a temporary volume and compare with the engine's stats.
+    #[arg(long)]
+    compare_engine: bool,
+    /// Directory for the temporary volume of --compare-engine.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 impl WorkloadCommand {
     pub fn run(self) -> anyhow::Result<ExitCode> {
-        anyhow::bail!("not yet implemented")
+        match self {
+            WorkloadCommand::Bench(a) => run_bench(a),
+            WorkloadCommand::Gen(a) => run_gen(a),
+            WorkloadCommand::Estimate(a) => run_estimate(a),
+        }
     }
+}
+
+fn pct(name: &str, v: f64) -> anyhow::Result<f64> {
+    if !(0.0..=100.0).contains(&v) {
+        bail!("--{name} {v} must be a percentage between 0 and 100");
+    }
+    Ok(v / 100.0)
+}
+
+fn working_set_blocks(ws: &Option<String>) -> anyhow::Result<u64> {
+    match ws {
+        None => Ok(u64::MAX),
+        Some(s) => {
+            let b = parse_size(s).with_context(|| format!("--working-set {s}"))?;
+            if b < 4096 {
+                bail!("--working-set {s} must be at least 4K");
+            }
+            Ok(b / 4096)
+        }
+    }
+}
+
+fn size_arg(name: &str, s: &str) -> anyhow::Result<u64> {
+    parse_size(s).with_context(|| format!("--{name} {s}"))
+}
+
+fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
+    let dir = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    if !dir.is_dir() {
+        bail!("--dir {} is not a directory", dir.display());
+    }
+    if a.threads == 0 || a.threads > 256 {
+        bail!("--threads {} must be between 1 and 256", a.threads);
+    }
+    let request_bytes = size_arg("request-size", &a.request_size)?;
+    if request_bytes == 0 || request_bytes % 4096 != 0 || request_bytes > 64 << 20 {
+        bail!("--request-size {} must be a multiple of 4K up to 64M", a.request_size);
+    }
+    let compression: Compression = a.compression.parse().with_context(|| "--compression")?;
+    let write_policy: WritePolicy = a.write_policy.parse().with_context(|| "--write-policy")?;
+    let size = size_arg("size", &a.size)?;
+    let range = size_arg("range", &a.range)?;
+    if range < 4096 || range % 4096 != 0 {
+        bail!("--range {} must be a non-zero multiple of 4K", a.range);
+    }
+    let mut spec = DataSpec::new(pct("dup", a.dup)?, pct("compress", a.compress)?, a.seed);
+    spec.zero_fraction = pct("zero", a.zero)?;
+    spec.working_set_blocks = working_set_blocks(&a.working_set)?;
+    spec.validate().map_err(anyhow::Error::msg)?;
+    let opts = BenchOptions {
+        dir: dir.clone(),
+        threads: a.threads,
+        request_bytes: request_bytes as usize,
+        compression,
+        write_policy,
+        baselines: !a.no_baseline,
+        index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
+        verbose: !a.json,
+    };
+    let mb = |v: f64| Some(Target { min: v, unit: "MB/s".into() });
+    let mut scenarios: Vec<(String, Scenario, Option<Target>)> = Vec::new();
+    let overwrite = |data: DataSpec| Scenario::Overwrite { data, range_bytes: range, writes: a.writes };
+    match a.mode {
+        BenchMode::Seq => scenarios.push((
+            format!("seq-dup{}-comp{}", a.dup, a.compress),
+            Scenario::Seq { data: spec.clone(), size_bytes: size },
+            None,
+        )),
+        BenchMode::Overwrite => scenarios.push(("overwrite-4k".into(), overwrite(spec.clone()), None)),
+        BenchMode::Ingest => {
+            let Some(f) = a.file.clone() else { bail!("--mode ingest needs --file PATH") };
+            scenarios.push(("ingest".into(), Scenario::Ingest { path: f }, None));
+        }
+        BenchMode::Targets => {
+            scenarios.push((
+                "dup75-comp50".into(),
+                Scenario::Seq { data: DataSpec::new(0.75, 0.5, a.seed), size_bytes: size },
+                mb(1000.0),
+            ));
+            scenarios.push((
+                "unique-incompressible".into(),
+                Scenario::Seq { data: DataSpec::new(0.0, 0.0, a.seed), size_bytes: size },
+                mb(600.0),
+            ));
+            match a.file.clone() {
+                Some(f) => scenarios.push(("ingest-file".into(), Scenario::Ingest { path: f }, mb(400.0))),
+                None => eprintln!("dedupvol bench: no --file given: the kernel-tar ingest target is skipped"),
+            }
+            scenarios.push((
+                "overwrite-4k".into(),
+                overwrite(spec.clone()),
+                Some(Target { min: 100_000.0, unit: "writes/s".into() }),
+            ));
+        }
+    }
+    if !a.json {
+        eprintln!("dedupvol bench: measuring the disk and {} scenario(s) in {} …", scenarios.len(), dir.display());
+    }
+    let disk_seq_write = if a.no_disk { None } else { Some(bench::disk_seq(&dir).map_err(anyhow::Error::msg)?) };
+    let mut results = Vec::new();
+    for (name, sc, target) in &scenarios {
+        if !a.json {
+            eprintln!("  running {name} …");
+        }
+        results.push(bench::run_scenario(name, sc, target.clone(), &opts).map_err(anyhow::Error::msg)?);
+    }
+    let report = BenchReport {
+        date: bench::utc_now(),
+        machine: bench::machine_description(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        options: opts,
+        disk_seq_write,
+        scenarios: results,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render_bench(&report));
+    }
+    let failed = report.scenarios.iter().any(|s| s.engine_error.is_some());
+    Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+}
+
+fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
+    let mut spec = match &a.preset {
+        Some(p) => Workload::preset(p, a.seed).map_err(anyhow::Error::msg)?.data,
+        None => {
+            if a.dup.is_none() && a.compress.is_none() {
+                bail!("give --preset ({}) or --dup/--compress", PRESET_NAMES.join(", "));
+            }
+            DataSpec::new(0.0, 0.0, a.seed)
+        }
+    };
+    if let Some(d) = a.dup {
+        spec.dup_fraction = pct("dup", d)?;
+    }
+    if let Some(c) = a.compress {
+        spec.compress_fraction = pct("compress", c)?;
+    }
+    if let Some(z) = a.zero {
+        spec.zero_fraction = pct("zero", z)?;
+    }
+    spec.working_set_blocks = working_set_blocks(&a.working_set)?;
+    let size = size_arg("size", &a.size)?.div_ceil(4096) * 4096;
+    let model = ContentModel::new(spec.clone()).map_err(anyhow::Error::msg)?;
+    let mut out = std::fs::File::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
+    const STEP_BYTES: u64 = 8 << 20;
+    let mut buf = vec![0u8; STEP_BYTES as usize];
+    let start = Instant::now();
+    let mut done = 0u64;
+    while done < size {
+        let n = (size - done).min(STEP_BYTES) as usize;
+        model.fill_range(done / 4096, &mut buf[..n]);
+        out.write_all(&buf[..n]).with_context(|| format!("writing {}", a.output.display()))?;
+        done += n as u64;
+    }
+    out.sync_all().with_context(|| format!("syncing {}", a.output.display()))?;
+    let secs = start.elapsed().as_secs_f64();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"output": a.output, "bytes": size, "data": spec, "random_bytes_per_block": model.random_bytes(), "seconds": secs})
+        );
+    } else {
+        println!(
+            "wrote {} MiB to {} in {:.2} s: {}",
+            size >> 20,
+            a.output.display(),
+            secs,
+            spec.describe()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What the engine achieved on the same bytes, for `estimate --compare-engine`.
+#[derive(serde::Serialize)]
+struct EngineComparison {
+    logical_bytes_used: u64,
+    physical_data_bytes_used: u64,
+    reduction_ratio: f64,
+    savings_zero_bytes: u64,
+    savings_dedup_bytes: u64,
+    savings_compression_bytes: u64,
+    estimate_error_percent: f64,
+    import_mb_s: f64,
+}
+
+fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
+    let chunk = size_arg("chunk-size", &a.chunk_size)? as usize;
+    let mut est = Estimator::new(EstimateOptions { chunk_bytes: chunk, ..Default::default() }).map_err(anyhow::Error::msg)?;
+    for p in &a.paths {
+        est.scan_path(p).map_err(anyhow::Error::msg)?;
+    }
+    let report = est.finish();
+    let cmp = if a.compare_engine {
+        if chunk != 4096 {
+            bail!("--compare-engine needs --chunk-size 4K (the engine's chunk)");
+        }
+        Some(compare_engine(&a.paths, &report, a.dir.as_deref())?)
+    } else {
+        None
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"estimate": report, "engine": cmp}))?);
+    } else {
+        print!("{}", render_estimate(&report));
+        if let Some(c) = &cmp {
+            let mut t = Table::new(&["", "estimate", "engine"]);
+            let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
+            t.row(vec!["reduction ratio".into(), num(Some(report.reduction_ratio), 3), num(Some(c.reduction_ratio), 3)]);
+            t.row(vec!["physical MiB".into(), mib(report.physical_bytes), mib(c.physical_data_bytes_used)]);
+            t.row(vec!["zero saved MiB".into(), mib(report.savings_zero_bytes), mib(c.savings_zero_bytes)]);
+            t.row(vec!["dedup saved MiB".into(), mib(report.savings_dedup_bytes), mib(c.savings_dedup_bytes)]);
+            t.row(vec![
+                "compression saved MiB".into(),
+                mib(report.savings_compression_bytes),
+                mib(c.savings_compression_bytes),
+            ]);
+            println!(
+                "\nestimate vs engine (same bytes imported into a fresh LZ4 volume at {:.0} MB/s):\n{}physical-size error of the estimate: {:+.2}%",
+                c.import_mb_s,
+                t.render(),
+                c.estimate_error_percent
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Imports `paths` (each at the next 4 KiB-aligned offset) into a fresh volume and reads
+/// back its stats.
+fn compare_engine(paths: &[PathBuf], report: &EstimateReport, dir: Option<&Path>) -> anyhow::Result<EngineComparison> {
+    let dir = dir.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+    let vol_path = dir.join(format!(".dedupvol-estimate-{}", std::process::id()));
+    struct Rm(PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _rm = Rm(vol_path.clone());
+    let logical = report.scanned_bytes.max(4096);
+    let physical = logical + (1 << 30);
+    let dev: Arc<dyn Storage> = Arc::new(FileStorage::create(&vol_path, Some(physical))?);
+    let fmt = FormatOptions { logical_size_bytes: logical, index_memory_bytes: 256 << 20, ..FormatOptions::default() };
+    Volume::format(dev, None, &fmt, true).with_context(|| format!("formatting {}", vol_path.display()))?;
+    let dev: Arc<dyn Storage> = Arc::new(FileStorage::open(&vol_path, false)?);
+    let vol = Volume::open(dev, None, &OpenOptions::default()).with_context(|| "opening the comparison volume")?;
+    let start = Instant::now();
+    let mut off = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    for p in paths {
+        let mut f = std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))?;
+        loop {
+            let mut filled = 0;
+            while filled < buf.len() {
+                let n = std::io::Read::read(&mut f, &mut buf[filled..]).with_context(|| format!("reading {}", p.display()))?;
+                if n == 0 {
+                    break;
+                }
+                filled += n;
+            }
+            if filled == 0 {
+                break;
+            }
+            let padded = filled.div_ceil(4096) * 4096;
+            buf[filled..padded].fill(0);
+            vol.write(off, &buf[..padded], false).with_context(|| format!("writing at {off}"))?;
+            off += padded as u64;
+            if filled < buf.len() {
+                break;
+            }
+        }
+    }
+    vol.flush()?;
+    let secs = start.elapsed().as_secs_f64();
+    let s = vol.stats();
+    vol.close()?;
+    let err = if s.physical_data_bytes_used > 0 {
+        (report.physical_bytes as f64 / s.physical_data_bytes_used as f64 - 1.0) * 100.0
+    } else {
+        0.0
+    };
+    Ok(EngineComparison {
+        logical_bytes_used: s.logical_bytes_used,
+        physical_data_bytes_used: s.physical_data_bytes_used,
+        reduction_ratio: s.reduction_ratio,
+        savings_zero_bytes: s.savings.zero_bytes,
+        savings_dedup_bytes: s.savings.dedup_bytes,
+        savings_compression_bytes: s.savings.compression_bytes,
+        estimate_error_percent: err,
+        import_mb_s: off as f64 / secs / 1e6,
+    })
 }

@@ -92,6 +92,8 @@ pub struct BenchOptions {
     pub baselines: bool,
     /// Index memory of the engine volume, in bytes.
     pub index_memory_bytes: u64,
+    /// Print phase timings to stderr.
+    pub verbose: bool,
 }
 
 /// One timed run.
@@ -369,6 +371,12 @@ pub fn run_scenario(
     let raw_path = opts.dir.join(format!(".dedupvol-bench-{}-raw", std::process::id()));
     let _cleanup = (RemoveOnDrop(vol_path.clone()), RemoveOnDrop(base_path.clone()), RemoveOnDrop(raw_path.clone()));
     let est_opts = EstimateOptions { chunk_bytes: BLOCK_BYTES, threads };
+    let t0 = Instant::now();
+    let phase = |what: &str| {
+        if opts.verbose {
+            eprintln!("    [{name}] {what} at {:.1} s", t0.elapsed().as_secs_f64());
+        }
+    };
 
     // Prepare the requests, the estimate of the ideal, and the primitives' sample.
     let (source, description, logical, model, estimate, ideal, sample) = match scenario {
@@ -450,6 +458,7 @@ pub fn run_scenario(
             (Source::File { file, len, req: opts.request_bytes }, desc, logical, None, report, ideal, sample)
         }
     };
+    phase("data generated and estimated");
     let primitives = if sample.len() >= BLOCK_BYTES { Some(measure_cpu(&sample)) } else { None };
     let physical = logical + source.total_bytes() + PHYSICAL_SLACK_BYTES;
 
@@ -477,14 +486,18 @@ pub fn run_scenario(
         write_amp_ideal: None,
     };
 
+    phase("primitives measured");
     let is_overwrite = matches!(scenario, Scenario::Overwrite { .. });
     let engine = (|| -> Result<(RunFigure, Stats, IoBreakdown), String> {
         let vol = Arc::new(fresh_volume(&vol_path, logical, physical, &fmt)?);
+        phase("engine volume formatted");
         if let (true, Some(m)) = (is_overwrite, &model) {
             prefill(&vol, m, logical)?;
+            phase("engine volume prefilled");
         }
         let before = vol.stats().io;
         let (secs, flush) = timed_volume_writes(&vol, &source, threads)?;
+        phase("engine timed phase done");
         let stats = vol.stats();
         let io = IoBreakdown::between(&before, &stats.io);
         if let Ok(v) = Arc::try_unwrap(vol) {
@@ -493,6 +506,7 @@ pub fn run_scenario(
         Ok((RunFigure::new(source.total_bytes(), source.total_ops(), secs, flush), stats, io))
     })();
     let _ = std::fs::remove_file(&vol_path);
+    phase("engine volume closed and removed");
     match engine {
         Ok((fig, stats, io)) => {
             let written = io.written();
@@ -519,11 +533,13 @@ pub fn run_scenario(
             Ok(RunFigure::new(source.total_bytes(), source.total_ops(), secs, flush))
         })();
         let _ = std::fs::remove_file(&base_path);
+        phase("no-reduction volume done");
         match base {
             Ok(f) => result.no_reduction_volume = Some(f),
             Err(e) => result.no_reduction_error = Some(e),
         }
         result.raw_file = Some(timed_raw_writes(&raw_path, logical, &source, threads)?);
+        phase("raw file done");
     }
     Ok(result)
 }

@@ -19,8 +19,9 @@
 //!
 //! Invariants:
 //! - Exact fingerprinting: a 128-bit BLAKE3 prefix per unique chunk, no sampling.
-//! - `zero + dedup + compression savings + physical - packing waste` accounts for every
-//!   scanned byte (checked by [`EstimateReport::check_balance`]).
+//! - `zero + dedup + compression savings + physical` accounts for every scanned byte, and
+//!   `gross compression - packing overhead` is the net compression saving (checked by
+//!   [`EstimateReport::check_balance`]).
 //! - Files shorter than a whole chunk are padded with zeros, as the engine's
 //!   read-modify-write of a partial last block leaves them.
 
@@ -93,8 +94,11 @@ pub struct EstimateReport {
     pub savings_zero_bytes: u64,
     /// Logical bytes stored as references.
     pub savings_dedup_bytes: u64,
-    /// Bytes compression saves on unique chunks (chunk size minus stored size).
+    /// Bytes compression saves net of packing: unique chunk bytes minus the physical bytes
+    /// they take (the engine's `savings.compression_bytes` definition).
     pub savings_compression_bytes: u64,
+    /// Bytes LZ4 saves before packing (chunk size minus compressed size, summed).
+    pub compression_gross_bytes: u64,
     /// Unused bytes of packed blocks (headers and free tails).
     pub packing_overhead_bytes: u64,
     /// (scanned - zero) / physical: comparable to the engine's `reduction_ratio`.
@@ -112,11 +116,16 @@ pub struct EstimateReport {
 impl EstimateReport {
     /// Checks that every scanned byte is accounted for.
     pub fn check_balance(&self) -> Result<(), String> {
-        let accounted = self.savings_zero_bytes + self.savings_dedup_bytes + self.savings_compression_bytes
-            + self.physical_bytes
-            - self.packing_overhead_bytes;
+        let accounted =
+            self.savings_zero_bytes + self.savings_dedup_bytes + self.savings_compression_bytes + self.physical_bytes;
         if accounted != self.scanned_bytes {
             return Err(format!("estimate accounts for {accounted} bytes of {} scanned", self.scanned_bytes));
+        }
+        if self.compression_gross_bytes != self.savings_compression_bytes + self.packing_overhead_bytes {
+            return Err(format!(
+                "gross compression {} != net {} + packing overhead {}",
+                self.compression_gross_bytes, self.savings_compression_bytes, self.packing_overhead_bytes
+            ));
         }
         Ok(())
     }
@@ -245,7 +254,7 @@ impl Estimator {
         if compressed <= FRAGMENT_BYTES_MAX {
             r.compressed_chunks += 1;
             r.compressed_payload_bytes += compressed;
-            r.savings_compression_bytes += c - compressed;
+            r.compression_gross_bytes += c - compressed;
             let fits = self.open_block_fragments > 0
                 && self.open_block_fragments < PACKED_FRAGMENTS_MAX
                 && self.open_block_used_bytes + compressed <= FRAGMENT_BYTES_MAX;
@@ -268,7 +277,7 @@ impl Estimator {
             } else {
                 r.raw_chunks += 1;
             }
-            r.savings_compression_bytes += c - stored;
+            r.compression_gross_bytes += c - stored;
             r.physical_bytes += stored;
         }
     }
@@ -281,6 +290,7 @@ impl Estimator {
     /// Finishes the scan.
     pub fn finish(mut self) -> EstimateReport {
         let r = &mut self.report;
+        r.savings_compression_bytes = (r.unique_chunks * r.chunk_bytes).saturating_sub(r.physical_bytes);
         let logical = r.scanned_bytes - r.savings_zero_bytes;
         r.reduction_ratio = if r.physical_bytes > 0 { logical as f64 / r.physical_bytes as f64 } else { 0.0 };
         r.total_reduction_ratio =

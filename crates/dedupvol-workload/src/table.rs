@@ -232,10 +232,11 @@ pub fn render_estimate(r: &EstimateReport) -> String {
     t.row(row("zero (saved)", r.zero_chunks, r.savings_zero_bytes));
     t.row(row("duplicate (saved)", r.dup_chunks, r.savings_dedup_bytes));
     t.row(row("unique", r.unique_chunks, r.unique_chunks * c));
-    t.row(row("  compression saved", r.compressed_chunks, r.savings_compression_bytes));
+    t.row(row("  LZ4 saved (before packing)", r.compressed_chunks, r.compression_gross_bytes));
     t.row(row("  stored raw", r.raw_chunks, r.raw_chunks * c));
     t.row(row("  packed blocks", r.packed_blocks, r.packed_blocks * 4096));
-    t.row(row("  packing overhead", 0, r.packing_overhead_bytes));
+    t.row(row("  packing overhead", r.packed_blocks, r.packing_overhead_bytes));
+    t.row(row("compression saved (net)", r.compressed_chunks, r.savings_compression_bytes));
     t.row(row("physical (estimate)", r.physical_bytes / 4096, r.physical_bytes));
     format!(
         "dedupvol estimate — {} KiB chunks, {}\n{}reduction: {:.2}x of non-zero data ({:.2}x including zeros); fingerprint set {:.1} MiB; scanned at {:.0} MB/s\n",
