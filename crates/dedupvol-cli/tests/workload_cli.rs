@@ -1,0 +1,99 @@
+//! The workload commands end to end through the binary: `gen` writes data with the asked
+//! ratios (checked by `estimate`), `estimate --compare-engine` agrees with the engine, `bench`
+//! prints its JSON with every section, and bad arguments fail with a clear message.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn dedupvol(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dedupvol")).args(args).output().expect("running dedupvol")
+}
+
+fn ok_json(args: &[&str]) -> serde_json::Value {
+    let out = dedupvol(args);
+    assert!(
+        out.status.success(),
+        "dedupvol {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn gen_then_estimate_finds_the_asked_ratios() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let f = dir.path().join("w.bin");
+    ok_json(&["gen", "--preset", "write-high", "--size", "16M", "--seed", "5", "-o", p(&f), "--json"]);
+    assert_eq!(std::fs::metadata(&f).expect("stat").len(), 16 << 20);
+    let v = ok_json(&["estimate", p(&f), "--json"]);
+    let e = &v["estimate"];
+    let scanned = e["scanned_bytes"].as_f64().expect("scanned");
+    let dup = e["savings_dedup_bytes"].as_f64().expect("dedup") / scanned;
+    assert!((dup - 0.8).abs() < 0.02, "dedup share {dup}");
+    let unique = e["unique_chunks"].as_f64().expect("unique");
+    let payload = e["compressed_payload_bytes"].as_f64().expect("payload");
+    let comp = 1.0 - payload / (unique * 4096.0);
+    assert!((comp - 0.8).abs() < 0.03, "LZ4 savings {comp}");
+}
+
+#[test]
+fn estimate_compare_engine_reports_both_sides() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let f = dir.path().join("m.bin");
+    ok_json(&["gen", "--dup", "50", "--compress", "70", "--zero", "5", "--size", "8M", "-o", p(&f), "--json"]);
+    let v = ok_json(&["estimate", p(&f), "--compare-engine", "--dir", p(dir.path()), "--json"]);
+    let err = v["engine"]["estimate_error_percent"].as_f64().expect("error percent");
+    assert!(err.abs() < 2.0, "estimate off by {err}%: {v}");
+    assert_eq!(v["engine"]["savings_dedup_bytes"], v["estimate"]["savings_dedup_bytes"]);
+}
+
+#[test]
+fn bench_json_has_primitives_engine_baselines_and_io() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v = ok_json(&[
+        "bench", "--mode", "seq", "--size", "8M", "--dup", "75", "--compress", "50", "--no-disk", "--dir",
+        p(dir.path()), "--json",
+    ]);
+    let s = &v["scenarios"][0];
+    assert!(s["primitives"]["blake3_mb_s"].as_f64().expect("blake3") > 0.0);
+    assert!(s["engine"]["mb_s"].as_f64().expect("engine") > 0.0, "{s}");
+    assert!(s["no_reduction_volume"]["mb_s"].as_f64().expect("baseline") > 0.0, "{s}");
+    assert!(s["raw_file"]["mb_s"].as_f64().expect("raw") > 0.0);
+    assert!(s["stats"]["reduction_ratio"].as_f64().expect("ratio") > 3.0, "{s}");
+    assert!(s["io"]["data_write"].as_u64().expect("io") > 0);
+    // Nothing is left behind in the benchmark directory.
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
+}
+
+#[test]
+fn bench_overwrite_mode_reports_writes_per_second() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v = ok_json(&[
+        "bench", "--mode", "overwrite", "--range", "16M", "--writes", "2000", "--no-disk", "--no-baseline", "--dir",
+        p(dir.path()), "--json",
+    ]);
+    let e = &v["scenarios"][0]["engine"];
+    assert_eq!(e["ops"].as_u64(), Some(2000));
+    assert!(e["ops_s"].as_f64().expect("ops/s") > 0.0);
+}
+
+#[test]
+fn bad_arguments_fail_with_a_message() {
+    for args in [
+        vec!["bench", "--dup", "150"],
+        vec!["bench", "--request-size", "5000"],
+        vec!["gen", "--preset", "oltp", "--size", "1M", "-o", "/dev/null"],
+        vec!["estimate", "--chunk-size", "12K", "/dev/null"],
+        vec!["estimate", "/nonexistent/file"],
+    ] {
+        let out = dedupvol(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("error"), "{args:?}: no error message: {err}");
+    }
+}
