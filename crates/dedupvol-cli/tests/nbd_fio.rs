@@ -6,8 +6,10 @@ mod nbd_common;
 use nbd_common::*;
 use std::process::Command;
 
-fn fio(uri: &str, verify_only: bool) -> Command {
+fn fio(dir: &std::path::Path, uri: &str, verify_only: bool) -> Command {
     let mut c = Command::new("fio");
+    // fio drops verify state files in its working directory: keep them in the test's.
+    c.current_dir(dir);
     c.args([
         "--name=nbd_randwrite",
         "--ioengine=nbd",
@@ -49,7 +51,7 @@ fn fio_random_writes_verify() {
     let vol = format_volume(dir.path(), "64M", "128M");
     let srv = ServerProc::start(&vol, dir.path(), false, &[]);
     // Write + verify in one run (fio reads back every block it wrote and checks its crc).
-    let report = run(&mut fio(&srv.uri, false));
+    let report = run(&mut fio(dir.path(), &srv.uri, false));
     assert!(report.contains("nbd_randwrite"), "{report}");
     if in_memory() {
         assert!(srv.stop().success());
@@ -58,6 +60,6 @@ fn fio_random_writes_verify() {
     }
     assert!(srv.stop().success());
     let srv = ServerProc::start(&vol, dir.path(), false, &[]);
-    run(&mut fio(&srv.uri, true));
+    run(&mut fio(dir.path(), &srv.uri, true));
     assert!(srv.stop().success());
 }

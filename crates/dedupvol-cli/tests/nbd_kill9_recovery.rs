@@ -8,14 +8,16 @@ use nbd_common::*;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-fn fio_base(uri: &str, name: &str) -> Command {
+fn fio_base(dir: &std::path::Path, uri: &str, name: &str) -> Command {
     let mut c = Command::new("fio");
+    // fio drops verify state files in its working directory: keep them in the test's.
+    c.current_dir(dir);
     c.args([&format!("--name={name}"), "--ioengine=nbd", &format!("--uri={uri}"), "--bs=4k", "--iodepth=16"]);
     c
 }
 
-fn flushed_job(uri: &str, verify_only: bool) -> Command {
-    let mut c = fio_base(uri, "flushed");
+fn flushed_job(dir: &std::path::Path, uri: &str, verify_only: bool) -> Command {
+    let mut c = fio_base(dir, uri, "flushed");
     c.args([
         "--rw=randwrite",
         "--offset=0",
@@ -48,10 +50,10 @@ fn kill9_after_flush_keeps_flushed_data() {
     let dir = tempfile::tempdir().unwrap();
     let vol = format_volume(dir.path(), "64M", "128M");
     let srv = ServerProc::start(&vol, dir.path(), false, &["--write-policy", "async"]);
-    run(&mut flushed_job(&srv.uri, false));
+    run(&mut flushed_job(dir.path(), &srv.uri, false));
 
     // Keep writing another region, and crash the server while those writes are in flight.
-    let mut busy = fio_base(&srv.uri, "unflushed")
+    let mut busy = fio_base(dir.path(), &srv.uri, "unflushed")
         .args(["--rw=randwrite", "--offset=32m", "--size=16m", "--time_based", "--runtime=60"])
         .args(["--status-interval=1", "--output-format=terse"])
         .stdout(Stdio::piped())
@@ -78,6 +80,6 @@ fn kill9_after_flush_keeps_flushed_data() {
 
     // Restart: the volume replays its journal; every flushed block must verify.
     let srv = ServerProc::start(&vol, dir.path(), false, &[]);
-    run(&mut flushed_job(&srv.uri, true));
+    run(&mut flushed_job(dir.path(), &srv.uri, true));
     assert!(srv.stop().success());
 }
