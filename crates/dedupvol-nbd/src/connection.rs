@@ -311,7 +311,12 @@ fn transmission(stream: Stream, backend: Arc<dyn Backend>, export: &ExportConfig
             // Hold the receiver lock only to take one job.
             let job = rx.lock().recv();
             let Ok(job) = job else { break };
-            execute(backend.as_ref(), &job, &writer);
+            // An engine bug must cost one request (EIO), not the connection's accounting.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(backend.as_ref(), &job, &writer)));
+            if ran.is_err() {
+                eprintln!("dedupvol-nbd: request {:#x} panicked in the backend; answering EIO", job.cookie);
+                writer.send(proto::NBD_EIO, job.cookie, None);
+            }
             budget.release(job.cost_bytes);
         });
         match spawned {
