@@ -578,6 +578,11 @@ impl SimMachine {
         self.state.lock().disks[index].bad_current.len()
     }
 
+    /// True when media block `block` (4 KiB units) of disk `index` was hit by a persistent fault.
+    pub fn is_bad_on_media(&self, index: usize, block: u64) -> bool {
+        self.state.lock().disks[index].bad_durable.contains(&block)
+    }
+
     /// A copy of the media image of disk `index` (tests).
     pub fn durable_image(&self, index: usize) -> Vec<u8> {
         self.state.lock().disks[index].durable.clone()

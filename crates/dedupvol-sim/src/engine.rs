@@ -30,6 +30,12 @@ pub trait SimEngine: Sized {
     /// The byte range of the data device that holds only data blocks (where persistent
     /// faults are survivable), read from a freshly formatted, synced volume.
     fn data_region(data: &dyn Storage, has_meta: bool) -> Option<Range<u64>>;
+    /// When an audit problem reports detected corruption of one data block, that block's
+    /// number relative to the data region (such problems are expected where the simulator
+    /// injected a persistent fault, and only there).
+    fn corrupt_data_block(_problem: &str) -> Option<u64> {
+        None
+    }
 }
 
 /// The real engine.
@@ -74,6 +80,15 @@ impl SimEngine for Volume {
             }
         }
         None
+    }
+    fn corrupt_data_block(problem: &str) -> Option<u64> {
+        // "physical block N: checksum mismatch (...)" or "physical block N slot S: checksum mismatch (...)"
+        let rest = problem.strip_prefix("physical block ")?;
+        let (head, tail) = rest.split_once(':')?;
+        if !tail.trim_start().starts_with("checksum mismatch") {
+            return None;
+        }
+        head.split_whitespace().next()?.parse().ok()
     }
 }
 

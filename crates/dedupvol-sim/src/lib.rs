@@ -19,6 +19,7 @@ pub mod content;
 pub mod disk;
 pub mod driver;
 pub mod engine;
+pub mod kill9;
 pub mod model;
 pub mod toy;
 

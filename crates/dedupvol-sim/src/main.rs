@@ -5,8 +5,6 @@ use clap::Parser;
 use dedupvol_sim::{run_seed, FaultKinds, RunStats, SimOptions, ToyVolume};
 use std::time::{Duration, Instant};
 
-mod child;
-
 #[derive(Parser, Debug)]
 #[command(name = "dedupvol-sim", about = "Deterministic crash and fault simulation of the dedupvol engine")]
 struct Args {
@@ -41,9 +39,13 @@ struct Args {
     /// Run each seed twice and require identical I/O traces.
     #[arg(long)]
     check_determinism: bool,
-    /// Child mode of the kill -9 test: format FILE, write and flush forever, print "flushed N".
+    /// Child mode of the kill -9 test: format FILE (when absent), write and flush forever,
+    /// print "flushed N" after each flush.
     #[arg(long, value_name = "FILE")]
     child_writer: Option<std::path::PathBuf>,
+    /// First iteration of --child-writer.
+    #[arg(long, default_value_t = 1)]
+    child_start: u64,
 }
 
 fn run_one(engine: &str, seed: u64, opts: &SimOptions) -> Result<RunStats, dedupvol_sim::Failure> {
@@ -57,7 +59,7 @@ fn run_one(engine: &str, seed: u64, opts: &SimOptions) -> Result<RunStats, dedup
 fn main() {
     let args = Args::parse();
     if let Some(path) = &args.child_writer {
-        child::child_writer(path);
+        dedupvol_sim::kill9::child_writer(path, args.child_start);
         return;
     }
     if args.engine != "toy" && args.engine != "dedupvol" {
