@@ -35,6 +35,8 @@ pub enum BenchMode {
     Overwrite,
     /// A real file (--file) in --request-size chunks.
     Ingest,
+    /// Only the machine's primitives (BLAKE3/LZ4/zstd on the --dup/--compress data, disk).
+    Primitives,
     /// The four targets: 75% dup + 50% compressible, unique incompressible,
     /// --file (if given, e.g. a kernel source tar), random 4 KiB overwrites.
     Targets,
@@ -75,9 +77,10 @@ pub struct BenchArgs {
     /// Timed 4 KiB writes of `overwrite`.
     #[arg(long, default_value_t = 400_000)]
     writes: u64,
-    /// Input file of `ingest` (e.g. an uncompressed Linux kernel source tar).
+    /// Input file(s) of `ingest` (e.g. uncompressed Linux kernel source tars); repeat the
+    /// flag for several files, each placed at the next 4 KiB-aligned offset.
     #[arg(long)]
-    file: Option<PathBuf>,
+    file: Vec<PathBuf>,
     /// Directory for the volume and the baseline files (default: the system temp dir).
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -228,10 +231,13 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             Scenario::Seq { data: spec.clone(), size_bytes: size },
             None,
         )),
+        BenchMode::Primitives => {}
         BenchMode::Overwrite => scenarios.push(("overwrite-4k".into(), overwrite(spec.clone()), None)),
         BenchMode::Ingest => {
-            let Some(f) = a.file.clone() else { bail!("--mode ingest needs --file PATH") };
-            scenarios.push(("ingest".into(), Scenario::Ingest { path: f }, None));
+            if a.file.is_empty() {
+                bail!("--mode ingest needs --file PATH");
+            }
+            scenarios.push(("ingest".into(), Scenario::Ingest { paths: a.file.clone() }, None));
         }
         BenchMode::Targets => {
             scenarios.push((
@@ -244,9 +250,10 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
                 Scenario::Seq { data: DataSpec::new(0.0, 0.0, a.seed), size_bytes: size },
                 mb(600.0),
             ));
-            match a.file.clone() {
-                Some(f) => scenarios.push(("ingest-file".into(), Scenario::Ingest { path: f }, mb(400.0))),
-                None => eprintln!("dedupvol bench: no --file given: the kernel-tar ingest target is skipped"),
+            if a.file.is_empty() {
+                eprintln!("dedupvol bench: no --file given: the kernel-tar ingest target is skipped");
+            } else {
+                scenarios.push(("ingest-file".into(), Scenario::Ingest { paths: a.file.clone() }, mb(400.0)));
             }
             scenarios.push((
                 "overwrite-4k".into(),
@@ -260,6 +267,9 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     let disk_seq_write = if a.no_disk { None } else { Some(bench::disk_seq(&dir).map_err(anyhow::Error::msg)?) };
     let mut results = Vec::new();
+    if a.mode == BenchMode::Primitives {
+        results.push(bench::primitives_only(&format!("dup{}-comp{}", a.dup, a.compress), &spec).map_err(anyhow::Error::msg)?);
+    }
     for (name, sc, target) in &scenarios {
         if !a.json {
             eprintln!("  running {name} …");

@@ -59,10 +59,11 @@ pub enum Scenario {
         /// Timed 4 KiB writes.
         writes: u64,
     },
-    /// A real file.
+    /// Real files, each placed at the next 4 KiB-aligned offset (as a filesystem would
+    /// place them; unaligned concatenation would hide block-level duplicates).
     Ingest {
-        /// The file.
-        path: PathBuf,
+        /// The files.
+        paths: Vec<PathBuf>,
     },
 }
 
@@ -209,8 +210,8 @@ pub struct ScenarioResult {
 enum Source {
     /// Contiguous data; request k covers `[k*req, (k+1)*req)`.
     Memory { data: Vec<u8>, req: usize },
-    /// A file read in requests of `req` bytes.
-    File { file: File, len: u64, req: usize },
+    /// Files read in requests of `req` bytes: `(file, volume offset, length)`.
+    Files { files: Vec<(File, u64, u64)>, req: usize },
     /// Per-thread 4 KiB random writes: offsets and their data.
     Random { per_thread: Vec<(Vec<u64>, Vec<u8>)> },
 }
@@ -219,7 +220,9 @@ impl Source {
     fn total_bytes(&self) -> u64 {
         match self {
             Source::Memory { data, .. } => data.len() as u64,
-            Source::File { len, .. } => len.div_ceil(BLOCK_BYTES as u64) * BLOCK_BYTES as u64,
+            Source::Files { files, .. } => {
+                files.iter().map(|f| f.2.div_ceil(BLOCK_BYTES as u64) * BLOCK_BYTES as u64).sum()
+            }
             Source::Random { per_thread } => per_thread.iter().map(|p| p.1.len() as u64).sum(),
         }
     }
@@ -227,7 +230,7 @@ impl Source {
     fn total_ops(&self) -> u64 {
         match self {
             Source::Memory { data, req } => data.len().div_ceil(*req) as u64,
-            Source::File { len, req, .. } => len.div_ceil(*req as u64),
+            Source::Files { files, req } => files.iter().map(|f| f.2.div_ceil(*req as u64)).sum(),
             Source::Random { per_thread } => per_thread.iter().map(|p| p.0.len() as u64).sum(),
         }
     }
@@ -240,18 +243,26 @@ impl Source {
                     f((k * req) as u64, chunk)?;
                 }
             }
-            Source::File { file, len, req } => {
+            Source::Files { files, req } => {
                 let mut buf = vec![0u8; *req];
-                let mut k = t as u64;
-                while k * (*req as u64) < *len {
-                    let off = k * *req as u64;
-                    let want = (*len - off).min(*req as u64) as usize;
-                    // Pad the tail to whole blocks with zeros, as import does.
-                    let padded = want.div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
-                    buf[..padded].fill(0);
-                    file.read_exact_at(&mut buf[..want], off).map_err(|e| format!("reading input at {off}: {e}"))?;
-                    f(off, &buf[..padded])?;
-                    k += n as u64;
+                let req = *req as u64;
+                // Request units numbered across all files; writer t takes every n-th.
+                let mut unit = 0usize;
+                for (file, base, len) in files {
+                    let mut off = 0u64;
+                    while off < *len {
+                        if unit % n == t {
+                            let want = (*len - off).min(req) as usize;
+                            // Pad the tail to whole blocks with zeros, as import does.
+                            let padded = want.div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
+                            buf[..padded].fill(0);
+                            file.read_exact_at(&mut buf[..want], off)
+                                .map_err(|e| format!("reading input at {off}: {e}"))?;
+                            f(base + off, &buf[..padded])?;
+                        }
+                        unit += 1;
+                        off += req;
+                    }
                 }
             }
             Source::Random { per_thread } => {
@@ -435,27 +446,37 @@ pub fn run_scenario(
             debug_assert!(next < LANE_BLOCKS);
             (Source::Random { per_thread }, desc, *range_bytes, Some(model), report, ideal, sample)
         }
-        Scenario::Ingest { path } => {
-            let file = File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
-            let len = file.metadata().map_err(|e| format!("stat {}: {e}", path.display()))?.len();
-            if len == 0 {
-                return Err(format!("{} is empty", path.display()));
-            }
-            // Warm the page cache and compute the ideal in one pass.
+        Scenario::Ingest { paths } => {
+            let mut files = Vec::new();
+            let mut base = 0u64;
             let mut est = Estimator::new(est_opts)?;
-            est.scan_path(path)?;
-            let mut sample = vec![0u8; (len as usize).min(PRIMITIVE_SAMPLE_BYTES) / BLOCK_BYTES * BLOCK_BYTES];
-            file.read_exact_at(&mut sample, 0).map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let mut sample = Vec::new();
+            for path in paths {
+                let file = File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+                let len = file.metadata().map_err(|e| format!("stat {}: {e}", path.display()))?.len();
+                if len == 0 {
+                    return Err(format!("{} is empty", path.display()));
+                }
+                // Warms the page cache and computes the ideal in one pass.
+                est.scan_path(path)?;
+                if sample.is_empty() {
+                    sample = vec![0u8; (len as usize).min(PRIMITIVE_SAMPLE_BYTES) / BLOCK_BYTES * BLOCK_BYTES];
+                    file.read_exact_at(&mut sample, 0).map_err(|e| format!("reading {}: {e}", path.display()))?;
+                }
+                files.push((file, base, len));
+                base += len.div_ceil(BLOCK_BYTES as u64) * BLOCK_BYTES as u64;
+            }
+            let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
             let desc = format!(
-                "file {} ({} MiB), {} KiB sequential requests, {threads} writers (page cache warm)",
-                path.display(),
-                len >> 20,
+                "{} file(s) ({} MiB): {}; each at the next 4 KiB-aligned offset, {} KiB sequential requests, {threads} writers (page cache warm)",
+                paths.len(),
+                base >> 20,
+                names.join(", "),
                 opts.request_bytes >> 10
             );
-            let logical = len.div_ceil(BLOCK_BYTES as u64) * BLOCK_BYTES as u64;
             let report = est.finish();
             let ideal = ideal_bytes(&report);
-            (Source::File { file, len, req: opts.request_bytes }, desc, logical, None, report, ideal, sample)
+            (Source::Files { files, req: opts.request_bytes }, desc, base.max(BLOCK_BYTES as u64), None, report, ideal, sample)
         }
     };
     phase("data generated and estimated");
@@ -542,6 +563,29 @@ pub fn run_scenario(
         phase("raw file done");
     }
     Ok(result)
+}
+
+/// Only the one-core CPU primitives on `PRIMITIVE_SAMPLE_BYTES` of `data` (no engine run).
+pub fn primitives_only(name: &str, data: &DataSpec) -> Result<ScenarioResult, String> {
+    let model = ContentModel::new(data.clone())?;
+    let sample = generate(&model, 0, PRIMITIVE_SAMPLE_BYTES as u64, 1);
+    Ok(ScenarioResult {
+        name: name.to_string(),
+        description: format!("{}; primitives only (no engine run)", data.describe()),
+        target: None,
+        primitives: Some(measure_cpu(&sample)),
+        engine: None,
+        engine_error: None,
+        no_reduction_volume: None,
+        no_reduction_error: None,
+        raw_file: None,
+        stats: None,
+        io: None,
+        estimate: None,
+        ideal_bytes: 0,
+        write_amp_logical: None,
+        write_amp_ideal: None,
+    })
 }
 
 /// The whole benchmark output.
