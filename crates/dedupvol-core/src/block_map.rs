@@ -1,1 +1,371 @@
-//! (being written)
+//! The block map: logical block → physical location, in checksummed two-slot pages with a
+//! bounded in-memory cache.
+//!
+//! Invariants:
+//! - A page's `seq` is the journal sequence of the newest entry applied to it, and every
+//!   journal entry with a smaller sequence that touches the page is applied too (entries
+//!   are applied in sequence order under the volume lock). Replay applies an entry to a
+//!   page only when `entry.seq > page.seq`, which makes replay idempotent.
+//! - Write-ahead rule: a dirty page is written only when `page.seq <= durable_seq`.
+//! - Two slots per page: a write goes to the slot not holding the newest durable copy, and
+//!   a page is never written twice between metadata syncs, so a torn write leaves the
+//!   previous copy intact; the journal still holds every entry newer than that copy.
+//! - The cache holds at most `capacity_pages` pages except transiently, when every page
+//!   is dirty with entries not yet durable (bounded by the journal's pending-entry bound).
+
+use crate::codec::{get_u32, get_u64, put_u32, put_u64};
+use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::error::{Error, Result};
+use crate::layout::{Geometry, BM_ENTRIES_PER_PAGE};
+use crate::storage::{Dev, IoKind};
+use std::collections::{HashMap, HashSet};
+
+/// Page header bytes (magic, crc, page index, applied seq, uuid low half).
+pub const PAGE_HEADER_BYTES: usize = 32;
+/// Bytes per encoded map entry.
+pub const MAP_ENTRY_BYTES: usize = 10;
+/// Magic of a block map page ("DVBM").
+pub const BM_PAGE_MAGIC: u32 = u32::from_le_bytes(*b"DVBM");
+/// Offset of a page's checksum field.
+pub const PAGE_CRC_OFFSET: usize = 4;
+
+const _: () = assert!(PAGE_HEADER_BYTES + BM_ENTRIES_PER_PAGE as usize * MAP_ENTRY_BYTES <= BLOCK_SIZE);
+
+/// Entry state: never written or discarded (reads as zeros).
+pub const STATE_UNMAPPED: u8 = 0;
+/// Entry state: written with zeros (reads as zeros, no physical block).
+pub const STATE_ZERO: u8 = 1;
+/// Entry state: stored raw in physical block `pbn`.
+pub const STATE_RAW: u8 = 2;
+/// Entry state of packed slot 0; slot `s` is `STATE_SLOT0 + s`.
+pub const STATE_SLOT0: u8 = 16;
+/// Fragments per packed block.
+pub const PACKED_SLOTS_MAX: u8 = 14;
+
+/// One logical block's mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MapEntry {
+    /// Physical data block (relative to the data region); 0 for unmapped/zero.
+    pub pbn: u64,
+    /// One of the `STATE_*` values.
+    pub state: u8,
+    /// crc32c of the 4 KiB logical content (0 for unmapped/zero).
+    pub crc: u32,
+}
+
+impl MapEntry {
+    /// The unmapped entry.
+    pub const UNMAPPED: MapEntry = MapEntry { pbn: 0, state: STATE_UNMAPPED, crc: 0 };
+    /// The written-zeros entry.
+    pub const ZERO: MapEntry = MapEntry { pbn: 0, state: STATE_ZERO, crc: 0 };
+
+    /// A raw-block mapping.
+    pub fn raw(pbn: u64, crc: u32) -> Self {
+        MapEntry { pbn, state: STATE_RAW, crc }
+    }
+    /// A packed-fragment mapping.
+    pub fn packed(pbn: u64, slot: u8, crc: u32) -> Self {
+        debug_assert!(slot < PACKED_SLOTS_MAX);
+        MapEntry { pbn, state: STATE_SLOT0 + slot, crc }
+    }
+    /// True when the entry references a physical block.
+    pub fn is_data(&self) -> bool {
+        self.state == STATE_RAW || self.slot().is_some()
+    }
+    /// The packed slot, if this is a fragment.
+    pub fn slot(&self) -> Option<u8> {
+        (STATE_SLOT0..STATE_SLOT0 + PACKED_SLOTS_MAX).contains(&self.state).then(|| self.state - STATE_SLOT0)
+    }
+    /// Encodes into 10 bytes: pbn (5 bytes LE), state (1), crc (4).
+    pub fn encode(&self, out: &mut [u8]) {
+        if let Some(o) = out.get_mut(..MAP_ENTRY_BYTES) {
+            let p = self.pbn.to_le_bytes();
+            o[..5].copy_from_slice(&p[..5]);
+            o[5] = self.state;
+            o[6..10].copy_from_slice(&self.crc.to_le_bytes());
+        }
+    }
+    /// Decodes 10 bytes; an unknown state is corruption.
+    pub fn decode(b: &[u8]) -> Result<MapEntry> {
+        let mut p = [0u8; 8];
+        if let (Some(dst), Some(src)) = (p.get_mut(..5), b.get(..5)) {
+            dst.copy_from_slice(src);
+        }
+        let state = b.get(5).copied().unwrap_or(0);
+        let e = MapEntry { pbn: u64::from_le_bytes(p), state, crc: get_u32(b, 6) };
+        if state == STATE_UNMAPPED || state == STATE_ZERO || e.is_data() {
+            Ok(e)
+        } else {
+            Err(Error::Corrupt(format!("invalid block map entry state {state}")))
+        }
+    }
+}
+
+/// Which slot of a two-slot page holds the newest valid copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotPick {
+    /// The chosen slot (None: neither slot holds a valid copy; the page is empty).
+    pub slot: Option<u8>,
+    /// The chosen copy's applied seq (0 when empty).
+    pub seq: u64,
+    /// A slot carried this volume's identity but failed its checksum (torn or corrupt).
+    pub damaged: bool,
+}
+
+/// Picks the newest valid copy of a two-slot page. `both` holds slot 0 then slot 1.
+pub fn pick_slot(both: &[u8], magic: u32, page_index: u64, uuid_lo: u64) -> SlotPick {
+    let mut pick = SlotPick { slot: None, seq: 0, damaged: false };
+    for s in 0..2u8 {
+        let Some(b) = both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE) else { continue };
+        let ours = get_u32(b, 0) == magic && get_u64(b, 8) == page_index && get_u64(b, 24) == uuid_lo;
+        if !ours {
+            continue;
+        }
+        if !crate::codec::crc_ok(b, PAGE_CRC_OFFSET) {
+            pick.damaged = true;
+            continue;
+        }
+        let seq = get_u64(b, 16);
+        if pick.slot.is_none() || seq > pick.seq {
+            pick.slot = Some(s);
+            pick.seq = seq;
+        }
+    }
+    pick
+}
+
+/// Fills a page header and checksum.
+pub fn seal_page(buf: &mut [u8], magic: u32, page_index: u64, seq: u64, uuid_lo: u64) {
+    put_u32(buf, 0, magic);
+    put_u64(buf, 8, page_index);
+    put_u64(buf, 16, seq);
+    put_u64(buf, 24, uuid_lo);
+    crate::codec::seal_crc(buf, PAGE_CRC_OFFSET);
+}
+
+struct CachedPage {
+    buf: Box<[u8]>,
+    seq: u64,
+    dirty: bool,
+    latest_slot: Option<u8>,
+    used: u64,
+}
+
+/// The paged block map with its bounded cache.
+pub struct BlockMap {
+    geo: Geometry,
+    uuid_lo: u64,
+    meta: Dev,
+    pages: HashMap<u64, CachedPage>,
+    capacity_pages: usize,
+    tick: u64,
+    written_unsynced: HashSet<u64>,
+    /// Cache hits since open.
+    pub hits: u64,
+    /// Cache misses since open.
+    pub misses: u64,
+    /// Pages found with a damaged slot and no valid copy (treated as empty; see format.md).
+    pub damaged_pages: u64,
+}
+
+impl BlockMap {
+    /// An empty cache over the block map region of `meta`.
+    pub fn new(geo: Geometry, uuid_lo: u64, meta: Dev, cache_bytes: u64) -> Self {
+        let capacity_pages = (cache_bytes / BLOCK_SIZE_U64).max(16) as usize;
+        BlockMap {
+            geo,
+            uuid_lo,
+            meta,
+            pages: HashMap::new(),
+            capacity_pages,
+            tick: 0,
+            written_unsynced: HashSet::new(),
+            hits: 0,
+            misses: 0,
+            damaged_pages: 0,
+        }
+    }
+
+    fn slot_offset(&self, page: u64, slot: u8) -> u64 {
+        (self.geo.block_map_start + 2 * page + u64::from(slot)) * BLOCK_SIZE_U64
+    }
+
+    fn locate(&self, lba: u64) -> Result<(u64, usize)> {
+        if lba >= self.geo.logical_blocks {
+            return Err(Error::InvalidArgument(format!("logical block {lba} beyond {}", self.geo.logical_blocks)));
+        }
+        Ok((lba / BM_ENTRIES_PER_PAGE, PAGE_HEADER_BYTES + (lba % BM_ENTRIES_PER_PAGE) as usize * MAP_ENTRY_BYTES))
+    }
+
+    /// Reads a page from disk (both slots) without caching it.
+    pub fn read_page(&mut self, page: u64) -> Result<(Box<[u8]>, SlotPick)> {
+        let mut both = vec![0u8; 2 * BLOCK_SIZE];
+        self.meta.read(IoKind::BlockMap, &mut both, self.slot_offset(page, 0))?;
+        let pick = pick_slot(&both, BM_PAGE_MAGIC, page, self.uuid_lo);
+        if pick.damaged && pick.slot.is_none() {
+            self.damaged_pages += 1;
+        }
+        let buf: Box<[u8]> = match pick.slot {
+            Some(s) => both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE).unwrap_or(&[]).into(),
+            None => vec![0u8; BLOCK_SIZE].into_boxed_slice(),
+        };
+        if buf.len() != BLOCK_SIZE {
+            return Err(Error::Corrupt(format!("block map page {page} has an invalid size")));
+        }
+        Ok((buf, pick))
+    }
+
+    fn page_mut(&mut self, page: u64) -> Result<&mut CachedPage> {
+        self.tick += 1;
+        let tick = self.tick;
+        if self.pages.contains_key(&page) {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+            let (buf, pick) = self.read_page(page)?;
+            self.pages.insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+        }
+        let p = self.pages.get_mut(&page).ok_or_else(|| Error::Corrupt("block map cache lost a page".into()))?;
+        p.used = tick;
+        Ok(p)
+    }
+
+    /// The mapping of `lba`.
+    pub fn get(&mut self, lba: u64) -> Result<MapEntry> {
+        let (page, off) = self.locate(lba)?;
+        let p = self.page_mut(page)?;
+        MapEntry::decode(p.buf.get(off..off + MAP_ENTRY_BYTES).unwrap_or(&[]))
+            .map_err(|e| Error::Corrupt(format!("logical block {lba}: {e}")))
+    }
+
+    /// The applied seq of the page holding `lba`.
+    pub fn page_seq(&mut self, lba: u64) -> Result<u64> {
+        let (page, _) = self.locate(lba)?;
+        Ok(self.page_mut(page)?.seq)
+    }
+
+    /// Sets the mapping of `lba` as journal entry `seq`; returns the previous mapping.
+    pub fn set(&mut self, lba: u64, e: MapEntry, seq: u64) -> Result<MapEntry> {
+        let (page, off) = self.locate(lba)?;
+        let p = self.page_mut(page)?;
+        assert!(seq >= p.seq, "journal entries must be applied in order (page {page}: {seq} < {})", p.seq);
+        let slot = p.buf.get_mut(off..off + MAP_ENTRY_BYTES).ok_or_else(|| Error::Corrupt("entry offset".into()))?;
+        let old = MapEntry::decode(slot)?;
+        e.encode(slot);
+        p.seq = seq;
+        p.dirty = true;
+        Ok(old)
+    }
+
+    fn write_page(&mut self, page: u64) -> Result<()> {
+        if self.written_unsynced.contains(&page) {
+            // Both slots would hold unsynced copies: make the previous one durable first.
+            self.meta.sync()?;
+            self.written_unsynced.clear();
+        }
+        let uuid_lo = self.uuid_lo;
+        let (slot, offset, buf) = {
+            let p = self.pages.get_mut(&page).ok_or_else(|| Error::Corrupt("write of uncached page".into()))?;
+            let slot = p.latest_slot.map_or(0, |s| 1 - s);
+            let seq = p.seq;
+            seal_page(&mut p.buf, BM_PAGE_MAGIC, page, seq, uuid_lo);
+            (slot, 0, p.buf.clone())
+        };
+        let _ = offset;
+        self.meta.write(IoKind::BlockMap, &buf, self.slot_offset(page, slot))?;
+        if let Some(p) = self.pages.get_mut(&page) {
+            p.latest_slot = Some(slot);
+            p.dirty = false;
+        }
+        self.written_unsynced.insert(page);
+        Ok(())
+    }
+
+    /// Evicts least recently used pages while over capacity; writes dirty victims whose
+    /// entries are durable (`seq <= durable_seq`). Pages with undurable entries stay.
+    pub fn evict(&mut self, durable_seq: u64) -> Result<()> {
+        if self.pages.len() <= self.capacity_pages {
+            return Ok(());
+        }
+        let target = self.capacity_pages - self.capacity_pages / 8;
+        let mut victims: Vec<(u64, u64)> = self
+            .pages
+            .iter()
+            .filter(|(_, p)| !p.dirty || p.seq <= durable_seq)
+            .map(|(&i, p)| (p.used, i))
+            .collect();
+        victims.sort_unstable();
+        let excess = self.pages.len() - target;
+        for &(_, page) in victims.iter().take(excess) {
+            if self.pages.get(&page).is_some_and(|p| p.dirty) {
+                self.write_page(page)?;
+            }
+            self.pages.remove(&page);
+        }
+        Ok(())
+    }
+
+    /// Writes every dirty page whose entries are durable; returns how many were written.
+    /// The caller syncs the metadata device before reclaiming journal space.
+    pub fn write_dirty(&mut self, durable_seq: u64) -> Result<u64> {
+        let mut dirty: Vec<u64> =
+            self.pages.iter().filter(|(_, p)| p.dirty && p.seq <= durable_seq).map(|(&i, _)| i).collect();
+        dirty.sort_unstable();
+        for &page in &dirty {
+            self.write_page(page)?;
+        }
+        Ok(dirty.len() as u64)
+    }
+
+    /// True when some cached page holds changes not yet written.
+    pub fn has_dirty(&self) -> bool {
+        self.pages.values().any(|p| p.dirty)
+    }
+
+    /// Called after a metadata sync: every written copy is now durable.
+    pub fn note_synced(&mut self) {
+        self.written_unsynced.clear();
+    }
+
+    /// Pages in the cache.
+    pub fn cached_pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Drops every clean page (after a whole-map scan, so the cache does not stay inflated).
+    pub fn drop_clean(&mut self) {
+        self.pages.retain(|_, p| p.dirty);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_bad_states_are_corruption() {
+        for e in [MapEntry::UNMAPPED, MapEntry::ZERO, MapEntry::raw((1 << 40) - 1, 0xdead_beef), MapEntry::packed(7, 13, 1)] {
+            let mut b = [0u8; MAP_ENTRY_BYTES];
+            e.encode(&mut b);
+            assert_eq!(MapEntry::decode(&b).expect("decode"), e);
+        }
+        let mut b = [0u8; MAP_ENTRY_BYTES];
+        b[5] = 3;
+        assert!(MapEntry::decode(&b).is_err());
+        b[5] = STATE_SLOT0 + PACKED_SLOTS_MAX;
+        assert!(MapEntry::decode(&b).is_err());
+    }
+
+    #[test]
+    fn newest_valid_slot_wins_and_torn_slot_is_skipped() {
+        let mut both = vec![0u8; 2 * BLOCK_SIZE];
+        seal_page(&mut both[..BLOCK_SIZE], BM_PAGE_MAGIC, 5, 10, 42);
+        seal_page(&mut both[BLOCK_SIZE..], BM_PAGE_MAGIC, 5, 11, 42);
+        assert_eq!(pick_slot(&both, BM_PAGE_MAGIC, 5, 42).slot, Some(1));
+        both[BLOCK_SIZE + 600] ^= 1;
+        let p = pick_slot(&both, BM_PAGE_MAGIC, 5, 42);
+        assert_eq!((p.slot, p.seq, p.damaged), (Some(0), 10, true));
+        assert_eq!(pick_slot(&both, BM_PAGE_MAGIC, 6, 42).slot, None, "wrong page index");
+        assert_eq!(pick_slot(&both, BM_PAGE_MAGIC, 5, 43).slot, None, "foreign volume");
+    }
+}

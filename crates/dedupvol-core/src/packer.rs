@@ -1,1 +1,211 @@
-//! (being written)
+//! Compression and packing: several compressed 4 KiB blocks ("fragments") share one
+//! physical block.
+//!
+//! Packed block layout (4096 bytes):
+//! `magic "DVPK" (4) | crc32c of the block (4) | count (1) | codec (1) | reserved (2) |
+//!  14 × (offset u16, length u16) (56) | reserved (4) | fragment bytes from offset 72`.
+//!
+//! Invariants:
+//! - Fragments lie inside the data area (72..4096), do not overlap, and appear in slot order.
+//! - A packed block is immutable once written; the open block lives only in memory and is
+//!   written ("sealed") when full or when a commit needs its data durable.
+//! - A fragment decompresses to exactly 4096 bytes, or the block is reported corrupt.
+
+use crate::block_map::PACKED_SLOTS_MAX;
+use crate::codec::{crc_ok, get_u16, put_u16, put_u32, seal_crc};
+use crate::config::{Compression, BLOCK_SIZE};
+use crate::error::{Error, Result};
+
+/// Magic of a packed block.
+pub const PACKED_MAGIC: u32 = u32::from_le_bytes(*b"DVPK");
+/// Bytes before the fragment area.
+pub const PACKED_HEADER_BYTES: usize = 72;
+/// Largest fragment that can be packed.
+pub const FRAGMENT_BYTES_MAX: usize = BLOCK_SIZE - PACKED_HEADER_BYTES;
+const CRC_OFFSET: usize = 4;
+
+const _: () = assert!(12 + 4 * PACKED_SLOTS_MAX as usize <= PACKED_HEADER_BYTES);
+
+/// Compresses a 4 KiB block; None when the result would not fit in a packed block.
+pub fn compress(codec: Compression, src: &[u8]) -> Option<Vec<u8>> {
+    // lz4_flex wants room for its worst case; anything over FRAGMENT_BYTES_MAX is dropped below.
+    let mut out = vec![0u8; lz4_flex::block::get_maximum_output_size(src.len()).max(FRAGMENT_BYTES_MAX)];
+    let n = match codec {
+        Compression::None => return None,
+        Compression::Lz4 => lz4_flex::block::compress_into(src, &mut out).ok()?,
+        Compression::Zstd => zstd::bulk::compress_to_buffer(src, &mut out[..FRAGMENT_BYTES_MAX], 1).ok()?,
+    };
+    if n == 0 || n > FRAGMENT_BYTES_MAX {
+        return None;
+    }
+    out.truncate(n);
+    Some(out)
+}
+
+/// Decompresses a fragment into exactly 4096 bytes.
+pub fn decompress(codec: Compression, frag: &[u8], out: &mut [u8]) -> Result<()> {
+    let n = match codec {
+        Compression::None => return Err(Error::Corrupt("packed block with codec none".into())),
+        Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| Error::Corrupt(format!("lz4: {e}")))?,
+        Compression::Zstd => zstd::bulk::decompress_to_buffer(frag, out).map_err(|e| Error::Corrupt(format!("zstd: {e}")))?,
+    };
+    if n != BLOCK_SIZE {
+        return Err(Error::Corrupt(format!("fragment decompressed to {n} bytes, not {BLOCK_SIZE}")));
+    }
+    Ok(())
+}
+
+/// Returns the compressed bytes of `slot` and the codec, validating the block.
+pub fn fragment(block: &[u8], slot: u8) -> Result<(Compression, &[u8])> {
+    if block.len() != BLOCK_SIZE || crate::codec::get_u32(block, 0) != PACKED_MAGIC {
+        return Err(Error::Corrupt("not a packed block".into()));
+    }
+    if !crc_ok(block, CRC_OFFSET) {
+        return Err(Error::Corrupt("packed block checksum mismatch".into()));
+    }
+    let count = block.get(8).copied().unwrap_or(0);
+    let codec = Compression::from_code(block.get(9).copied().unwrap_or(0xff))
+        .ok_or_else(|| Error::Corrupt("packed block with unknown codec".into()))?;
+    if slot >= count || count > PACKED_SLOTS_MAX {
+        return Err(Error::Corrupt(format!("packed block has {count} fragments; slot {slot} requested")));
+    }
+    let off = usize::from(get_u16(block, 12 + 4 * usize::from(slot)));
+    let len = usize::from(get_u16(block, 14 + 4 * usize::from(slot)));
+    if off < PACKED_HEADER_BYTES || off + len > BLOCK_SIZE || len == 0 {
+        return Err(Error::Corrupt(format!("packed block slot {slot} out of bounds ({off}+{len})")));
+    }
+    Ok((codec, block.get(off..off + len).unwrap_or(&[])))
+}
+
+/// Decodes the logical 4 KiB content of `slot` of a packed block.
+pub fn unpack(block: &[u8], slot: u8, out: &mut [u8]) -> Result<()> {
+    let (codec, frag) = fragment(block, slot)?;
+    decompress(codec, frag, out)
+}
+
+/// The block being filled.
+pub struct OpenBlock {
+    /// Its physical block.
+    pub pbn: u64,
+    buf: Box<[u8]>,
+    count: u8,
+    used: usize,
+}
+
+/// The packer: at most one open block.
+pub struct Packer {
+    codec: Compression,
+    open: Option<OpenBlock>,
+}
+
+impl Packer {
+    /// A packer writing fragments compressed with `codec`.
+    pub fn new(codec: Compression) -> Self {
+        Packer { codec, open: None }
+    }
+
+    /// The open block's physical block, if any.
+    pub fn open_pbn(&self) -> Option<u64> {
+        self.open.as_ref().map(|o| o.pbn)
+    }
+
+    /// True when the open block holds fragments.
+    pub fn has_fragments(&self) -> bool {
+        self.open.as_ref().is_some_and(|o| o.count > 0)
+    }
+
+    /// Adds a fragment to the open block; None when there is no open block or it is full.
+    pub fn try_add(&mut self, frag: &[u8]) -> Option<u8> {
+        let o = self.open.as_mut()?;
+        if o.count >= PACKED_SLOTS_MAX || o.used + frag.len() > BLOCK_SIZE || frag.is_empty() {
+            return None;
+        }
+        let slot = o.count;
+        o.buf.get_mut(o.used..o.used + frag.len())?.copy_from_slice(frag);
+        put_u16(&mut o.buf, 12 + 4 * usize::from(slot), o.used as u16);
+        put_u16(&mut o.buf, 14 + 4 * usize::from(slot), frag.len() as u16);
+        o.used += frag.len();
+        o.count += 1;
+        Some(slot)
+    }
+
+    /// Opens a new block at `pbn` (the previous one must have been sealed).
+    pub fn open(&mut self, pbn: u64) {
+        debug_assert!(self.open.is_none());
+        let mut buf = vec![0u8; BLOCK_SIZE].into_boxed_slice();
+        put_u32(&mut buf, 0, PACKED_MAGIC);
+        if let Some(c) = buf.get_mut(9) {
+            *c = self.codec.code();
+        }
+        self.open = Some(OpenBlock { pbn, buf, count: 0, used: PACKED_HEADER_BYTES });
+    }
+
+    /// Closes the open block and returns it ready to write (None when nothing is open;
+    /// an open block without fragments is returned with `count == 0` so its pbn can be
+    /// unreserved).
+    pub fn seal(&mut self) -> Option<(u64, Box<[u8]>, u8)> {
+        let mut o = self.open.take()?;
+        if let Some(c) = o.buf.get_mut(8) {
+            *c = o.count;
+        }
+        seal_crc(&mut o.buf, CRC_OFFSET);
+        Some((o.pbn, o.buf, o.count))
+    }
+
+    /// Decodes a fragment of the open block (reads and verification of data not yet written).
+    pub fn unpack_open(&self, pbn: u64, slot: u8, out: &mut [u8]) -> Option<Result<()>> {
+        let o = self.open.as_ref().filter(|o| o.pbn == pbn)?;
+        if slot >= o.count {
+            return Some(Err(Error::Corrupt(format!("open packed block has no slot {slot}"))));
+        }
+        let off = usize::from(get_u16(&o.buf, 12 + 4 * usize::from(slot)));
+        let len = usize::from(get_u16(&o.buf, 14 + 4 * usize::from(slot)));
+        Some(match o.buf.get(off..off + len) {
+            Some(f) => decompress(self.codec, f, out),
+            None => Err(Error::Corrupt("open block fragment out of bounds".into())),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_seal_unpack_round_trip() {
+        let mut p = Packer::new(Compression::Lz4);
+        p.open(9);
+        let blocks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; BLOCK_SIZE]).collect();
+        for (i, b) in blocks.iter().enumerate() {
+            let f = compress(Compression::Lz4, b).expect("compressible");
+            assert_eq!(p.try_add(&f), Some(i as u8));
+        }
+        let mut out = vec![0u8; BLOCK_SIZE];
+        p.unpack_open(9, 3, &mut out).expect("open").expect("unpack");
+        assert_eq!(out, blocks[3]);
+        let (pbn, buf, count) = p.seal().expect("sealed");
+        assert_eq!((pbn, count), (9, 5));
+        for (i, b) in blocks.iter().enumerate() {
+            unpack(&buf, i as u8, &mut out).expect("unpack");
+            assert_eq!(&out, b);
+        }
+        assert!(unpack(&buf, 5, &mut out).is_err());
+        let mut bad = buf.to_vec();
+        bad[200] ^= 1;
+        assert!(unpack(&bad, 0, &mut out).is_err());
+    }
+
+    #[test]
+    fn random_data_does_not_compress() {
+        let mut x = 0x1234_5678_9abc_def0u64;
+        let data: Vec<u8> = (0..BLOCK_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        assert!(compress(Compression::Lz4, &data).is_none());
+    }
+}

@@ -1,1 +1,269 @@
-//! (being written)
+//! Reference counts and fragment counts of every physical data block, all in memory,
+//! persisted in checksummed two-slot pages.
+//!
+//! Invariants:
+//! - `count[pbn]` equals the number of block map entries referencing `pbn` (raw or any
+//!   packed slot) once the journal is applied; it never exceeds `REFCOUNT_MAX`.
+//! - `frags[pbn]` is 0 for a free block, 1 for a raw block, and for a packed block the
+//!   number of slots its referenced fragments span (highest referenced slot + 1).
+//! - Pages follow the block map's rules: applied-seq idempotency, the write-ahead rule,
+//!   and two slots never both unsynced.
+
+use crate::block_map::{pick_slot, seal_page, MapEntry, PAGE_HEADER_BYTES};
+use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::error::{Error, Result};
+use crate::layout::{Geometry, RC_ENTRIES_PER_PAGE};
+use crate::storage::{Dev, IoKind};
+use std::collections::HashSet;
+
+/// Largest reference count; a duplicate of a block at the cap is stored as a new copy.
+pub const REFCOUNT_MAX: u8 = 254;
+/// Magic of a refcount page ("DVRC").
+pub const RC_PAGE_MAGIC: u32 = u32::from_le_bytes(*b"DVRC");
+/// Pages read per I/O when loading.
+const LOAD_PAGES_PER_IO: u64 = 128;
+
+const _: () = assert!(PAGE_HEADER_BYTES + RC_ENTRIES_PER_PAGE as usize * 2 == BLOCK_SIZE);
+
+/// All reference counts of a volume.
+pub struct Refcounts {
+    geo: Geometry,
+    uuid_lo: u64,
+    meta: Dev,
+    count: Vec<u8>,
+    frags: Vec<u8>,
+    page_seq: Vec<u64>,
+    page_dirty: Vec<bool>,
+    latest_slot: Vec<Option<u8>>,
+    written_unsynced: HashSet<u64>,
+    used_blocks: u64,
+    fragments: u64,
+    /// Pages found with a damaged slot and no valid copy.
+    pub damaged_pages: u64,
+}
+
+impl Refcounts {
+    /// Loads every refcount page from `meta`.
+    pub fn load(geo: Geometry, uuid_lo: u64, meta: Dev) -> Result<Self> {
+        let n = geo.data_blocks as usize;
+        let pages = geo.refcount_pages;
+        let mut rc = Refcounts {
+            geo,
+            uuid_lo,
+            meta,
+            count: vec![0; n],
+            frags: vec![0; n],
+            page_seq: vec![0; pages as usize],
+            page_dirty: vec![false; pages as usize],
+            latest_slot: vec![None; pages as usize],
+            written_unsynced: HashSet::new(),
+            used_blocks: 0,
+            fragments: 0,
+            damaged_pages: 0,
+        };
+        let mut first = 0u64;
+        while first < pages {
+            let take = (pages - first).min(LOAD_PAGES_PER_IO);
+            let mut buf = vec![0u8; (2 * take) as usize * BLOCK_SIZE];
+            rc.meta.read(IoKind::Refcount, &mut buf, (geo.refcount_start + 2 * first) * BLOCK_SIZE_U64)?;
+            for i in 0..take {
+                let page = first + i;
+                let both = buf.get((2 * i) as usize * BLOCK_SIZE..(2 * i + 2) as usize * BLOCK_SIZE).unwrap_or(&[]);
+                let pick = pick_slot(both, RC_PAGE_MAGIC, page, uuid_lo);
+                if pick.damaged && pick.slot.is_none() {
+                    rc.damaged_pages += 1;
+                }
+                let Some(s) = pick.slot else { continue };
+                let src = both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                let base = page * RC_ENTRIES_PER_PAGE;
+                for j in 0..RC_ENTRIES_PER_PAGE {
+                    let pbn = base + j;
+                    if pbn >= geo.data_blocks {
+                        break;
+                    }
+                    let off = PAGE_HEADER_BYTES + 2 * j as usize;
+                    let c = src.get(off).copied().unwrap_or(0);
+                    let f = src.get(off + 1).copied().unwrap_or(0);
+                    if c > REFCOUNT_MAX {
+                        return Err(Error::Corrupt(format!("refcount page {page}: block {pbn} has count {c}")));
+                    }
+                    if let (Some(cc), Some(ff)) = (rc.count.get_mut(pbn as usize), rc.frags.get_mut(pbn as usize)) {
+                        *cc = c;
+                        *ff = f;
+                    }
+                }
+                if let (Some(sq), Some(ls)) = (rc.page_seq.get_mut(page as usize), rc.latest_slot.get_mut(page as usize)) {
+                    *sq = pick.seq;
+                    *ls = Some(s);
+                }
+            }
+            first += take;
+        }
+        rc.used_blocks = rc.count.iter().filter(|&&c| c > 0).count() as u64;
+        rc.fragments = rc.frags.iter().zip(&rc.count).filter(|(_, &c)| c > 0).map(|(&f, _)| u64::from(f)).sum();
+        Ok(rc)
+    }
+
+    /// Reference count of `pbn` (0 when out of range).
+    pub fn get(&self, pbn: u64) -> u8 {
+        self.count.get(pbn as usize).copied().unwrap_or(0)
+    }
+
+    /// Blocks with a non-zero count.
+    pub fn used_blocks(&self) -> u64 {
+        self.used_blocks
+    }
+
+    /// Sum of fragment counts over used blocks.
+    pub fn fragments(&self) -> u64 {
+        self.fragments
+    }
+
+    /// All counts (for the allocator and audits).
+    pub fn counts(&self) -> &[u8] {
+        &self.count
+    }
+
+    fn page_of(pbn: u64) -> usize {
+        (pbn / RC_ENTRIES_PER_PAGE) as usize
+    }
+
+    /// Applied seq of the page holding `pbn`.
+    pub fn page_seq(&self, pbn: u64) -> u64 {
+        self.page_seq.get(Self::page_of(pbn)).copied().unwrap_or(u64::MAX)
+    }
+
+    fn touch(&mut self, pbn: u64, seq: u64) {
+        let p = Self::page_of(pbn);
+        if let (Some(s), Some(d)) = (self.page_seq.get_mut(p), self.page_dirty.get_mut(p)) {
+            *s = (*s).max(seq);
+            *d = true;
+        }
+    }
+
+    /// Adds a reference for `e` (a data mapping) as journal entry `seq`.
+    pub fn inc(&mut self, e: &MapEntry, seq: u64) -> Result<()> {
+        let pbn = e.pbn;
+        let i = pbn as usize;
+        let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
+            return Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region")));
+        };
+        if *c >= REFCOUNT_MAX {
+            return Err(Error::Corrupt(format!("reference count of block {pbn} would exceed {REFCOUNT_MAX}")));
+        }
+        let old_frags = if *c == 0 { 0 } else { *f };
+        if *c == 0 {
+            self.used_blocks += 1;
+        }
+        *c += 1;
+        let want = e.slot().map_or(1, |s| s + 1);
+        *f = old_frags.max(want);
+        self.fragments += u64::from(*f) - u64::from(old_frags);
+        self.touch(pbn, seq);
+        Ok(())
+    }
+
+    /// Drops a reference for `e` as journal entry `seq`; returns true when the block became free.
+    pub fn dec(&mut self, e: &MapEntry, seq: u64) -> Result<bool> {
+        let pbn = e.pbn;
+        let i = pbn as usize;
+        let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
+            return Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region")));
+        };
+        if *c == 0 {
+            return Err(Error::Corrupt(format!("reference count of block {pbn} would go below zero")));
+        }
+        *c -= 1;
+        let freed = *c == 0;
+        if freed {
+            self.used_blocks -= 1;
+            self.fragments -= u64::from(*f);
+            *f = 0;
+        }
+        self.touch(pbn, seq);
+        Ok(freed)
+    }
+
+    /// Overwrites the count of `pbn` (repair only).
+    pub fn set_for_repair(&mut self, pbn: u64, count: u8, frags: u8, seq: u64) {
+        let i = pbn as usize;
+        if let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) {
+            if *c > 0 {
+                self.used_blocks -= 1;
+                self.fragments -= u64::from(*f);
+            }
+            *c = count;
+            *f = if count > 0 { frags } else { 0 };
+            if count > 0 {
+                self.used_blocks += 1;
+                self.fragments += u64::from(*f);
+            }
+        }
+        self.touch(pbn, seq);
+    }
+
+    /// Fragment count of `pbn`.
+    pub fn frags(&self, pbn: u64) -> u8 {
+        self.frags.get(pbn as usize).copied().unwrap_or(0)
+    }
+
+    fn encode_page(&self, page: u64) -> Vec<u8> {
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        let base = page * RC_ENTRIES_PER_PAGE;
+        for j in 0..RC_ENTRIES_PER_PAGE {
+            let pbn = base + j;
+            if pbn >= self.geo.data_blocks {
+                break;
+            }
+            let off = PAGE_HEADER_BYTES + 2 * j as usize;
+            if let Some(d) = buf.get_mut(off..off + 2) {
+                d[0] = self.get(pbn);
+                d[1] = self.frags(pbn);
+            }
+        }
+        let seq = self.page_seq.get(page as usize).copied().unwrap_or(0);
+        seal_page(&mut buf, RC_PAGE_MAGIC, page, seq, self.uuid_lo);
+        buf
+    }
+
+    /// Writes every dirty page whose applied seq is durable; returns pages written.
+    pub fn write_dirty(&mut self, durable_seq: u64) -> Result<u64> {
+        let mut written = 0;
+        for page in 0..self.geo.refcount_pages {
+            let p = page as usize;
+            let dirty = self.page_dirty.get(p).copied().unwrap_or(false);
+            if !dirty || self.page_seq.get(p).copied().unwrap_or(u64::MAX) > durable_seq {
+                continue;
+            }
+            if self.written_unsynced.contains(&page) {
+                self.meta.sync()?;
+                self.written_unsynced.clear();
+            }
+            let slot = self.latest_slot.get(p).copied().flatten().map_or(0, |s| 1 - s);
+            let buf = self.encode_page(page);
+            self.meta.write(IoKind::Refcount, &buf, (self.geo.refcount_start + 2 * page + u64::from(slot)) * BLOCK_SIZE_U64)?;
+            if let (Some(ls), Some(d)) = (self.latest_slot.get_mut(p), self.page_dirty.get_mut(p)) {
+                *ls = Some(slot);
+                *d = false;
+            }
+            self.written_unsynced.insert(page);
+            written += 1;
+        }
+        Ok(written)
+    }
+
+    /// True when some page holds unwritten changes.
+    pub fn has_dirty(&self) -> bool {
+        self.page_dirty.iter().any(|&d| d)
+    }
+
+    /// Called after a metadata sync.
+    pub fn note_synced(&mut self) {
+        self.written_unsynced.clear();
+    }
+
+    /// Largest applied seq over all pages.
+    pub fn max_seq(&self) -> u64 {
+        self.page_seq.iter().copied().max().unwrap_or(0)
+    }
+}

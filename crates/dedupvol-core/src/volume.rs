@@ -1,55 +1,1180 @@
-//! (being written) The public Volume API.
-use crate::config::{FormatOptions, OpenOptions};
+//! The volume: the reduction pipeline on top of the metadata structures, and the public
+//! read / write / flush / discard / write-zeroes API.
+//!
+//! Write path, per request (4 KiB chunks):
+//! 1. without locks: zero check, BLAKE3 fingerprint, crc32c of the content;
+//! 2. under the state lock: index lookups (candidates);
+//! 3. without locks: verify candidates (content cache or a verification read, then a byte
+//!    compare) and compress the chunks that have no verified duplicate;
+//! 4. under the state lock: place new data (packer or raw block), write it, then journal
+//!    and apply every mapping change (block map + refcounts).
+//!
+//! Invariants:
+//! - Data is on the device (written, not necessarily synced) before any mapping that
+//!   references it is visible; a commit syncs data before writing journal blocks, and
+//!   syncs the journal before reporting durability (DESIGN.md §4).
+//! - Lock order: `commit_lock` before `state`; `cache` is taken alone.
+//! - After a failed device write or sync the volume is "failed": it refuses writes, since
+//!   what reached the device is unknown (a failed fsync is never retried and assumed good).
+//! - The content a block map entry points to always hashes (crc32c) to the entry's crc; a
+//!   read that finds otherwise retries once from the mapping, then reports corruption.
+
+use crate::allocator::Allocator;
+use crate::block_map::{BlockMap, MapEntry, STATE_RAW};
+use crate::cache::{Block, ContentCache};
+use crate::config::{Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
-use crate::stats::Stats;
-use crate::storage::Storage;
+use crate::index::{Index, Location};
+use crate::journal::{self, CommitBatch, Counters, Journal};
+use crate::layout::Geometry;
+use crate::packer::{self, Packer};
+use crate::refcount::{Refcounts, REFCOUNT_MAX};
+use crate::stats::{ReductionCounters, Savings, Stats};
+use crate::storage::{Dev, FileStorage, IoCounters, IoKind, Storage};
+use crate::superblock::Superblock;
+use parking_lot::Mutex;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// An open volume. Safe to share between threads (`&self` methods).
+/// Stripes of the read-modify-write lock (unaligned writes to one block are serialised).
+const RMW_STRIPES: usize = 64;
+/// Blocks handled per state-lock hold for discard / write-zeroes of large ranges.
+const UNMAP_BLOCKS_PER_LOCK: u64 = 8192;
+/// Attempts to read a block whose content does not match its checksum (reuse races).
+const READ_ATTEMPTS: usize = 2;
+
+/// Everything protected by the state lock.
+pub(crate) struct State {
+    pub(crate) map: BlockMap,
+    pub(crate) rc: Refcounts,
+    pub(crate) alloc: Allocator,
+    pub(crate) journal: Journal,
+    pub(crate) packer: Packer,
+    pub(crate) index: Index,
+    /// Per-block reuse stamps (hash verification mode only).
+    pub(crate) stamps: Option<Vec<u16>>,
+    /// Bumped whenever freed blocks become reusable; a verification done before a bump is stale.
+    pub(crate) reuse_gen: u64,
+    pub(crate) counters: Counters,
+    pub(crate) red: ReductionCounters,
+}
+
+/// An open volume. Share it between threads with `Arc`; every method takes `&self`.
 pub struct Volume {
-    _p: (),
+    pub(crate) data: Dev,
+    pub(crate) meta: Dev,
+    pub(crate) geo: Geometry,
+    pub(crate) sb: Mutex<Superblock>,
+    pub(crate) state: Mutex<State>,
+    commit_lock: Mutex<()>,
+    cache: Mutex<ContentCache>,
+    rmw: Vec<Mutex<()>>,
+    io: Arc<IoCounters>,
+    policy: WritePolicy,
+    dedup: bool,
+    compression: Compression,
+    pub(crate) read_only: bool,
+    failed: AtomicBool,
+    failure: Mutex<String>,
+    /// Problems noticed while opening (superblock copies, damaged pages), for `check`.
+    pub(crate) open_notes: Vec<String>,
+}
+
+/// How one chunk of a write will be stored.
+enum Plan {
+    Zero,
+    Data { hash: [u8; 32], crc: u32, candidate: Option<Location>, verified: bool, frag: Option<Vec<u8>> },
+}
+
+fn new_uuid() -> [u8; 16] {
+    let mut h = blake3::Hasher::new();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    h.update(&now.to_le_bytes());
+    h.update(&std::process::id().to_le_bytes());
+    let local = 0u8;
+    h.update(&(std::ptr::addr_of!(local) as usize).to_le_bytes());
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let mut r = [0u8; 16];
+        if std::io::Read::read_exact(&mut f, &mut r).is_ok() {
+            h.update(&r);
+        }
+    }
+    let mut u = [0u8; 16];
+    u.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    u
+}
+
+fn uuid_lo(u: &[u8; 16]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&u[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// Formats a UUID as hex.
+pub fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Volume {
-    /// Formats `data` (and `meta` when given) as a new volume. Refuses to overwrite an
-    /// existing volume unless `force`.
-    pub fn format(_data: Arc<dyn Storage>, _meta: Option<Arc<dyn Storage>>, _opts: &FormatOptions, _force: bool) -> Result<()> {
-        Err(Error::InvalidArgument("not yet".into()))
+    // ----------------------------------------------------------------------------------
+    // format / open / close
+    // ----------------------------------------------------------------------------------
+
+    /// Formats `data` (and `meta`, when given) as a new, empty volume. Refuses to overwrite
+    /// an existing volume unless `force`.
+    pub fn format(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &FormatOptions, force: bool) -> Result<()> {
+        Self::format_with_hint(data, meta, opts, force, None)
     }
-    /// Opens a volume, replaying the journal when it was not closed cleanly.
-    pub fn open(_data: Arc<dyn Storage>, _meta: Option<Arc<dyn Storage>>, _opts: &OpenOptions) -> Result<Volume> {
-        Err(Error::InvalidArgument("not yet".into()))
-    }
-    /// Logical size in bytes.
-    pub fn logical_size(&self) -> u64 {
-        0
-    }
-    /// Reads `buf.len()` bytes at byte `offset`.
-    pub fn read(&self, _offset: u64, _buf: &mut [u8]) -> Result<()> {
-        Err(Error::InvalidArgument("not yet".into()))
-    }
-    /// Writes `data` at byte `offset`; with `fua` the write is durable when this returns.
-    pub fn write(&self, _offset: u64, _data: &[u8], _fua: bool) -> Result<()> {
-        Err(Error::InvalidArgument("not yet".into()))
-    }
-    /// Makes every write completed before this call durable.
-    pub fn flush(&self) -> Result<()> {
-        Err(Error::InvalidArgument("not yet".into()))
-    }
-    /// Discards a byte range: it reads back as zeros and its space is freed.
-    pub fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
-        Err(Error::InvalidArgument("not yet".into()))
-    }
-    /// Writes zeros to a byte range (no data I/O; space is freed).
-    pub fn write_zeroes(&self, _offset: u64, _len: u64, _fua: bool) -> Result<()> {
-        Err(Error::InvalidArgument("not yet".into()))
-    }
-    /// A statistics snapshot.
-    pub fn stats(&self) -> Stats {
-        unimplemented!()
-    }
-    /// Flushes everything, writes all metadata and marks the volume clean.
-    pub fn close(self) -> Result<()> {
+
+    fn format_with_hint(
+        data: Arc<dyn Storage>,
+        meta: Option<Arc<dyn Storage>>,
+        opts: &FormatOptions,
+        force: bool,
+        meta_path: Option<String>,
+    ) -> Result<()> {
+        opts.validate()?;
+        let io = Arc::new(IoCounters::default());
+        let data = Dev::new(data, io.clone());
+        let meta = meta.map(|m| Dev::new(m, io));
+        if !force {
+            for (dev, role) in std::iter::once((&data, 0u8)).chain(meta.iter().map(|m| (m, 1u8))) {
+                if dev.len() >= 2 * BLOCK_SIZE_U64 {
+                    match Superblock::read(dev, role) {
+                        Err(Error::NotAVolume(m)) if !m.contains("role") => {}
+                        _ => return Err(Error::AlreadyFormatted(dev.name())),
+                    }
+                }
+            }
+        }
+        let geo = Geometry::compute(
+            opts.logical_size_bytes / BLOCK_SIZE_U64,
+            data.len(),
+            meta.as_ref().map(|m| m.len()),
+            opts.slab_size_bytes / BLOCK_SIZE_U64,
+            opts.journal_size_bytes,
+            opts.index_memory_bytes,
+        )?;
+        let sb = Superblock {
+            uuid: new_uuid(),
+            generation: 1,
+            compression: opts.compression,
+            dedup: opts.dedup,
+            verify: opts.verify,
+            write_policy: opts.write_policy,
+            clean: true,
+            geometry: geo,
+            index_memory_bytes: opts.index_memory_bytes,
+            next_entry_seq: 1,
+            next_block_seq: 0,
+            mapped_blocks: 0,
+            zero_blocks: 0,
+            index_saved_entries: 0,
+            meta_path,
+        };
+        // Metadata device first: a crash mid-format leaves the data device unformatted.
+        if let Some(m) = &meta {
+            write_copies(m, &sb, 1)?;
+        }
+        write_copies(&data, &sb, 0)?;
         Ok(())
     }
+
+    /// Formats a file or block device by path; `physical_size` creates or extends a file.
+    pub fn format_path(
+        path: &Path,
+        physical_size: Option<u64>,
+        meta_device: Option<&Path>,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<()> {
+        let data: Arc<dyn Storage> = Arc::new(FileStorage::create(path, physical_size)?);
+        let meta: Option<Arc<dyn Storage>> = match meta_device {
+            Some(m) => Some(Arc::new(FileStorage::open(m, false)?)),
+            None => None,
+        };
+        let hint = meta_device.and_then(|m| std::fs::canonicalize(m).ok()).map(|p| p.display().to_string());
+        Self::format_with_hint(data, meta, opts, force, hint)
+    }
+
+    /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
+    /// `meta_device` overrides it.
+    pub fn open_path(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Volume> {
+        let data: Arc<dyn Storage> = Arc::new(FileStorage::open(path, opts.read_only)?);
+        let meta_path = match meta_device {
+            Some(m) => Some(m.to_path_buf()),
+            None => {
+                let dev = Dev::new(data.clone(), Arc::new(IoCounters::default()));
+                let (sb, _) = Superblock::read(&dev, 0)?;
+                if sb.geometry.meta_dev_blocks > 0 {
+                    match sb.meta_path {
+                        Some(p) => Some(p.into()),
+                        None => {
+                            return Err(Error::InvalidArgument(
+                                "this volume keeps its metadata on a separate device: pass --meta-device".into(),
+                            ))
+                        }
+                    }
+                } else {
+                    None
+                }
+            }
+        };
+        let meta: Option<Arc<dyn Storage>> = match meta_path {
+            Some(m) => Some(Arc::new(FileStorage::open(&m, opts.read_only)?)),
+            None => None,
+        };
+        Self::open(data, meta, opts)
+    }
+
+    /// Opens a volume, replaying the journal if it was not closed cleanly.
+    pub fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Volume> {
+        let io = Arc::new(IoCounters::default());
+        let data = Dev::new(data, io.clone());
+        let (mut sb, mut notes) = Superblock::read(&data, 0)?;
+        let geo = sb.geometry;
+        let separate = geo.meta_dev_blocks > 0;
+        let meta = match (meta, separate) {
+            (Some(m), true) => {
+                let m = Dev::new(m, io.clone());
+                let (msb, mnotes) = Superblock::read(&m, 1)?;
+                if msb.uuid != sb.uuid {
+                    return Err(Error::NotAVolume(format!(
+                        "metadata device {} belongs to volume {}, not {}",
+                        m.name(),
+                        uuid_hex(&msb.uuid),
+                        uuid_hex(&sb.uuid)
+                    )));
+                }
+                notes.extend(mnotes);
+                m
+            }
+            (None, true) => {
+                return Err(Error::InvalidArgument(
+                    "this volume keeps its metadata on a separate device, which was not given".into(),
+                ))
+            }
+            (Some(_), false) => {
+                return Err(Error::InvalidArgument("this volume has no separate metadata device".into()));
+            }
+            (None, false) => data.clone(),
+        };
+        if data.len() < geo.data_dev_blocks * BLOCK_SIZE_U64 || (separate && meta.len() < geo.meta_dev_blocks * BLOCK_SIZE_U64)
+        {
+            return Err(Error::Corrupt(format!(
+                "device {} is smaller than the volume's recorded geometry (was it truncated?)",
+                data.name()
+            )));
+        }
+        let ulo = uuid_lo(&sb.uuid);
+        let mut rc = Refcounts::load(geo, ulo, meta.clone())?;
+        let mut map = BlockMap::new(geo, ulo, meta.clone(), opts.block_map_cache_bytes);
+        let replay = journal::scan(&meta, &geo, &sb.uuid)?;
+        for (seq, e) in &replay.entries {
+            let seq = *seq;
+            if seq > map.page_seq(e.lba)? {
+                map.set(e.lba, e.new, seq)?;
+            }
+            let apply_new = e.new.is_data() && seq > rc.page_seq(e.new.pbn);
+            let apply_old = e.old.is_data() && seq > rc.page_seq(e.old.pbn);
+            if apply_new {
+                rc.inc(&e.new, seq).map_err(|err| Error::Corrupt(format!("journal replay of entry {seq}: {err}")))?;
+            }
+            if apply_old {
+                rc.dec(&e.old, seq).map_err(|err| Error::Corrupt(format!("journal replay of entry {seq}: {err}")))?;
+            }
+        }
+        // After a clean close the superblock's counters are authoritative (repair may have
+        // corrected them after the last journal block was written).
+        let counters = match replay.counters {
+            Some(c) if !sb.clean => c,
+            _ => Counters { mapped_blocks: sb.mapped_blocks, zero_blocks: sb.zero_blocks },
+        };
+        let next_entry_seq = (replay.max_entry_seq + 1).max(sb.next_entry_seq).max(rc.max_seq() + 1);
+        let next_block_seq = replay.max_block_seq.map_or(0, |m| m + 1).max(sb.next_block_seq);
+        let mut journal = Journal::new(geo, sb.uuid, next_entry_seq, next_block_seq, counters);
+        if replay.damaged_blocks > 0 {
+            notes.push(format!("{} journal blocks failed their checksum (torn by a crash, or corrupt)", replay.damaged_blocks));
+        }
+        if !opts.read_only {
+            // Make the replayed state durable in the pages, so the journal can restart empty
+            // with block sequences above every stale block still on disk.
+            map.write_dirty(u64::MAX)?;
+            rc.write_dirty(u64::MAX)?;
+            meta.sync()?;
+            map.note_synced();
+            rc.note_synced();
+            journal.head_block_seq = journal.next_block_seq;
+            sb.clean = false;
+            sb.generation += 1;
+            if separate {
+                write_copies(&meta, &sb, 1)?;
+            }
+            write_copies(&data, &sb, 0)?;
+        }
+        if map.damaged_pages > 0 || rc.damaged_pages > 0 {
+            notes.push(format!(
+                "{} block map and {} refcount pages had a damaged copy and no valid one (treated as never written)",
+                map.damaged_pages, rc.damaged_pages
+            ));
+        }
+        let alloc = Allocator::from_counts(rc.counts(), geo.slab_blocks);
+        let index_memory = opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes);
+        let full_hash = sb.verify == DedupVerify::Hash;
+        let state = State {
+            map,
+            alloc,
+            journal,
+            packer: Packer::new(sb.compression),
+            index: Index::new(index_memory, full_hash),
+            stamps: full_hash.then(|| vec![0u16; geo.data_blocks as usize]),
+            reuse_gen: 0,
+            counters,
+            red: ReductionCounters::default(),
+            rc,
+        };
+        let policy = opts.write_policy.unwrap_or(sb.write_policy);
+        let (dedup, compression) = (sb.dedup, sb.compression);
+        Ok(Volume {
+            data,
+            meta,
+            geo,
+            sb: Mutex::new(sb),
+            state: Mutex::new(state),
+            commit_lock: Mutex::new(()),
+            cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
+            rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
+            io,
+            policy,
+            dedup,
+            compression,
+            read_only: opts.read_only,
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(String::new()),
+            open_notes: notes,
+        })
+    }
+
+    /// Makes everything durable, writes all metadata and marks the volume clean.
+    pub fn close(self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.check_not_failed()?;
+        let _c = self.commit_lock.lock();
+        let mut st = self.state.lock();
+        self.checkpoint(&mut st)?;
+        let mut sb = self.sb.lock();
+        sb.clean = true;
+        sb.next_entry_seq = st.journal.next_entry_seq;
+        sb.next_block_seq = st.journal.next_block_seq;
+        sb.mapped_blocks = st.counters.mapped_blocks;
+        sb.zero_blocks = st.counters.zero_blocks;
+        sb.generation += 1;
+        if self.geo.meta_dev_blocks > 0 {
+            write_copies(&self.meta, &sb, 1)?;
+        }
+        write_copies(&self.data, &sb, 0)?;
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------
+    // helpers
+    // ----------------------------------------------------------------------------------
+
+    /// Logical size in bytes.
+    pub fn logical_size(&self) -> u64 {
+        self.geo.logical_blocks * BLOCK_SIZE_U64
+    }
+
+    /// The write policy in effect.
+    pub fn write_policy(&self) -> WritePolicy {
+        self.policy
+    }
+
+    /// The volume's geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        let size = self.logical_size();
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::OutOfRange { offset, len, size }),
+        }
+    }
+
+    fn check_not_failed(&self) -> Result<()> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Error::Failed(self.failure.lock().clone()));
+        }
+        Ok(())
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(Error::ReadOnly);
+        }
+        self.check_not_failed()
+    }
+
+    /// Marks the volume failed after an error that may have left device state unknown.
+    fn fail<T>(&self, e: Error) -> Result<T> {
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            *self.failure.lock() = e.to_string();
+        }
+        Err(e)
+    }
+
+    fn guard<T>(&self, r: Result<T>) -> Result<T> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => self.fail(e),
+        }
+    }
+
+    // ----------------------------------------------------------------------------------
+    // commit and checkpoint
+    // ----------------------------------------------------------------------------------
+
+    /// Seals the packer and encodes pending journal entries (state lock held).
+    fn take_commit(&self, st: &mut State) -> Result<CommitBatch> {
+        self.seal_packer(st)?;
+        st.journal.take_batch()
+    }
+
+    /// Syncs data, writes the journal blocks and syncs them (no lock needed).
+    fn write_commit(&self, batch: &CommitBatch) -> Result<()> {
+        if batch.blocks.is_empty() {
+            return Ok(());
+        }
+        self.data.sync()?;
+        journal::write_batch(&self.meta, batch)?;
+        self.meta.sync()
+    }
+
+    /// Publishes a written batch as durable (state lock held).
+    fn finish_commit(&self, st: &mut State, batch: &CommitBatch) {
+        if batch.blocks.is_empty() {
+            return;
+        }
+        st.journal.durable_seq = st.journal.durable_seq.max(batch.last_seq);
+        st.map.note_synced();
+        st.rc.note_synced();
+        let rc = &st.rc;
+        if st.alloc.release_durable(batch.last_seq, |pbn| rc.get(pbn) == 0) > 0 {
+            st.reuse_gen += 1;
+        }
+        st.red.commits += 1;
+    }
+
+    /// Makes every journal entry up to `target` durable (group commit: concurrent callers
+    /// queue on the commit lock and find their entries already durable).
+    fn commit_to(&self, target: u64) -> Result<()> {
+        let _c = self.commit_lock.lock();
+        self.check_not_failed()?;
+        let batch = {
+            let mut st = self.state.lock();
+            if st.journal.durable_seq >= target && !st.packer.has_fragments() {
+                return Ok(());
+            }
+            let r = self.take_commit(&mut st);
+            self.guard(r)?
+        };
+        let r = self.write_commit(&batch);
+        self.guard(r)?;
+        let mut st = self.state.lock();
+        self.finish_commit(&mut st, &batch);
+        if st.journal.wants_checkpoint() {
+            let r = self.checkpoint(&mut st);
+            self.guard(r)?;
+        }
+        let durable = st.journal.durable_seq;
+        let r = st.map.evict(durable);
+        self.guard(r)
+    }
+
+    /// Commits everything, writes every dirty page, syncs, and reclaims journal space.
+    /// Caller holds the commit lock and the state lock.
+    fn checkpoint(&self, st: &mut State) -> Result<()> {
+        let batch = self.take_commit(st)?;
+        self.write_commit(&batch)?;
+        self.finish_commit(st, &batch);
+        let durable = st.journal.durable_seq;
+        st.map.write_dirty(durable)?;
+        st.rc.write_dirty(durable)?;
+        self.meta.sync()?;
+        st.map.note_synced();
+        st.rc.note_synced();
+        st.journal.head_block_seq = st.journal.next_block_seq;
+        st.red.checkpoints += 1;
+        Ok(())
+    }
+
+    /// Makes every write completed before this call durable.
+    pub fn flush(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.check_not_failed()?;
+        let target = self.state.lock().journal.next_entry_seq.saturating_sub(1);
+        self.commit_to(target)
+    }
+
+    // ----------------------------------------------------------------------------------
+    // write path
+    // ----------------------------------------------------------------------------------
+
+    /// Writes `data` at byte `offset`. With `fua` (or the sync policy) the write is durable
+    /// when this returns.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, data.len() as u64)?;
+        let mut pos = 0usize;
+        let mut last_seq = 0u64;
+        while pos < data.len() {
+            let off = offset + pos as u64;
+            let lba = off / BLOCK_SIZE_U64;
+            let within = (off % BLOCK_SIZE_U64) as usize;
+            if within != 0 || data.len() - pos < BLOCK_SIZE {
+                let n = (BLOCK_SIZE - within).min(data.len() - pos);
+                let piece = data.get(pos..pos + n).ok_or_else(|| Error::InvalidArgument("range".into()))?;
+                last_seq = last_seq.max(self.rmw(lba, within, Some(piece))?);
+                pos += n;
+            } else {
+                let full = (data.len() - pos) / BLOCK_SIZE;
+                let chunk = data.get(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
+                last_seq = last_seq.max(self.write_blocks(lba, chunk)?);
+                pos += full * BLOCK_SIZE;
+            }
+        }
+        self.after_write(fua, last_seq)
+    }
+
+    fn after_write(&self, fua: bool, last_seq: u64) -> Result<()> {
+        let must = fua || self.policy == WritePolicy::Sync;
+        let pressure = {
+            let st = self.state.lock();
+            st.journal.pending_len() >= st.journal.pending_entries_max()
+        };
+        if must {
+            // A FUA write must also cover an earlier identical write it was found equal to,
+            // so commit everything pending rather than only this request's entries.
+            let target = self.state.lock().journal.next_entry_seq.saturating_sub(1).max(last_seq);
+            self.commit_to(target)
+        } else if pressure {
+            let target = self.state.lock().journal.next_entry_seq.saturating_sub(1);
+            self.commit_to(target)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Read-modify-write of part of one block (`piece` None writes zeros).
+    fn rmw(&self, lba: u64, within: usize, piece: Option<&[u8]>) -> Result<u64> {
+        let stripe = self.rmw.get(lba as usize % RMW_STRIPES).ok_or_else(|| Error::InvalidArgument("stripe".into()))?;
+        let _g = stripe.lock();
+        let mut block = vec![0u8; BLOCK_SIZE];
+        self.read_blocks(lba, 1, &mut block)?;
+        match piece {
+            Some(p) => block.get_mut(within..within + p.len()).ok_or_else(|| Error::InvalidArgument("range".into()))?.copy_from_slice(p),
+            None => {}
+        }
+        self.write_blocks(lba, &block)
+    }
+
+    /// Writes whole blocks starting at `lba`; returns the last journal sequence used.
+    fn write_blocks(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
+        let n = buf.len() / BLOCK_SIZE;
+        let sb_dedup = self.dedup;
+        let compression = self.compression;
+        // Phase 1: fingerprints (no lock).
+        let mut plans: Vec<Plan> = buf
+            .chunks_exact(BLOCK_SIZE)
+            .map(|c| {
+                if crate::codec::is_zero(c) {
+                    Plan::Zero
+                } else {
+                    Plan::Data {
+                        hash: if sb_dedup { *blake3::hash(c).as_bytes() } else { [0u8; 32] },
+                        crc: crc32c::crc32c(c),
+                        candidate: None,
+                        verified: false,
+                        frag: None,
+                    }
+                }
+            })
+            .collect();
+        // Phase 2: index lookups (state lock).
+        let gen_at_lookup;
+        let hash_mode;
+        {
+            let mut st = self.state.lock();
+            gen_at_lookup = st.reuse_gen;
+            hash_mode = st.stamps.is_some();
+            if sb_dedup {
+                for (i, p) in plans.iter_mut().enumerate() {
+                    if let Plan::Data { hash, candidate, verified, .. } = p {
+                        // Only a block in use now can be a candidate: a free block could be
+                        // reallocated before phase 4 without any reuse-generation bump.
+                        if let Some(loc) = st.index.lookup(hash).filter(|l| st.rc.get(l.pbn) > 0) {
+                            *candidate = Some(loc);
+                            if hash_mode {
+                                *verified = true;
+                            } else if st.packer.open_pbn() == Some(loc.pbn) {
+                                // The open block is not on the device yet (the device may still
+                                // hold the block's previous life): decide here, from memory.
+                                let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                                *verified = self.verify_in_packer(&st, loc, chunk);
+                                if !*verified {
+                                    *candidate = None;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Phase 3: verify candidates and compress the rest (no lock).
+        for (i, p) in plans.iter_mut().enumerate() {
+            let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
+            if let Plan::Data { candidate, verified, frag, .. } = p {
+                if let (Some(loc), false, false) = (*candidate, *verified, hash_mode) {
+                    *verified = self.verify_candidate(loc, chunk);
+                }
+                if !*verified {
+                    *frag = packer::compress(compression, chunk);
+                }
+            }
+        }
+        // Phase 4: place, write and journal (state lock).
+        let mut st = self.state.lock();
+        let r = self.apply_plans(&mut st, lba0, n, buf, &mut plans, gen_at_lookup, compression);
+        match r {
+            Ok(seq) => {
+                let durable = st.journal.durable_seq;
+                let r = st.map.evict(durable);
+                self.guard(r)?;
+                Ok(seq)
+            }
+            Err(e @ (Error::NoSpace(_) | Error::OutOfRange { .. })) => Err(e),
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn verify_in_packer(&self, st: &State, loc: Location, chunk: &[u8]) -> bool {
+        let Some(slot) = (MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 }).slot() else { return false };
+        let mut out = vec![0u8; BLOCK_SIZE];
+        matches!(st.packer.unpack_open(loc.pbn, slot, &mut out), Some(Ok(()))) && out == chunk
+    }
+
+    /// Reads the candidate's content (cache first, else a verification read) and compares.
+    fn verify_candidate(&self, loc: Location, chunk: &[u8]) -> bool {
+        if loc.pbn >= self.geo.data_blocks {
+            return false;
+        }
+        let cached = self.cache.lock().get(loc.pbn);
+        let block = match cached {
+            Some(b) => b,
+            None => {
+                let mut b = vec![0u8; BLOCK_SIZE];
+                if self.data.read(IoKind::Verify, &mut b, self.geo.data_offset(loc.pbn)).is_err() {
+                    return false;
+                }
+                let b = Block::from(b);
+                self.cache.lock().fill(loc.pbn, b.clone());
+                b
+            }
+        };
+        let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
+        if e.state == STATE_RAW {
+            return &block[..] == chunk;
+        }
+        match e.slot() {
+            Some(slot) => {
+                let mut out = vec![0u8; BLOCK_SIZE];
+                packer::unpack(&block, slot, &mut out).is_ok() && out == chunk
+            }
+            None => false,
+        }
+    }
+
+    fn alloc_block(&self, st: &mut State) -> Result<u64> {
+        if let Some(p) = st.alloc.alloc() {
+            // The cache may still hold the block's previous content; an index entry for
+            // that content must not verify against it while the block is being refilled.
+            self.cache.lock().remove(p);
+            return Ok(p);
+        }
+        Err(Error::NoSpace(format!(
+            "all {} data blocks are in use ({} await a flush to be reused)",
+            self.geo.data_blocks,
+            st.alloc.pending_len()
+        )))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn apply_plans(
+        &self,
+        st: &mut State,
+        lba0: u64,
+        n: usize,
+        buf: &[u8],
+        plans: &mut [Plan],
+        gen_at_lookup: u64,
+        compression: Compression,
+    ) -> Result<u64> {
+        // Load every page first, so a read error changes nothing.
+        for i in 0..n as u64 {
+            st.map.get(lba0 + i).map_err(|e| match e {
+                Error::Io { .. } | Error::Corrupt(_) => e,
+                other => other,
+            })?;
+        }
+        let hash_mode = st.stamps.is_some();
+        let stale = st.reuse_gen != gen_at_lookup;
+        let mut raw_writes: Vec<(u64, usize)> = Vec::new();
+        let mut last = st.journal.next_entry_seq.saturating_sub(1);
+        let mut placed = Ok(());
+        for (i, p) in plans.iter_mut().enumerate() {
+            let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
+            let e = match self.place(st, p, chunk, i, stale, hash_mode, compression, &mut raw_writes) {
+                Ok(e) => e,
+                Err(err) => {
+                    placed = Err(err);
+                    break;
+                }
+            };
+            match self.apply_entry(st, lba0 + i as u64, e) {
+                Ok(s) => last = s.unwrap_or(last),
+                Err(err) => {
+                    placed = Err(err);
+                    break;
+                }
+            }
+            st.red.blocks_written += 1;
+        }
+        // Raw data reaches the device before the state lock is released, so no reader or
+        // committer sees a mapping to unwritten data. Adjacent blocks are merged.
+        raw_writes.sort_unstable();
+        let mut k = 0;
+        while let Some(&(start, i0)) = raw_writes.get(k) {
+            let mut run = 1usize;
+            while raw_writes.get(k + run).is_some_and(|&(p, _)| p == start + run as u64) {
+                run += 1;
+            }
+            if run == 1 {
+                let chunk = buf.get(i0 * BLOCK_SIZE..(i0 + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                self.data.write(IoKind::Data, chunk, self.geo.data_offset(start))?;
+            } else {
+                let mut joined = Vec::with_capacity(run * BLOCK_SIZE);
+                for &(_, i) in raw_writes.get(k..k + run).unwrap_or(&[]) {
+                    joined.extend_from_slice(buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]));
+                }
+                self.data.write(IoKind::Data, &joined, self.geo.data_offset(start))?;
+            }
+            k += run;
+        }
+        placed.map(|()| last)
+    }
+
+    /// Decides where one chunk goes: a verified duplicate, the packer, or a new raw block.
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &self,
+        st: &mut State,
+        p: &mut Plan,
+        chunk: &[u8],
+        i: usize,
+        stale: bool,
+        hash_mode: bool,
+        compression: Compression,
+        raw_writes: &mut Vec<(u64, usize)>,
+    ) -> Result<MapEntry> {
+        let Plan::Data { hash, crc, candidate, verified, frag } = p else {
+            st.red.zero_blocks += 1;
+            return Ok(MapEntry::ZERO);
+        };
+        let stamp_ok = |st: &State, loc: &Location| st.stamps.as_ref().map_or(true, |s| s.get(loc.pbn as usize) == Some(&loc.stamp));
+        let mut chosen = None;
+        // Re-check the verified candidate: still referenced, below the cap, and not
+        // freed-and-reused since it was verified.
+        if let (Some(loc), true) = (*candidate, *verified) {
+            let c = st.rc.get(loc.pbn);
+            if c > 0 && c < REFCOUNT_MAX && stamp_ok(st, &loc) && (!stale || hash_mode) {
+                chosen = Some(loc);
+            } else if c >= REFCOUNT_MAX {
+                st.red.refcount_cap_copies += 1;
+            }
+        } else if let Some(loc) = *candidate {
+            st.red.dedup_verify_failures += 1;
+            st.index.remove(hash, loc);
+        }
+        if chosen.is_none() && self.dedup {
+            // A duplicate stored by this request or a concurrent writer since the lookup:
+            // only taken when it can be verified from memory.
+            if let Some(loc) = st.index.lookup(hash).filter(|l| Some(*l) != *candidate) {
+                let c = st.rc.get(loc.pbn);
+                if c > 0 && c < REFCOUNT_MAX {
+                    let ok = if hash_mode {
+                        stamp_ok(st, &loc)
+                    } else if st.packer.open_pbn() == Some(loc.pbn) {
+                        self.verify_in_packer(st, loc, chunk)
+                    } else {
+                        let cached = self.cache.lock().get(loc.pbn);
+                        cached.is_some_and(|b| content_matches(&b, loc.state, chunk))
+                    };
+                    if ok {
+                        chosen = Some(loc);
+                    }
+                }
+            }
+        }
+        if let Some(loc) = chosen {
+            st.red.dedup_hits += 1;
+            return Ok(MapEntry { pbn: loc.pbn, state: loc.state, crc: *crc });
+        }
+        if frag.is_none() && compression != Compression::None && *verified {
+            *frag = packer::compress(compression, chunk);
+        }
+        let e = match frag.as_deref() {
+            Some(f) => {
+                let slot = match st.packer.try_add(f) {
+                    Some(s) => s,
+                    None => {
+                        self.seal_packer(st)?;
+                        let pbn = self.alloc_block(st)?;
+                        st.packer.open(pbn);
+                        st.packer.try_add(f).ok_or_else(|| Error::Corrupt("fragment does not fit an empty block".into()))?
+                    }
+                };
+                st.red.compressed_blocks += 1;
+                MapEntry::packed(st.packer.open_pbn().unwrap_or(0), slot, *crc)
+            }
+            None => {
+                let pbn = self.alloc_block(st)?;
+                raw_writes.push((pbn, i));
+                // Cached now so a duplicate later in this request verifies from memory.
+                self.cache.lock().put(pbn, Block::from(chunk));
+                st.red.raw_blocks += 1;
+                MapEntry::raw(pbn, *crc)
+            }
+        };
+        if self.dedup {
+            let stamp = st.stamps.as_ref().and_then(|s| s.get(e.pbn as usize).copied()).unwrap_or(0);
+            st.index.insert(hash, Location { pbn: e.pbn, state: e.state, stamp });
+        }
+        Ok(e)
+    }
+
+    /// Writes the open packed block, if it holds fragments.
+    fn seal_packer(&self, st: &mut State) -> Result<()> {
+        if let Some((pbn, block, count)) = st.packer.seal() {
+            if count == 0 {
+                st.alloc.unreserve(pbn);
+            } else {
+                self.data.write(IoKind::Data, &block, self.geo.data_offset(pbn))?;
+                self.cache.lock().put(pbn, Block::from(block));
+                st.red.packed_blocks_written += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Journals and applies one mapping change; None when it changes nothing.
+    fn apply_entry(&self, st: &mut State, lba: u64, new: MapEntry) -> Result<Option<u64>> {
+        let old = st.map.get(lba)?;
+        if old == new {
+            return Ok(None);
+        }
+        let seq = st.journal.append(lba, new, old);
+        st.map.set(lba, new, seq)?;
+        if new.is_data() {
+            st.rc.inc(&new, seq)?;
+        }
+        if old.is_data() && st.rc.dec(&old, seq)? {
+            st.alloc.free_later(old.pbn, seq);
+            if let Some(s) = st.stamps.as_mut().and_then(|s| s.get_mut(old.pbn as usize)) {
+                *s = s.wrapping_add(1);
+            }
+        }
+        st.counters.apply(&old, &new);
+        Ok(Some(seq))
+    }
+
+    // ----------------------------------------------------------------------------------
+    // discard / write zeroes
+    // ----------------------------------------------------------------------------------
+
+    /// Discards a byte range: it reads back as zeros and its space is freed.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.unmap(offset, len, MapEntry::UNMAPPED, false)
+    }
+
+    /// Writes zeros to a byte range without data I/O (space is freed).
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.unmap(offset, len, MapEntry::ZERO, fua)
+    }
+
+    fn unmap(&self, offset: u64, len: u64, to: MapEntry, fua: bool) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        let end = offset + len;
+        let mut pos = offset;
+        let mut last_seq = 0;
+        while pos < end {
+            let lba = pos / BLOCK_SIZE_U64;
+            let within = (pos % BLOCK_SIZE_U64) as usize;
+            if within != 0 || end - pos < BLOCK_SIZE_U64 {
+                let n = (BLOCK_SIZE_U64 - within as u64).min(end - pos);
+                let zeros = vec![0u8; n as usize];
+                last_seq = last_seq.max(self.rmw(lba, within, Some(&zeros))?);
+                pos += n;
+                continue;
+            }
+            let blocks = ((end - pos) / BLOCK_SIZE_U64).min(UNMAP_BLOCKS_PER_LOCK);
+            {
+                let mut st = self.state.lock();
+                for i in 0..blocks {
+                    let r = self.apply_entry(&mut st, lba + i, to);
+                    match r {
+                        Ok(s) => last_seq = last_seq.max(s.unwrap_or(0)),
+                        Err(e @ Error::Io { .. }) if i == 0 => return Err(e),
+                        Err(e) => return self.fail(e),
+                    }
+                }
+                let durable = st.journal.durable_seq;
+                let r = st.map.evict(durable);
+                self.guard(r)?;
+            }
+            pos += blocks * BLOCK_SIZE_U64;
+            self.after_write(false, last_seq)?;
+        }
+        self.after_write(fua, last_seq)
+    }
+
+    // ----------------------------------------------------------------------------------
+    // read path
+    // ----------------------------------------------------------------------------------
+
+    /// Reads `buf.len()` bytes at byte `offset`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        let mut pos = 0usize;
+        while pos < buf.len() {
+            let off = offset + pos as u64;
+            let lba = off / BLOCK_SIZE_U64;
+            let within = (off % BLOCK_SIZE_U64) as usize;
+            if within != 0 || buf.len() - pos < BLOCK_SIZE {
+                let n = (BLOCK_SIZE - within).min(buf.len() - pos);
+                let mut block = vec![0u8; BLOCK_SIZE];
+                self.read_blocks(lba, 1, &mut block)?;
+                buf.get_mut(pos..pos + n)
+                    .ok_or_else(|| Error::InvalidArgument("range".into()))?
+                    .copy_from_slice(block.get(within..within + n).unwrap_or(&[]));
+                pos += n;
+            } else {
+                // Bounded per call so one huge read does not pin the block map cache.
+                let full = ((buf.len() - pos) / BLOCK_SIZE).min(1024);
+                let dst = buf.get_mut(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
+                self.read_blocks(lba, full, dst)?;
+                pos += full * BLOCK_SIZE;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads whole blocks into `out` (len = n * 4096).
+    fn read_blocks(&self, lba0: u64, n: usize, out: &mut [u8]) -> Result<()> {
+        let mut attempts = vec![0usize; n];
+        let mut todo: Vec<usize> = (0..n).collect();
+        while !todo.is_empty() {
+            // Mappings, and fragments still in the open packed block, under the lock.
+            let mut lookups: Vec<(usize, MapEntry, bool)> = Vec::with_capacity(todo.len());
+            {
+                let mut st = self.state.lock();
+                for &i in &todo {
+                    let e = st.map.get(lba0 + i as u64)?;
+                    let mut done = false;
+                    if let (true, Some(slot)) = (st.packer.open_pbn() == Some(e.pbn), e.slot()) {
+                        let dst = out.get_mut(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&mut []);
+                        if let Some(r) = st.packer.unpack_open(e.pbn, slot, dst) {
+                            r?;
+                            done = true;
+                        }
+                    }
+                    lookups.push((i, e, done));
+                }
+                let durable = st.journal.durable_seq;
+                st.map.evict(durable)?;
+            }
+            let mut retry = Vec::new();
+            // Device reads of consecutive physical blocks are merged.
+            let mut k = 0;
+            while let Some(&(i, e, done)) = lookups.get(k) {
+                let dst_range = i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE;
+                if done || !e.is_data() {
+                    if !done {
+                        out.get_mut(dst_range).unwrap_or(&mut []).fill(0);
+                    }
+                    k += 1;
+                    continue;
+                }
+                if e.pbn >= self.geo.data_blocks {
+                    return Err(Error::Corrupt(format!("logical block {} maps beyond the data region", lba0 + i as u64)));
+                }
+                let block = self.physical_block(e.pbn)?;
+                let dst = out.get_mut(dst_range).unwrap_or(&mut []);
+                let ok = match e.slot() {
+                    None => {
+                        dst.copy_from_slice(&block);
+                        true
+                    }
+                    Some(slot) => packer::unpack(&block, slot, dst).is_ok(),
+                };
+                if !(ok && crc32c::crc32c(dst) == e.crc) {
+                    self.cache.lock().remove(e.pbn);
+                    let a = attempts.get_mut(i).ok_or_else(|| Error::InvalidArgument("attempt".into()))?;
+                    *a += 1;
+                    if *a >= READ_ATTEMPTS {
+                        return Err(Error::Corrupt(format!(
+                            "logical block {} (physical block {}{}): content does not match its checksum",
+                            lba0 + i as u64,
+                            e.pbn,
+                            e.slot().map(|s| format!(" slot {s}")).unwrap_or_default()
+                        )));
+                    }
+                    retry.push(i);
+                }
+                k += 1;
+            }
+            todo = retry;
+        }
+        Ok(())
+    }
+
+    /// A physical block, from the content cache or the device.
+    fn physical_block(&self, pbn: u64) -> Result<Block> {
+        if let Some(b) = self.cache.lock().get(pbn) {
+            return Ok(b);
+        }
+        let mut b = vec![0u8; BLOCK_SIZE];
+        self.data.read(IoKind::Data, &mut b, self.geo.data_offset(pbn))?;
+        let b = Block::from(b);
+        self.cache.lock().fill(pbn, b.clone());
+        Ok(b)
+    }
+
+    /// Cheap in-memory invariant audit (allocator vs reference counts); for tests and the
+    /// simulator. Returns a description of the first violation.
+    pub fn audit_memory(&self) -> std::result::Result<(), String> {
+        let mut st = self.state.lock();
+        st.alloc.audit(st.rc.counts(), st.packer.open_pbn())?;
+        // Every mapping's content, read from the device (or the open packed block), must
+        // match its checksum: the cache must never hide a divergence.
+        for lba in 0..self.geo.logical_blocks {
+            let e = st.map.get(lba).map_err(|e| e.to_string())?;
+            if !e.is_data() {
+                continue;
+            }
+            let mut out = vec![0u8; BLOCK_SIZE];
+            let from_packer = e.slot().and_then(|s| st.packer.unpack_open(e.pbn, s, &mut out));
+            let ok = match from_packer {
+                Some(r) => r.is_ok(),
+                None => {
+                    let mut b = vec![0u8; BLOCK_SIZE];
+                    self.data.read(IoKind::Verify, &mut b, self.geo.data_offset(e.pbn)).map_err(|e| e.to_string())?;
+                    match e.slot() {
+                        None => {
+                            out = b;
+                            true
+                        }
+                        Some(s) => packer::unpack(&b, s, &mut out).is_ok(),
+                    }
+                }
+            };
+            if !ok || crc32c::crc32c(&out) != e.crc {
+                return Err(format!("lba {lba} -> {e:?}: device content does not match (open packer {:?})", st.packer.open_pbn()));
+            }
+        }
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------
+    // stats
+    // ----------------------------------------------------------------------------------
+
+    /// A statistics snapshot.
+    pub fn stats(&self) -> Stats {
+        let sb = self.sb.lock().clone();
+        let st = self.state.lock();
+        let mut red = st.red.clone();
+        {
+            let c = self.cache.lock();
+            red.content_cache_hits = c.hits;
+            red.content_cache_misses = c.misses;
+        }
+        red.block_map_cache_hits = st.map.hits;
+        red.block_map_cache_misses = st.map.misses;
+        let used = st.rc.used_blocks();
+        let frags = st.rc.fragments();
+        let mapped = st.counters.mapped_blocks;
+        let logical_used = mapped * BLOCK_SIZE_U64;
+        let physical_used = used * BLOCK_SIZE_U64;
+        Stats {
+            uuid: uuid_hex(&sb.uuid),
+            logical_size_bytes: self.logical_size(),
+            logical_bytes_used: logical_used,
+            physical_size_bytes: self.data.len(),
+            data_blocks_total: self.geo.data_blocks,
+            data_blocks_used: used,
+            physical_data_bytes_used: physical_used,
+            metadata_bytes: self.geo.metadata_bytes(),
+            separate_metadata_device: self.geo.meta_dev_blocks > 0,
+            reduction_ratio: if physical_used == 0 { 0.0 } else { logical_used as f64 / physical_used as f64 },
+            savings: Savings {
+                zero_bytes: st.counters.zero_blocks * BLOCK_SIZE_U64,
+                dedup_bytes: mapped.saturating_sub(frags) * BLOCK_SIZE_U64,
+                compression_bytes: frags.saturating_sub(used) * BLOCK_SIZE_U64,
+            },
+            counters: red,
+            index_entries: st.index.len(),
+            index_capacity: st.index.capacity(),
+            index_memory_bytes: st.index.memory_bytes(),
+            index_bytes_per_entry: st.index.bytes_per_entry(),
+            block_map_cached_pages: st.map.cached_pages() as u64,
+            compression: sb.compression,
+            dedup: sb.dedup,
+            verify: sb.verify,
+            write_policy: self.policy,
+            io: self.io.snapshot(),
+        }
+    }
+}
+
+/// True when `block` (raw or packed, per `state`) holds `chunk`.
+fn content_matches(block: &[u8], state: u8, chunk: &[u8]) -> bool {
+    let e = MapEntry { pbn: 0, state, crc: 0 };
+    if state == STATE_RAW {
+        return block == chunk;
+    }
+    match e.slot() {
+        Some(slot) => {
+            let mut out = vec![0u8; BLOCK_SIZE];
+            packer::unpack(block, slot, &mut out).is_ok() && out == chunk
+        }
+        None => false,
+    }
+}
+
+/// Writes both superblock copies (A, sync, B, sync).
+fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
+    let buf = sb.encode(role);
+    for copy in 0..2u64 {
+        dev.write(IoKind::Superblock, &buf, copy * BLOCK_SIZE_U64)?;
+        dev.sync()?;
+    }
+    Ok(())
 }

@@ -1,0 +1,185 @@
+//! Model-based property test: random writes, overwrites, discards, write-zeroes, FUA,
+//! flushes, clean close/reopen and drop-without-close, checked against a map of the
+//! contents each block may hold under the durability contract (DESIGN.md §4).
+mod common;
+use common::*;
+use dedupvol_core::{check_volume, Compression, DedupVerify, Storage, Volume, WritePolicy};
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const LOGICAL_BLOCKS: u64 = 192;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write { lba: u64, n: u64, seed: u64, kind: u8, fua: bool },
+    Unaligned { off: u64, len: u64, seed: u64 },
+    Discard { lba: u64, n: u64 },
+    Zeroes { lba: u64, n: u64, fua: bool },
+    Flush,
+    Reopen,
+    Crash,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (0..LOGICAL_BLOCKS, 1..8u64, 0..12u64, 0..3u8, any::<bool>())
+            .prop_map(|(lba, n, seed, kind, fua)| Op::Write { lba, n, seed, kind, fua: fua && seed % 4 == 0 }),
+        2 => (0..LOGICAL_BLOCKS * 4096, 1..9000u64, 0..1000u64).prop_map(|(off, len, seed)| Op::Unaligned { off, len, seed }),
+        2 => (0..LOGICAL_BLOCKS, 1..16u64).prop_map(|(lba, n)| Op::Discard { lba, n }),
+        1 => (0..LOGICAL_BLOCKS, 1..16u64, any::<bool>()).prop_map(|(lba, n, fua)| Op::Zeroes { lba, n, fua }),
+        2 => Just(Op::Flush),
+        1 => Just(Op::Reopen),
+        1 => Just(Op::Crash),
+    ]
+}
+
+/// For every block, the contents it may hold: the last durable one first, then later writes.
+struct Model {
+    allowed: HashMap<u64, Vec<Vec<u8>>>,
+}
+
+impl Model {
+    fn set(&mut self, lba: u64, data: Vec<u8>, durable: bool) {
+        let v = self.allowed.entry(lba).or_insert_with(|| vec![vec![0u8; 4096]]);
+        if durable {
+            v.clear();
+        }
+        v.push(data);
+    }
+    fn last(&self, lba: u64) -> Vec<u8> {
+        self.allowed.get(&lba).and_then(|v| v.last().cloned()).unwrap_or_else(|| vec![0u8; 4096])
+    }
+    fn flush(&mut self) {
+        for v in self.allowed.values_mut() {
+            let last = v.pop().unwrap_or_else(|| vec![0u8; 4096]);
+            v.clear();
+            v.push(last);
+        }
+    }
+}
+
+fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Compression) -> Result<(), TestCaseError> {
+    let (dev, vol) = mem_volume(12 << 20, LOGICAL_BLOCKS * 4096, |o| {
+        o.write_policy = policy;
+        o.verify = verify;
+        o.compression = compression;
+        o.journal_size_bytes = Some(256 << 10);
+        o.index_memory_bytes = 64 << 10;
+    });
+    let mut vol = Some(vol);
+    let mut m = Model { allowed: HashMap::new() };
+    let sync = policy == WritePolicy::Sync;
+    let paranoid = std::env::var_os("DEDUPVOL_MODEL_PARANOID").is_some();
+    for (step, op) in ops.into_iter().enumerate() {
+        if paranoid {
+            let v = vol.as_ref().expect("open volume");
+            if let Err(e) = v.audit_memory() {
+                prop_assert!(false, "before step {step} ({op:?}): {e}");
+            }
+            for lba in 0..LOGICAL_BLOCKS {
+                let mut b = vec![0u8; 4096];
+                let r = v.read(lba * 4096, &mut b);
+                prop_assert!(r.is_ok() && b == m.last(lba), "before step {step} ({op:?}): lba {lba} wrong: {r:?}");
+            }
+        }
+        let v = vol.as_ref().expect("open volume");
+        match op {
+            Op::Write { lba, n, seed, kind, fua } => {
+                let n = n.min(LOGICAL_BLOCKS - lba);
+                let mut buf = Vec::new();
+                for i in 0..n {
+                    let b = match kind {
+                        2 => vec![0u8; 4096],
+                        k => block(seed * 31 + i % 3, k),
+                    };
+                    buf.extend_from_slice(&b);
+                }
+                v.write(lba * 4096, &buf, fua).map_err(|e| TestCaseError::fail(format!("write: {e}")))?;
+                for i in 0..n {
+                    m.set(lba + i, buf[(i * 4096) as usize..((i + 1) * 4096) as usize].to_vec(), fua || sync);
+                }
+            }
+            Op::Unaligned { off, len, seed } => {
+                let len = len.min(LOGICAL_BLOCKS * 4096 - off);
+                let data: Vec<u8> = (0..len).map(|i| (seed as u8).wrapping_add(i as u8 / 7)).collect();
+                v.write(off, &data, false).map_err(|e| TestCaseError::fail(format!("unaligned write: {e}")))?;
+                let first = off / 4096;
+                let last = (off + len - 1) / 4096;
+                for lba in first..=last {
+                    let mut b = m.last(lba);
+                    for i in 0..4096u64 {
+                        let p = lba * 4096 + i;
+                        if p >= off && p < off + len {
+                            b[i as usize] = data[(p - off) as usize];
+                        }
+                    }
+                    m.set(lba, b, sync);
+                }
+            }
+            Op::Discard { lba, n } | Op::Zeroes { lba, n, .. } => {
+                let n = n.min(LOGICAL_BLOCKS - lba);
+                let fua = matches!(op, Op::Zeroes { fua: true, .. });
+                let r = if matches!(op, Op::Discard { .. }) { v.discard(lba * 4096, n * 4096) } else { v.write_zeroes(lba * 4096, n * 4096, fua) };
+                r.map_err(|e| TestCaseError::fail(format!("discard/zeroes: {e}")))?;
+                for i in 0..n {
+                    m.set(lba + i, vec![0u8; 4096], fua || sync);
+                }
+            }
+            Op::Flush => {
+                v.flush().map_err(|e| TestCaseError::fail(format!("flush: {e}")))?;
+                m.flush();
+            }
+            Op::Reopen => {
+                vol.take().expect("vol").close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
+                m.flush();
+                vol = Some(Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?);
+            }
+            Op::Crash => {
+                drop(vol.take());
+                let v2 = Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).map_err(|e| TestCaseError::fail(format!("recover: {e}")))?;
+                // Each block must read back one allowed content; that content is now durable.
+                for lba in 0..LOGICAL_BLOCKS {
+                    let mut b = vec![0u8; 4096];
+                    v2.read(lba * 4096, &mut b).map_err(|e| TestCaseError::fail(format!("read after crash lba {lba}: {e}")))?;
+                    let allowed = m.allowed.get(&lba).cloned().unwrap_or_else(|| vec![vec![0u8; 4096]]);
+                    prop_assert!(allowed.contains(&b), "lba {lba} holds content that was never allowed after a crash");
+                    m.set(lba, b, true);
+                }
+                v2.close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
+                let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false).map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
+                prop_assert!(rep.is_clean(), "check after crash: {:?}", rep.problems);
+                vol = Some(Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?);
+            }
+        }
+    }
+    let v = vol.take().expect("vol");
+    for lba in 0..LOGICAL_BLOCKS {
+        let mut b = vec![0u8; 4096];
+        v.read(lba * 4096, &mut b).map_err(|e| TestCaseError::fail(format!("final read {lba}: {e}")))?;
+        prop_assert!(b == m.last(lba), "lba {lba} differs from the last write");
+    }
+    v.close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
+    let rep = check_volume(dev as Arc<dyn Storage>, None, false).map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
+    prop_assert!(rep.is_clean(), "final check: {:?}", rep.problems);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn async_lz4_bytes(ops in prop::collection::vec(op(), 1..120)) {
+        run(ops, WritePolicy::Async, DedupVerify::Bytes, Compression::Lz4)?;
+    }
+
+    #[test]
+    fn sync_zstd_hash(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, WritePolicy::Sync, DedupVerify::Hash, Compression::Zstd)?;
+    }
+
+    #[test]
+    fn async_uncompressed(ops in prop::collection::vec(op(), 1..120)) {
+        run(ops, WritePolicy::Async, DedupVerify::Bytes, Compression::None)?;
+    }
+}
