@@ -310,6 +310,7 @@ struct MachineState {
     evidence: Evidence,
     ops: u64,
     trace: u64,
+    content_trace: u64,
 }
 
 impl MachineState {
@@ -318,10 +319,14 @@ impl MachineState {
     }
 
     fn trace(&mut self, kind: u64, disk: usize, offset: u64, len: u64, crc: u32) {
-        // FNV-style fold of every I/O call: two runs of one seed must give the same value.
-        for v in [kind, disk as u64, offset, len, u64::from(crc)] {
+        // FNV-style folds of every I/O call: two runs of one seed must give the same
+        // structural trace (which call, where, how long: what every fault decision depends
+        // on). The content trace also folds the written bytes; it differs between runs when
+        // the engine stamps something time-dependent, like a volume UUID, into its blocks.
+        for v in [kind, disk as u64, offset, len] {
             self.trace = (self.trace ^ v).wrapping_mul(0x100_0000_01b3);
         }
+        self.content_trace = (self.content_trace ^ self.trace ^ u64::from(crc)).wrapping_mul(0x100_0000_01b3);
     }
 
     /// Counts one I/O call against the crash point; true when the call must fail.
@@ -442,6 +447,7 @@ impl SimMachine {
                 evidence: Evidence::default(),
                 ops: 0,
                 trace: 0xcbf2_9ce4_8422_2325,
+                content_trace: 0xcbf2_9ce4_8422_2325,
             }),
         })
     }
@@ -566,6 +572,11 @@ impl SimMachine {
     /// A hash of every I/O call so far (same seed ⇒ same value, or the run is not reproducible).
     pub fn trace_hash(&self) -> u64 {
         self.state.lock().trace
+    }
+
+    /// A hash of every I/O call and every written byte so far.
+    pub fn content_trace_hash(&self) -> u64 {
+        self.state.lock().content_trace
     }
 
     /// I/O calls so far.

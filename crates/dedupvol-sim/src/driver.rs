@@ -193,19 +193,19 @@ impl RunConfig {
         let mut f = FaultConfig::none();
         f.crash_loss = k.cache_loss;
         f.torn_writes = k.torn;
-        f.destage = k.destage && r.gen_bool(0.7);
+        f.destage = r.gen_bool(0.7) && k.destage;
         f.destage_ppm = pick(&mut r, &[5_000, 50_000]);
         // Some seeds get no persistent data faults, so that every error there is suspect.
         let persistent = r.gen_bool(0.6);
-        f.lost_writes = k.lost && persistent && r.gen_bool(0.5);
+        f.lost_writes = r.gen_bool(0.5) && k.lost && persistent;
         f.lost_write_ppm = pick(&mut r, &[300, 2_000]);
-        f.misdirected_writes = k.misdirect && persistent && r.gen_bool(0.5);
+        f.misdirected_writes = r.gen_bool(0.5) && k.misdirect && persistent;
         f.misdirect_ppm = pick(&mut r, &[300, 2_000]);
-        f.bit_flips = k.bitflip && persistent && r.gen_bool(0.5);
+        f.bit_flips = r.gen_bool(0.5) && k.bitflip && persistent;
         f.bit_flip_ppm = pick(&mut r, &[500, 3_000]);
-        f.read_errors = k.read_error && r.gen_bool(0.5);
+        f.read_errors = r.gen_bool(0.5) && k.read_error;
         f.read_error_ppm = pick(&mut r, &[20, 300]);
-        f.read_flips = k.read_flip && r.gen_bool(0.4);
+        f.read_flips = r.gen_bool(0.4) && k.read_flip;
         f.read_flip_ppm = pick(&mut r, &[500, 3_000]);
         RunConfig {
             seed,
@@ -215,8 +215,8 @@ impl RunConfig {
             format,
             open,
             faults: f,
-            crash_ppm: if k.crash { pick(&mut r, &[4_000, 10_000, 20_000]) } else { 0 },
-            crash_in_recovery_pct: if k.crash { pick(&mut r, &[0, 20, 50]) } else { 0 },
+            crash_ppm: pick(&mut r, &[4_000, 10_000, 20_000]) * u32::from(k.crash),
+            crash_in_recovery_pct: pick(&mut r, &[0, 20, 50]) * u32::from(k.crash),
             close_ppm: pick(&mut r, &[2_000, 5_000]),
             ops: opts.ops,
             writers: r.gen_range(1..=WRITERS_MAX),
@@ -278,8 +278,10 @@ pub struct RunStats {
     pub faults: FaultCounts,
     /// I/O calls made by the engine.
     pub io_calls: u64,
-    /// Hash of every I/O call (reproducibility).
+    /// Hash of every I/O call's kind, device, offset and length (reproducibility).
     pub trace: u64,
+    /// Hash of every I/O call and the bytes written.
+    pub content_trace: u64,
 }
 
 impl RunStats {
@@ -434,6 +436,7 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
     run.stats.faults = run.machine.counts();
     run.stats.io_calls = run.machine.io_calls();
     run.stats.trace = run.machine.trace_hash();
+    run.stats.content_trace = run.machine.content_trace_hash();
     match r {
         Ok(()) => Ok(run.stats),
         Err(message) => Err(Failure {

@@ -79,7 +79,7 @@ fn main() {
         match run_one(&args.engine, seed, &opts) {
             Ok(s) => {
                 println!("seed {seed}: ok — {}", figures(&s));
-                println!("trace {:#018x}", s.trace);
+                println!("trace {:#018x} content-trace {:#018x}", s.trace, s.content_trace);
             }
             Err(f) => {
                 eprintln!("{f}");
@@ -95,6 +95,7 @@ fn main() {
     let mut failures = Vec::new();
     let mut seeds_run = 0u64;
     let mut nondeterministic = Vec::new();
+    let mut content_differs = 0u64;
     let mut last_report = Instant::now();
     for seed in args.start..args.start.saturating_add(count) {
         if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -106,8 +107,10 @@ fn main() {
                 if args.check_determinism {
                     if let Ok(s2) = run_one(&args.engine, seed, &opts) {
                         if s2.trace != s.trace {
-                            eprintln!("seed {seed}: NOT REPRODUCIBLE (trace {:#x} vs {:#x})", s.trace, s2.trace);
+                            eprintln!("seed {seed}: NOT REPRODUCIBLE (I/O trace {:#x} vs {:#x})", s.trace, s2.trace);
                             nondeterministic.push(seed);
+                        } else if s2.content_trace != s.content_trace {
+                            content_differs += 1;
                         }
                     }
                 }
@@ -130,6 +133,9 @@ fn main() {
     println!("passed: {}  failed: {}", seeds_run - failures.len() as u64, failures.len());
     println!("{}", figures(&total));
     println!("faults injected: {}", total.faults.summary());
+    if content_differs > 0 {
+        println!("seeds whose I/O sequence repeated exactly but whose written bytes differed between two runs: {content_differs}");
+    }
     if !nondeterministic.is_empty() {
         println!("non-reproducible seeds: {nondeterministic:?}");
     }
