@@ -9,7 +9,7 @@
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use dedupvol_core::{FileStorage, OpenOptions, Storage, Volume, WritePolicy};
+use dedupvol_core::{OpenOptions, Volume, WritePolicy};
 use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, Server, ServerConfig};
 use std::io::Write;
 use std::path::PathBuf;
@@ -58,19 +58,6 @@ pub enum ServeCommand {
     },
 }
 
-fn open_volume(path: &std::path::Path, meta: Option<&std::path::Path>, opts: &OpenOptions) -> anyhow::Result<Volume> {
-    let data: Arc<dyn Storage> = Arc::new(
-        FileStorage::open(path, opts.read_only).with_context(|| format!("opening data device {}", path.display()))?,
-    );
-    let meta: Option<Arc<dyn Storage>> = match meta {
-        Some(m) => Some(Arc::new(
-            FileStorage::open(m, opts.read_only).with_context(|| format!("opening metadata device {}", m.display()))?,
-        )),
-        None => None,
-    };
-    Volume::open(data, meta, opts).with_context(|| format!("opening volume {}", path.display()))
-}
-
 impl ServeCommand {
     pub fn run(self) -> anyhow::Result<ExitCode> {
         let ServeCommand::Serve {
@@ -104,7 +91,11 @@ impl ServeCommand {
             }
             None => {
                 let opts = OpenOptions { read_only, write_policy, ..Default::default() };
-                let v = Arc::new(open_volume(&path, meta_device.as_deref(), &opts)?);
+                // open_path finds a separate metadata device from the superblock unless
+                // --meta-device overrides it, and replays the journal after a crash.
+                let v = Volume::open_path(&path, meta_device.as_deref(), &opts)
+                    .with_context(|| format!("opening volume {}", path.display()))?;
+                let v = Arc::new(v);
                 (Some(v.clone()), v)
             }
         };

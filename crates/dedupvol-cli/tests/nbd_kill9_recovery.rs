@@ -74,6 +74,7 @@ fn kill9_after_flush_keeps_flushed_data() {
         }
     }
     assert!(written_kb > 0, "the second fio job never reported writing");
+    eprintln!("{test}: killing the server with SIGKILL after the unflushed job wrote {written_kb} KiB");
     srv.kill9();
     let _ = busy.kill();
     let _ = busy.wait();
