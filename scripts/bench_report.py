@@ -13,7 +13,21 @@ import sys
 from pathlib import Path
 
 NBD_JOBS = ["seq-write-1m", "rand-write-4k-qd32", "rand-read-4k-qd32", "sql-mix", "vdi-mix"]
-COLORS = ["#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979"]
+COLORS = ["#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979",
+          "#d5bb67", "#82c6e2", "#1b5e20", "#b71c1c"]
+
+
+def legend(items, y0, width):
+    """Legend entries laid out left to right, wrapping at width; returns SVG elements."""
+    out, x, y = [], 20.0, y0
+    for i, name in enumerate(items):
+        w = 14 + len(name) * 6.4 + 18
+        if x + w > width and x > 20:
+            x, y = 20.0, y + 16
+        out.append(f'<rect x="{x:.0f}" y="{y-9}" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>')
+        out.append(f'<text x="{x+14:.0f}" y="{y}">{html.escape(name)}</text>')
+        x += w
+    return out
 
 
 def f(v, d=0):
@@ -66,11 +80,7 @@ def bar_chart(path, title, groups, series, values, unit, ref_line=None):
         y = T + ph - ph * ref_line[0] / vmax
         s.append(f'<line x1="{L}" y1="{y:.1f}" x2="{W-20}" y2="{y:.1f}" stroke="black" stroke-dasharray="5,3"/>')
         s.append(f'<text x="{W-22}" y="{y-4:.1f}" text-anchor="end">{html.escape(ref_line[1])}</text>')
-    for si, name in enumerate(series):
-        x = L + (si % 4) * 170
-        y = H - 35 + (si // 4) * 16
-        s.append(f'<rect x="{x}" y="{y-9}" width="10" height="10" fill="{COLORS[si % len(COLORS)]}"/>')
-        s.append(f'<text x="{x+14}" y="{y}">{html.escape(name)}</text>')
+    s += legend(series, H - 35, W)
     s.append("</svg>")
     Path(path).write_text("\n".join(s))
 
@@ -95,11 +105,7 @@ def stacked_chart(path, title, bars, categories, values, unit):
                 s.append(f'<rect x="{x:.1f}" y="{y+5}" width="{w:.1f}" height="{rowh-10}" fill="{COLORS[ci % len(COLORS)]}"/>')
             x += w
         s.append(f'<text x="{x+4:.1f}" y="{y+rowh/2+4}">{sum(v or 0 for v in values[bi]):.1f} {html.escape(unit)}</text>')
-    for ci, c in enumerate(categories):
-        x = 20 + (ci % 5) * 145
-        y = H - 40 + (ci // 5) * 16
-        s.append(f'<rect x="{x}" y="{y-9}" width="10" height="10" fill="{COLORS[ci % len(COLORS)]}"/>')
-        s.append(f'<text x="{x+14}" y="{y}">{html.escape(c)}</text>')
+    s += legend(categories, H - 40, W)
     s.append("</svg>")
     Path(path).write_text("\n".join(s))
 

@@ -380,8 +380,8 @@ def main():
     out = Path(a.out) if a.out else (work / "report" if a.quick else REPO / "docs" / "benchmarks" / date)
     skip = set(s for s in a.skip.split(",") if s)
     if a.quick:
-        cfg = dict(mode="quick", levels=[0, 90], runtime_s=3, nbd_region="512M", nbd_physical="2G", disk_size="256M",
-                   seq_size="256M", ow_range="256M", ow_writes=50000)
+        cfg = dict(mode="quick", levels=[0, 90], runtime_s=2, nbd_region="256M", nbd_physical="1G", disk_size="128M",
+                   seq_size="128M", ow_range="128M", ow_writes=20000)
     else:
         cfg = dict(mode="full", levels=[0, 50, 75, 90], runtime_s=20, nbd_region="4G", nbd_physical="12G", disk_size="2G",
                    seq_size="2G", ow_range="4G", ow_writes=400000)
@@ -394,7 +394,8 @@ def main():
     if "limits" not in skip:
         log("machine limits: CPU primitives")
         results["primitives"] = {
-            f"{d}/{c}": dedupvol_bench(["--mode", "primitives", "--dup", str(d), "--compress", str(c)] + (["--no-disk"] if (d, c) != (0, 0) else []), work)
+            f"{d}/{c}": dedupvol_bench(["--mode", "primitives", "--dup", str(d), "--compress", str(c)]
+                                       + (["--no-disk"] if (d, c) != (0, 0) or a.quick else []), work)
             for d, c in [(0, 0), (0, 50), (75, 50)]
         }
         log("machine limits: disk (fio, O_DIRECT)")
