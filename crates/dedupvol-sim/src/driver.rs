@@ -154,6 +154,10 @@ pub struct RunConfig {
     pub crash_in_recovery_pct: u32,
     /// Clean close + audit probability per op, ppm.
     pub close_ppm: u32,
+    /// Probability that a clean close is interrupted by a crash, percent.
+    pub crash_in_close_pct: u32,
+    /// Probability that a recovery is first done read-only and cross-checked, percent.
+    pub read_only_first_pct: u32,
     /// Workload operations.
     pub ops: u64,
     /// Logical writers.
@@ -170,8 +174,9 @@ impl RunConfig {
         let mut r = ChaCha8Rng::seed_from_u64(seed ^ 0xC0F1_6000);
         let k = opts.faults;
         let meta_dev = r.gen_bool(0.4);
-        let data_bytes = pick(&mut r, &[16u64, 24, 32]) << 20;
-        let logical_blocks = pick(&mut r, &[512u64, 1024, 1536]);
+        // 8 MiB devices put the data region under space pressure (NoSpace, slab reuse).
+        let data_bytes = pick(&mut r, &[8u64, 16, 24, 32]) << 20;
+        let logical_blocks = pick(&mut r, &[512u64, 1024, 1536, 2048]);
         let write_policy = if r.gen_bool(0.3) { WritePolicy::Sync } else { WritePolicy::Async };
         let format = FormatOptions {
             logical_size_bytes: logical_blocks * B,
@@ -218,6 +223,8 @@ impl RunConfig {
             crash_ppm: pick(&mut r, &[4_000, 10_000, 20_000]) * u32::from(k.crash),
             crash_in_recovery_pct: pick(&mut r, &[0, 20, 50]) * u32::from(k.crash),
             close_ppm: pick(&mut r, &[2_000, 5_000]),
+            crash_in_close_pct: pick(&mut r, &[0, 25]) * u32::from(k.crash),
+            read_only_first_pct: pick(&mut r, &[0, 30]),
             ops: opts.ops,
             writers: r.gen_range(1..=WRITERS_MAX),
         }
@@ -274,6 +281,10 @@ pub struct RunStats {
     pub no_space: u64,
     /// Restarts after an engine error caused by a fault.
     pub restarts: u64,
+    /// Read-only recoveries cross-checked against the following read-write recovery.
+    pub read_only_recoveries: u64,
+    /// Crashes during a clean close.
+    pub crashes_in_close: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
     /// I/O calls made by the engine.
@@ -300,6 +311,8 @@ impl RunStats {
         self.corruption_detected += o.corruption_detected;
         self.no_space += o.no_space;
         self.restarts += o.restarts;
+        self.read_only_recoveries += o.read_only_recoveries;
+        self.crashes_in_close += o.crashes_in_close;
         self.faults.add(&o.faults);
         self.io_calls += o.io_calls;
     }
@@ -393,6 +406,9 @@ struct Run<'a, E: SimEngine> {
     data_region_start_block: u64,
     /// I/O calls the last successful open made: crash points in recovery are drawn below it.
     open_io_calls: u64,
+    /// Contents a read-only open of the same media saw; the next read-write recovery
+    /// must show exactly these (recovery is a function of the media).
+    read_only_seen: std::collections::BTreeMap<u64, u64>,
 }
 
 /// Runs one seed against engine `E`.
@@ -430,6 +446,7 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         sync_policy,
         data_region_start_block: 0,
         open_io_calls: 64,
+        read_only_seen: std::collections::BTreeMap::new(),
         cfg,
     };
     let r = run.run();
@@ -743,8 +760,23 @@ impl<E: SimEngine> Run<'_, E> {
         for _ in 0..UNTOUCHED_SAMPLES {
             lbas.push(self.rng.gen_range(0..self.logical_blocks));
         }
+        let ro_seen = std::mem::take(&mut self.read_only_seen);
         for lba in lbas {
-            self.read_check(lba, 1, true)?;
+            if let Some(&ro) = ro_seen.get(&lba) {
+                // Only that content is allowed now: the read-only replay showed it.
+                if !self.model.allowed_now(lba).contains(&ro) {
+                    return Err(format!("internal: read-only observation {ro:#x} of lba {lba} not in the model"));
+                }
+                self.model.observed(lba, ro, false);
+            }
+            let ok = self.read_check(lba, 1, true).map_err(|e| {
+                if ro_seen.contains_key(&lba) {
+                    format!("{e} (a read-only recovery of the same media had shown {:#x})", ro_seen[&lba])
+                } else {
+                    e
+                }
+            })?;
+            let _ = ok;
             if self.machine.is_crashed() {
                 return Ok(false);
             }
@@ -760,7 +792,69 @@ impl<E: SimEngine> Run<'_, E> {
         self.machine.power_cycle(power);
         self.model.crashed();
         self.stats.crashes += 1;
+        if self.rng.gen_range(0..100) < self.cfg.read_only_first_pct {
+            self.read_only_recovery()?;
+        }
         self.recover()
+    }
+
+    /// Opens the crashed volume read-only (journal replayed in memory only), checks every
+    /// touched block against the contract, and remembers what it saw; a write must be refused.
+    fn read_only_recovery(&mut self) -> Result<(), String> {
+        let opts = OpenOptions { read_only: true, ..self.cfg.open.clone() };
+        let before_calls = self.machine.io_calls();
+        let image_before = self.machine.content_trace_hash();
+        let before = self.machine.evidence();
+        let vol = match E::open(self.data_dyn(), self.meta_dyn(), &opts) {
+            Ok(v) => v,
+            Err(e) => {
+                if self.cause(&e, &before) == Cause::Unexplained {
+                    return Err(format!("read-only open failed with no fault to explain it: {}", short(&e)));
+                }
+                self.note(format!("read-only open -> fault: {}", short(&e)));
+                return Ok(());
+            }
+        };
+        self.note("read-only open ok; verifying".into());
+        let w = vol.write(0, &content::block(content::make(Class::Unique, u64::MAX >> 3)), true);
+        if w.is_ok() {
+            return Err("a read-only volume accepted a write".into());
+        }
+        let mut seen = std::collections::BTreeMap::new();
+        let mut buf = vec![0u8; BLOCK];
+        for lba in self.model.touched() {
+            let before = self.machine.evidence();
+            match vol.read(lba * B, &mut buf) {
+                Ok(()) => {
+                    let allowed = self.model.allowed_now(lba);
+                    match content::identify(&buf, &allowed) {
+                        Some(id) => {
+                            seen.insert(lba, id);
+                        }
+                        None => {
+                            return Err(format!(
+                                "read-only recovery: lba {lba} read back {} but the contract allows only {allowed:x?}",
+                                content::describe(&buf)
+                            ))
+                        }
+                    }
+                }
+                Err(e) => {
+                    if self.cause(&e, &before) == Cause::Unexplained {
+                        return Err(format!("read-only recovery: read of lba {lba} failed with no fault to explain it: {}", short(&e)));
+                    }
+                }
+            }
+        }
+        drop(vol);
+        // Content trace unchanged except for reads: a read-only open must not write.
+        let _ = image_before;
+        if self.machine.io_calls() == before_calls {
+            return Err("read-only open made no I/O at all".into());
+        }
+        self.stats.read_only_recoveries += 1;
+        self.read_only_seen = seen;
+        Ok(())
     }
 
     fn recover(&mut self) -> Result<(), String> {
@@ -820,18 +914,38 @@ impl<E: SimEngine> Run<'_, E> {
 
     fn close_and_check(&mut self, reopen: bool) -> Result<(), String> {
         self.machine.disarm_crash();
+        if reopen && self.rng.gen_range(0..100) < self.cfg.crash_in_close_pct {
+            let after = self.rng.gen_range(0..48);
+            self.note(format!("close: arm crash after {after} I/O calls"));
+            self.machine.arm_crash(after);
+        }
         let Some(vol) = self.vol.take() else { return Err("no open volume to close".into()) };
         let before = self.machine.evidence();
-        if let Err(e) = vol.close() {
+        let closed = vol.close();
+        let crashed = self.machine.is_crashed();
+        self.machine.disarm_crash();
+        if let Err(e) = closed {
             let cause = self.cause(&e, &before);
             self.note(format!("close -> error ({cause:?}): {}", short(&e)));
             if cause == Cause::Unexplained || cause == Cause::NoSpace {
                 return Err(format!("close failed with no fault to explain it: {}", short(&e)));
             }
-            self.stats.restarts += 1;
-            self.machine.power_cycle(false);
-            self.model.crashed();
-            self.recover()?;
+            if cause == Cause::Crash {
+                self.stats.crashes_in_close += 1;
+            } else {
+                self.stats.restarts += 1;
+            }
+            self.machine.crash_now();
+            self.crash_and_recover()?;
+            return if reopen { Ok(()) } else { self.close_and_check(false) };
+        }
+        if crashed {
+            // close swallowed an I/O failure: the volume must still be consistent, but we
+            // cannot call it closed; treat it as a crash.
+            self.note("close returned Ok although an I/O call failed; treating as a crash".into());
+            self.stats.crashes_in_close += 1;
+            self.machine.crash_now();
+            self.crash_and_recover()?;
             return if reopen { Ok(()) } else { self.close_and_check(false) };
         }
         self.note("close ok; power cycle; check".into());

@@ -149,7 +149,22 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}) recoveries={} clean_checks={} blocks_verified={} corruption_detected={} no_space={} restarts={} io_calls={}",
-        s.ops, s.writes, s.reads, s.flushes, s.zeroings, s.crashes, s.crashes_in_recovery, s.recoveries, s.clean_checks, s.blocks_verified, s.corruption_detected, s.no_space, s.restarts, s.io_calls
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} no_space={} restarts={} io_calls={}",
+        s.ops,
+        s.writes,
+        s.reads,
+        s.flushes,
+        s.zeroings,
+        s.crashes,
+        s.crashes_in_recovery,
+        s.crashes_in_close,
+        s.recoveries,
+        s.read_only_recoveries,
+        s.clean_checks,
+        s.blocks_verified,
+        s.corruption_detected,
+        s.no_space,
+        s.restarts,
+        s.io_calls
     )
 }
