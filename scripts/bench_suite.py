@@ -152,7 +152,9 @@ def data_opts(pct):
     d, c = split_reducible(pct)
     opts = ["--refill_buffers"]
     if d > 0:
-        opts += [f"--dedupe_percentage={d}", "--dedupe_mode=working_set", "--dedupe_working_set_percentage=50"]
+        # fio keeps the working set's pages unique, so it must leave room for the duplicates.
+        ws = min(50, int(100 - d) - 1)
+        opts += [f"--dedupe_percentage={d}", "--dedupe_mode=working_set", f"--dedupe_working_set_percentage={ws}"]
     if c > 0:
         opts += [f"--buffer_compress_percentage={c}", "--buffer_compress_chunk=4096"]
     return opts
