@@ -107,32 +107,40 @@ pub fn serve_connection(
     stopping: &AtomicBool,
 ) -> Outcome {
     let mut s = stream;
-    match handshake(&mut s, backend.size(), export, stopping) {
-        Ok(true) => {}
-        Ok(false) => return Outcome::Closed,
+    let session = match handshake(&mut s, backend.size(), export, stopping) {
+        Ok(Some(session)) => session,
+        Ok(None) => return Outcome::Closed,
         Err(e) => return Outcome::Dropped(format!("handshake: {e}")),
-    }
-    transmission(s, backend, export, limits)
+    };
+    transmission(s, session, backend, export, limits)
 }
 
 fn send_option_reply(s: &mut Stream, option: u32, reply: u32, data: &[u8]) -> io::Result<()> {
     s.write_all(&proto::encode_option_reply(option, reply, data))
 }
 
-/// Option haggling. Ok(true): enter transmission; Ok(false): the client left politely.
-fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &AtomicBool) -> io::Result<bool> {
+/// What the handshake negotiated for the transmission phase.
+#[derive(Debug, Clone, Copy)]
+struct Session {
+    /// Reads are answered with structured reply chunks.
+    structured: bool,
+}
+
+/// Option haggling. Ok(Some): enter transmission; Ok(None): the client left politely.
+fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &AtomicBool) -> io::Result<Option<Session>> {
     let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
     s.write_all(&proto::encode_greeting())?;
     let mut flags = [0u8; 4];
     if !read_exact_or_eof(s, &mut flags)? {
-        return Ok(false);
+        return Ok(None);
     }
     let client = proto::parse_client_flags(&flags).map_err(|e| invalid(e.to_string()))?;
     let tflags = export.transmission_flags();
+    let mut session = Session { structured: false };
     for _ in 0..OPTIONS_PER_CONNECTION_MAX {
         let mut hdr = [0u8; proto::OPTION_HEADER_BYTES];
         if !read_exact_or_eof(s, &mut hdr)? {
-            return Ok(false);
+            return Ok(None);
         }
         let h = proto::parse_option_header(&hdr).map_err(|e| invalid(e.to_string()))?;
         // Bounded by OPTION_DATA_BYTES_MAX in parse_option_header.
@@ -146,12 +154,12 @@ fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &Atomic
                     return Err(invalid(format!("unknown export {name:?} requested by EXPORT_NAME")));
                 }
                 s.write_all(&proto::encode_export_name_reply(size, tflags, client.no_zeroes))?;
-                return Ok(true);
+                return Ok(Some(session));
             }
             proto::OPT_ABORT => {
                 // The client may already have closed; a failed ACK is not an error.
                 let _ = send_option_reply(s, h.option, proto::REP_ACK, &[]);
-                return Ok(false);
+                return Ok(None);
             }
             proto::OPT_LIST => {
                 if !data.is_empty() {
@@ -192,12 +200,19 @@ fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &Atomic
                 }
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
                 if h.option == proto::OPT_GO {
-                    return Ok(true);
+                    return Ok(Some(session));
                 }
             }
+            proto::OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    send_option_reply(s, h.option, proto::REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
+                    continue;
+                }
+                session.structured = true;
+                send_option_reply(s, h.option, proto::REP_ACK, &[])?;
+            }
             other => {
-                // STRUCTURED_REPLY, STARTTLS, META_CONTEXT, EXTENDED_HEADERS, ...: clients
-                // fall back to simple replies and plain connections.
+                // STARTTLS, META_CONTEXT, EXTENDED_HEADERS, ...: clients go on without them.
                 let msg = format!("option {other} is not supported");
                 send_option_reply(s, other, proto::REP_ERR_UNSUP, msg.as_bytes())?;
             }
@@ -240,67 +255,103 @@ struct Job {
 struct ReplyWriter {
     stream: Mutex<Stream>,
     broken: AtomicBool,
+    /// Structured replies were negotiated: reads are answered with chunks.
+    structured: bool,
 }
 
 impl ReplyWriter {
-    fn send(&self, error: u32, cookie: u64, payload: Option<&[u8]>) {
+    /// Writes `head` then `body` as one message, under the lock.
+    fn write(&self, head: &[u8], body: &[u8]) {
         if self.broken.load(Ordering::Relaxed) {
             return;
         }
-        let hdr = proto::encode_simple_reply(error, cookie);
         let mut s = self.stream.lock();
-        let r = s.write_all(&hdr).and_then(|()| match payload {
-            Some(p) => s.write_all(p),
-            None => Ok(()),
-        });
+        let r = s.write_all(head).and_then(|()| if body.is_empty() { Ok(()) } else { s.write_all(body) });
         if r.is_err() {
             // The client is gone or the stream is out of sync: stop the reader too.
             self.broken.store(true, Ordering::Relaxed);
             let _ = s.shutdown(Shutdown::Both);
         }
     }
-}
 
-fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter) {
-    let report = |e: crate::backend::BackendError| {
-        eprintln!("dedupvol-nbd: request {:#x} failed: {e}", job.cookie);
-        proto::nbd_error_from_errno(e.errno)
-    };
-    match job.cmd {
-        Command::Read { offset, len } => {
-            let mut buf = vec![0u8; len as usize];
-            match backend.read(offset, &mut buf) {
-                Ok(()) => writer.send(0, job.cookie, Some(&buf)),
-                // Simple replies carry no payload after an error.
-                Err(e) => writer.send(report(e), job.cookie, None),
-            }
+    /// The reply to anything but a read: a simple reply (allowed in either mode).
+    fn status(&self, error: u32, cookie: u64) {
+        self.write(&proto::encode_simple_reply(error, cookie), &[]);
+    }
+
+    /// A successful read of `data` at `offset`.
+    fn read_ok(&self, cookie: u64, offset: u64, data: &[u8]) {
+        if !self.structured {
+            return self.write(&proto::encode_simple_reply(0, cookie), data);
         }
-        Command::Write { offset, fua, .. } => {
-            let r = backend.write(offset, &job.payload, fua);
-            writer.send(r.err().map_or(0, report), job.cookie, None);
+        let len = data.len() as u32;
+        if data.is_empty() {
+            self.write(&proto::encode_chunk_header(proto::REPLY_FLAG_DONE, proto::REPLY_TYPE_NONE, cookie, 0), &[]);
+        } else if data.iter().all(|&b| b == 0) {
+            // Thin volumes read mostly zeros: 32 bytes instead of the data.
+            self.write(&proto::encode_hole_chunk(cookie, offset, len), &[]);
+        } else {
+            self.write(&proto::encode_data_chunk_prefix(cookie, offset, len), data);
         }
-        Command::Flush => {
-            let r = backend.flush();
-            writer.send(r.err().map_or(0, report), job.cookie, None);
-        }
-        Command::Trim { offset, len, fua } => {
-            // The engine's discard has no FUA of its own; a flush after it gives the same.
-            let r = backend.trim(offset, u64::from(len)).and_then(|()| if fua { backend.flush() } else { Ok(()) });
-            writer.send(r.err().map_or(0, report), job.cookie, None);
-        }
-        Command::WriteZeroes { offset, len, fua } => {
-            let r = backend.write_zeroes(offset, u64::from(len), fua);
-            writer.send(r.err().map_or(0, report), job.cookie, None);
+    }
+
+    /// A failed read: no data follows.
+    fn read_err(&self, cookie: u64, error: u32, message: &str) {
+        if self.structured {
+            self.write(&proto::encode_error_chunk(cookie, error, message), &[]);
+        } else {
+            self.status(error, cookie);
         }
     }
 }
 
-fn transmission(stream: Stream, backend: Arc<dyn Backend>, export: &ExportConfig, limits: &ConnectionLimits) -> Outcome {
+fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter) {
+    let report = |e: &crate::backend::BackendError| {
+        eprintln!("dedupvol-nbd: request {:#x} failed: {e}", job.cookie);
+        proto::nbd_error_from_errno(e.errno)
+    };
+    let status = |r: Result<(), crate::backend::BackendError>| writer.status(r.err().map_or(0, |e| report(&e)), job.cookie);
+    match job.cmd {
+        Command::Read { offset, len } => {
+            let mut buf = vec![0u8; len as usize];
+            match backend.read(offset, &mut buf) {
+                Ok(()) => writer.read_ok(job.cookie, offset, &buf),
+                // No data follows an error, in either reply mode.
+                Err(e) => writer.read_err(job.cookie, report(&e), &e.message),
+            }
+        }
+        Command::Write { offset, fua, .. } => {
+            status(backend.write(offset, &job.payload, fua));
+        }
+        Command::Flush => {
+            status(backend.flush());
+        }
+        Command::Trim { offset, len, fua } => {
+            // The engine's discard has no FUA of its own; a flush after it gives the same.
+            status(backend.trim(offset, u64::from(len)).and_then(|()| if fua { backend.flush() } else { Ok(()) }));
+        }
+        Command::WriteZeroes { offset, len, fua } => {
+            status(backend.write_zeroes(offset, u64::from(len), fua));
+        }
+    }
+}
+
+fn transmission(
+    stream: Stream,
+    session: Session,
+    backend: Arc<dyn Backend>,
+    export: &ExportConfig,
+    limits: &ConnectionLimits,
+) -> Outcome {
     let write_half = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => return Outcome::Dropped(format!("cannot clone socket: {e}")),
     };
-    let writer = Arc::new(ReplyWriter { stream: Mutex::new(write_half), broken: AtomicBool::new(false) });
+    let writer = Arc::new(ReplyWriter {
+        stream: Mutex::new(write_half),
+        broken: AtomicBool::new(false),
+        structured: session.structured,
+    });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
     let (tx, rx) = mpsc::sync_channel::<Job>(limits.queue_requests_max.max(1));
     let rx = Arc::new(Mutex::new(rx));
@@ -315,7 +366,10 @@ fn transmission(stream: Stream, backend: Arc<dyn Backend>, export: &ExportConfig
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(backend.as_ref(), &job, &writer)));
             if ran.is_err() {
                 eprintln!("dedupvol-nbd: request {:#x} panicked in the backend; answering EIO", job.cookie);
-                writer.send(proto::NBD_EIO, job.cookie, None);
+                match job.cmd {
+                    Command::Read { .. } => writer.read_err(job.cookie, proto::NBD_EIO, "internal error"),
+                    _ => writer.status(proto::NBD_EIO, job.cookie),
+                }
             }
             budget.release(job.cost_bytes);
         });
@@ -353,7 +407,8 @@ fn transmission(stream: Stream, backend: Arc<dyn Backend>, export: &ExportConfig
                 eprintln!("dedupvol-nbd: rejecting request {:#x}: {reason}", req.cookie);
                 let skipped = io::copy(&mut (&mut reader).take(u64::from(skip)), &mut io::sink());
                 match skipped {
-                    Ok(n) if n == u64::from(skip) => writer.send(error, req.cookie, None),
+                    Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => writer.read_err(req.cookie, error, &reason),
+                    Ok(n) if n == u64::from(skip) => writer.status(error, req.cookie),
                     Ok(_) => break Outcome::Closed,
                     Err(e) => break Outcome::Dropped(format!("reading payload: {e}")),
                 }

@@ -1,7 +1,7 @@
 //! NBD wire format: constants, and pure parsers and encoders over byte slices.
 //!
 //! Written from the protocol specification (NetworkBlockDevice/nbd `doc/proto.md`): fixed
-//! newstyle handshake, option haggling, simple replies. Nothing here does I/O, so every
+//! newstyle handshake, option haggling, simple and structured replies. Nothing here does I/O, so every
 //! decoder can be fed arbitrary bytes by the fuzz target and the property tests.
 //!
 //! Invariants:
@@ -24,6 +24,23 @@ pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 /// Magic at the start of every simple reply.
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+/// Magic at the start of every structured reply chunk.
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+
+/// Structured reply flag: this is the last chunk of the reply.
+pub const REPLY_FLAG_DONE: u16 = 1 << 0;
+/// Structured chunk: no payload (success, when no error chunk came before).
+pub const REPLY_TYPE_NONE: u16 = 0;
+/// Structured chunk: offset + data.
+pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+/// Structured chunk: offset + length of a run of zeros.
+pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+/// Structured chunk: error + message.
+pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+/// Size of a structured reply chunk header.
+pub const STRUCTURED_REPLY_HEADER_BYTES: usize = 20;
+/// Longest error message we put in an error chunk (the spec's limit is 4096).
+pub const ERROR_MESSAGE_BYTES_MAX: usize = 1024;
 
 /// Handshake flags (server → client, 16 bits).
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
@@ -59,6 +76,8 @@ pub const OPT_LIST: u32 = 3;
 pub const OPT_INFO: u32 = 6;
 /// Export details, then enter transmission.
 pub const OPT_GO: u32 = 7;
+/// Use structured replies in transmission.
+pub const OPT_STRUCTURED_REPLY: u32 = 8;
 
 /// Option reply types.
 pub const REP_ACK: u32 = 1;
@@ -403,6 +422,52 @@ pub fn encode_simple_reply(error: u32, cookie: u64) -> [u8; SIMPLE_REPLY_BYTES] 
     out
 }
 
+/// A structured reply chunk header: magic, flags, type, cookie, payload length.
+pub fn encode_chunk_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; STRUCTURED_REPLY_HEADER_BYTES] {
+    let mut out = [0u8; STRUCTURED_REPLY_HEADER_BYTES];
+    out[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+    out[4..6].copy_from_slice(&flags.to_be_bytes());
+    out[6..8].copy_from_slice(&kind.to_be_bytes());
+    out[8..16].copy_from_slice(&cookie.to_be_bytes());
+    out[16..20].copy_from_slice(&len.to_be_bytes());
+    out
+}
+
+/// A complete final `NBD_REPLY_TYPE_ERROR` chunk (header and payload). The message is cut
+/// to [`ERROR_MESSAGE_BYTES_MAX`] at a character boundary.
+pub fn encode_error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
+    let mut cut = message.len().min(ERROR_MESSAGE_BYTES_MAX);
+    while !message.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let msg = message.get(..cut).unwrap_or("");
+    let payload_len = 6 + msg.len();
+    let mut out = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_len);
+    out.extend_from_slice(&encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, payload_len as u32));
+    out.extend_from_slice(&error.to_be_bytes());
+    out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
+    out.extend_from_slice(msg.as_bytes());
+    out
+}
+
+/// A complete final `NBD_REPLY_TYPE_OFFSET_HOLE` chunk: `len` (non-zero) zeros at `offset`.
+pub fn encode_hole_chunk(cookie: u64, offset: u64, len: u32) -> [u8; STRUCTURED_REPLY_HEADER_BYTES + 12] {
+    let mut out = [0u8; STRUCTURED_REPLY_HEADER_BYTES + 12];
+    out[..20].copy_from_slice(&encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, cookie, 12));
+    out[20..28].copy_from_slice(&offset.to_be_bytes());
+    out[28..32].copy_from_slice(&len.to_be_bytes());
+    out
+}
+
+/// The header and offset of a final `NBD_REPLY_TYPE_OFFSET_DATA` chunk; `len` data bytes follow.
+pub fn encode_data_chunk_prefix(cookie: u64, offset: u64, len: u32) -> [u8; STRUCTURED_REPLY_HEADER_BYTES + 8] {
+    let mut out = [0u8; STRUCTURED_REPLY_HEADER_BYTES + 8];
+    // len <= REQUEST_BYTES_MAX, so len + 8 cannot overflow.
+    out[..20].copy_from_slice(&encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, len.saturating_add(8)));
+    out[20..28].copy_from_slice(&offset.to_be_bytes());
+    out
+}
+
 /// What the export allows, as far as request validation is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExportLimits {
@@ -631,6 +696,17 @@ mod tests {
         long[3] = 200;
         assert!(parse_info_request(&long).is_err());
         assert!(parse_info_request(&[]).is_err());
+    }
+
+    #[test]
+    fn error_chunk_message_is_bounded_and_cut_at_a_char_boundary() {
+        let msg = "é".repeat(ERROR_MESSAGE_BYTES_MAX);
+        let c = encode_error_chunk(9, NBD_EIO, &msg);
+        let payload_len = u32::from_be_bytes([c[16], c[17], c[18], c[19]]) as usize;
+        assert_eq!(c.len(), STRUCTURED_REPLY_HEADER_BYTES + payload_len);
+        let msg_len = u16::from_be_bytes([c[24], c[25]]) as usize;
+        assert!(msg_len <= ERROR_MESSAGE_BYTES_MAX && payload_len == 6 + msg_len);
+        assert!(std::str::from_utf8(&c[26..]).is_ok());
     }
 
     #[test]

@@ -50,8 +50,12 @@ fn unknown_option_and_unknown_export_are_errors_not_disconnects() {
     let srv = TestServer::start(1 << 20, false, 4);
     let mut s = connect_raw(&srv.socket);
     greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
-    send_option(&mut s, 8 /* STRUCTURED_REPLY */, &[]);
+    send_option(&mut s, 5 /* STARTTLS */, &[]);
     assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
+    send_option(&mut s, 10 /* SET_META_CONTEXT */, &[0; 8]);
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
+    send_option(&mut s, OPT_STRUCTURED_REPLY, b"x");
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_INVALID);
     send_option(&mut s, 0xdead, b"junk");
     assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
     send_option(&mut s, OPT_GO, &info_data("nope", &[]));

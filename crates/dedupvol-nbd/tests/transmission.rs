@@ -194,3 +194,46 @@ fn stop_answers_requests_already_sent_then_returns() {
     let summary = srv.shutdown();
     assert_eq!(summary.connections_served, 1);
 }
+
+/// Reads one structured chunk: (flags, type, cookie, payload).
+fn read_chunk(s: &mut std::os::unix::net::UnixStream) -> (u16, u16, u64, Vec<u8>) {
+    let h = read_n(s, STRUCTURED_REPLY_HEADER_BYTES);
+    assert_eq!(u32_at(&h, 0), STRUCTURED_REPLY_MAGIC);
+    let len = u32_at(&h, 16) as usize;
+    (u16_at(&h, 4), u16_at(&h, 6), u64_at(&h, 8), read_n(s, len))
+}
+
+#[test]
+fn structured_replies_answer_reads_with_chunks() {
+    let srv = TestServer::start(1 << 20, false, 4);
+    let mut s = connect_raw(&srv.socket);
+    greet(&mut s, FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+    send_option(&mut s, OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(read_option_reply(&mut s).1, REP_ACK);
+    send_option(&mut s, OPT_GO, &info_data("", &[]));
+    while read_option_reply(&mut s).1 != REP_ACK {}
+
+    // Writes still get simple replies (the spec allows either for non-reads).
+    send_request(&mut s, CMD_WRITE, 0, 1, 8192, 5000, &pattern(5, 5000));
+    assert_eq!(read_reply(&mut s), (0, 1));
+    send_request(&mut s, CMD_READ, 0, 2, 8192, 5000, &[]);
+    let (flags, kind, cookie, payload) = read_chunk(&mut s);
+    assert_eq!((flags, kind, cookie), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 2));
+    assert_eq!(u64_at(&payload, 0), 8192);
+    assert_eq!(&payload[8..], &pattern(5, 5000)[..]);
+    // Unwritten space comes back as a hole chunk.
+    send_request(&mut s, CMD_READ, 0, 3, 65536, 65536, &[]);
+    let (flags, kind, cookie, payload) = read_chunk(&mut s);
+    assert_eq!((flags, kind, cookie), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 3));
+    assert_eq!((u64_at(&payload, 0), u32_at(&payload, 8)), (65536, 65536));
+    // Errors on reads are error chunks, with a message.
+    send_request(&mut s, CMD_READ, 0, 4, 1 << 20, 1, &[]);
+    let (flags, kind, cookie, payload) = read_chunk(&mut s);
+    assert_eq!((flags, kind, cookie), (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 4));
+    assert_eq!(u32_at(&payload, 0), NBD_EINVAL);
+    assert_eq!(u16_at(&payload, 4) as usize, payload.len() - 6);
+    // A zero-length read is a lone NONE chunk.
+    send_request(&mut s, CMD_READ, 0, 5, 0, 0, &[]);
+    assert_eq!(read_chunk(&mut s), (REPLY_FLAG_DONE, REPLY_TYPE_NONE, 5, vec![]));
+    srv.shutdown();
+}
