@@ -1,9 +1,10 @@
 //! dedupvol-nbd: an NBD (Network Block Device) server for dedupvol volumes.
 //!
 //! Written from the protocol specification (NetworkBlockDevice/nbd `doc/proto.md`). It
-//! speaks the fixed-newstyle handshake (options GO, INFO, LIST, ABORT and the EXPORT_NAME
-//! fallback; NO_ZEROES honoured) and simple replies, and serves READ, WRITE (+FUA), FLUSH,
-//! TRIM, WRITE_ZEROES (+FUA, NO_HOLE) and DISC over TCP or a Unix-domain socket.
+//! speaks the fixed-newstyle handshake (options GO, INFO, LIST, ABORT, STRUCTURED_REPLY
+//! and the EXPORT_NAME fallback; NO_ZEROES honoured), simple or structured replies, and
+//! serves READ, WRITE (+FUA), FLUSH, TRIM, WRITE_ZEROES (+FUA, NO_HOLE) and DISC over TCP
+//! or a Unix-domain socket.
 //!
 //! Layout: [`proto`] holds the wire format as pure functions over byte slices (fuzzed);
 //! [`connection`] runs one client (handshake, then a reader thread and a bounded worker
