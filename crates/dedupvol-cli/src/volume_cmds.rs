@@ -1,15 +1,358 @@
-//! (being written)
-use clap::Subcommand;
+//! Volume commands: format, info, import, export, stats, check.
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use dedupvol_core::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, Volume, WritePolicy, BLOCK_SIZE};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::fs::File;
+use std::io::{IsTerminal, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+
+/// Bytes moved per request by import/export (a whole number of blocks).
+const COPY_CHUNK_BYTES: usize = 1 << 20;
 
 #[derive(Subcommand)]
 pub enum VolumeCommand {
-    /// (being written)
-    InfoPlaceholder,
+    /// Format a file or block device as a new volume.
+    Format(FormatArgs),
+    /// Show a volume's geometry and settings.
+    Info(OpenArgs),
+    /// Copy a file or disk image into the volume.
+    Import(ImportArgs),
+    /// Copy the volume's logical contents out to a file.
+    Export(ExportArgs),
+    /// Show space, reduction and I/O statistics.
+    Stats(StatsArgs),
+    /// Audit a closed volume: reference counts, leaks, double use, checksums.
+    Check(CheckArgs),
+}
+
+#[derive(Args)]
+pub struct FormatArgs {
+    /// File or block device.
+    path: PathBuf,
+    /// Client-visible size (K/M/G/T suffixes); may exceed the physical size (thin provisioning).
+    #[arg(long, value_parser = size)]
+    logical_size: u64,
+    /// Create or extend the file to this size.
+    #[arg(long, value_parser = size)]
+    physical_size: Option<u64>,
+    /// Put the journal, block map and reference counts on this (fast) device.
+    #[arg(long)]
+    meta_device: Option<PathBuf>,
+    /// Compressor: lz4, zstd or none.
+    #[arg(long, default_value = "lz4")]
+    compression: String,
+    /// Deduplicate: on or off.
+    #[arg(long, default_value = "on")]
+    dedup: String,
+    /// Memory for the fingerprint index (16 bytes per entry; 40 with --verify hash).
+    #[arg(long, value_parser = size, default_value = "64M")]
+    index_memory: u64,
+    /// sync: durable before acknowledgement; async: durable at flush/FUA.
+    #[arg(long, default_value = "async")]
+    write_policy: String,
+    /// Data slab size (power of two, 1M..32G).
+    #[arg(long, value_parser = size, default_value = "32M")]
+    slab_size: u64,
+    /// Duplicate verification: bytes (compare contents, default) or hash (trust BLAKE3-256).
+    #[arg(long, default_value = "bytes")]
+    verify: String,
+    /// Journal size (default: 1/64 of the device, 256K..32M).
+    #[arg(long, value_parser = size)]
+    journal_size: Option<u64>,
+    /// Overwrite an existing volume.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args)]
+pub struct OpenArgs {
+    /// The volume's data file or device.
+    path: PathBuf,
+    /// Metadata device (default: the path recorded at format).
+    #[arg(long)]
+    meta_device: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct ImportArgs {
+    #[command(flatten)]
+    vol: OpenArgs,
+    /// File or image to copy in.
+    file: PathBuf,
+    /// Byte offset in the volume.
+    #[arg(long, default_value_t = 0)]
+    offset: u64,
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[command(flatten)]
+    vol: OpenArgs,
+    /// Destination file.
+    file: PathBuf,
+}
+
+#[derive(Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    vol: OpenArgs,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    vol: OpenArgs,
+    /// Fix what can be recomputed (reference counts, counters, superblock copies).
+    #[arg(long)]
+    repair: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| e.to_string())
+}
+
+fn on_off(s: &str) -> anyhow::Result<bool> {
+    match s {
+        "on" | "true" | "yes" => Ok(true),
+        "off" | "false" | "no" => Ok(false),
+        _ => bail!("--dedup must be on or off, not {s:?}"),
+    }
+}
+
+fn open(a: &OpenArgs, read_only: bool) -> anyhow::Result<Volume> {
+    let opts = OpenOptions { read_only, ..OpenOptions::default() };
+    Volume::open_path(&a.path, a.meta_device.as_deref(), &opts).with_context(|| format!("opening volume {}", a.path.display()))
+}
+
+fn human(b: u64) -> String {
+    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", U[i])
+    }
+}
+
+fn progress(total: u64, what: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.set_message(what.to_string());
+    pb
 }
 
 impl VolumeCommand {
     pub fn run(self) -> anyhow::Result<ExitCode> {
-        anyhow::bail!("not yet implemented")
+        match self {
+            VolumeCommand::Format(a) => format(a),
+            VolumeCommand::Info(a) => info(a),
+            VolumeCommand::Import(a) => import(a),
+            VolumeCommand::Export(a) => export(a),
+            VolumeCommand::Stats(a) => stats(a),
+            VolumeCommand::Check(a) => check(a),
+        }
+    }
+}
+
+fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
+    let opts = FormatOptions {
+        logical_size_bytes: a.logical_size,
+        compression: a.compression.parse::<Compression>()?,
+        dedup: on_off(&a.dedup)?,
+        index_memory_bytes: a.index_memory,
+        write_policy: a.write_policy.parse::<WritePolicy>()?,
+        slab_size_bytes: a.slab_size,
+        verify: a.verify.parse::<DedupVerify>()?,
+        journal_size_bytes: a.journal_size,
+    };
+    if a.physical_size.is_none() && !a.path.exists() {
+        bail!("{} does not exist: pass --physical-size to create it", a.path.display());
+    }
+    Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
+        .with_context(|| format!("formatting {}", a.path.display()))?;
+    let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone() }, true)?;
+    let s = vol.stats();
+    println!(
+        "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",
+        a.path.display(),
+        human(s.logical_size_bytes),
+        human(s.data_blocks_total * BLOCK_SIZE as u64),
+        s.data_blocks_total,
+        human(s.metadata_bytes),
+        if s.separate_metadata_device { " on the metadata device" } else { "" },
+        s.uuid
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
+    let vol = open(&a, true)?;
+    let g = vol.geometry();
+    let s = vol.stats();
+    println!("volume          {}", a.path.display());
+    println!("uuid            {}", s.uuid);
+    println!("logical size    {} ({} blocks)", human(s.logical_size_bytes), g.logical_blocks);
+    println!("data region     {} ({} blocks, {} slabs of {})", human(g.data_blocks * 4096), g.data_blocks, g.slab_count(), human(g.slab_blocks * 4096));
+    println!("metadata        {}{}", human(s.metadata_bytes), if s.separate_metadata_device { " (separate device)" } else { "" });
+    println!("  journal       {} blocks", g.journal_blocks);
+    println!("  block map     {} pages x 2 slots", g.block_map_pages);
+    println!("  refcounts     {} pages x 2 slots", g.refcount_pages);
+    println!("compression     {:?}", s.compression);
+    println!("dedup           {} (verify {:?})", if s.dedup { "on" } else { "off" }, s.verify);
+    println!("index           {} entries, {} ({} B/entry)", s.index_capacity, human(s.index_memory_bytes), s.index_bytes_per_entry);
+    println!("write policy    {:?}", s.write_policy);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
+    let mut f = File::open(&a.file).with_context(|| format!("opening {}", a.file.display()))?;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let vol = Arc::new(open(&a.vol, false)?);
+    if a.offset.checked_add(len).map_or(true, |e| e > vol.logical_size()) {
+        bail!("{} ({} bytes) at offset {} does not fit in the volume ({} bytes)", a.file.display(), len, a.offset, vol.logical_size());
+    }
+    let pb = progress(len, "import");
+    let mut buf = vec![0u8; COPY_CHUNK_BYTES];
+    let mut pos = a.offset;
+    let start = std::time::Instant::now();
+    loop {
+        let mut n = 0;
+        while n < buf.len() {
+            let r = f.read(&mut buf[n..]).with_context(|| format!("reading {}", a.file.display()))?;
+            if r == 0 {
+                break;
+            }
+            n += r;
+        }
+        if n == 0 {
+            break;
+        }
+        vol.write(pos, &buf[..n], false).with_context(|| format!("writing at volume offset {pos}"))?;
+        pos += n as u64;
+        pb.inc(n as u64);
+    }
+    vol.flush().context("flushing")?;
+    pb.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    let s = vol.stats();
+    println!(
+        "imported {} in {:.2}s ({:.1} MB/s); volume now {} logical in {} physical (ratio {:.2})",
+        human(pos - a.offset),
+        secs,
+        (pos - a.offset) as f64 / secs.max(1e-9) / 1e6,
+        human(s.logical_bytes_used),
+        human(s.physical_data_bytes_used),
+        s.reduction_ratio
+    );
+    Arc::try_unwrap(vol).map_err(|_| anyhow::anyhow!("volume still shared"))?.close().context("closing")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
+    let vol = open(&a.vol, true)?;
+    let out = File::create(&a.file).with_context(|| format!("creating {}", a.file.display()))?;
+    let size = vol.logical_size();
+    let pb = progress(size, "export");
+    let mut buf = vec![0u8; COPY_CHUNK_BYTES];
+    let mut pos = 0u64;
+    while pos < size {
+        let n = (size - pos).min(buf.len() as u64) as usize;
+        vol.read(pos, &mut buf[..n]).with_context(|| format!("reading volume offset {pos}"))?;
+        if buf[..n].iter().all(|&b| b == 0) {
+            // Leave holes for zeros: the export is as sparse as the volume.
+            out.set_len(pos + n as u64).context("extending output")?;
+        } else {
+            out.write_all_at(&buf[..n], pos).with_context(|| format!("writing {}", a.file.display()))?;
+        }
+        pos += n as u64;
+        pb.inc(n as u64);
+    }
+    pb.finish_and_clear();
+    out.sync_all().ok();
+    println!("exported {} to {}", human(size), a.file.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
+    let vol = open(&a.vol, true)?;
+    let s = vol.stats();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("logical size        {}", human(s.logical_size_bytes));
+    println!("logical in use      {}", human(s.logical_bytes_used));
+    println!("physical data used  {} of {} ({} blocks)", human(s.physical_data_bytes_used), human(s.data_blocks_total * 4096), s.data_blocks_used);
+    println!("metadata            {}", human(s.metadata_bytes));
+    println!("reduction ratio     {:.2}:1", s.reduction_ratio);
+    println!("savings: zero       {}", human(s.savings.zero_bytes));
+    println!("savings: dedup      {}", human(s.savings.dedup_bytes));
+    println!("savings: compress   {}", human(s.savings.compression_bytes));
+    println!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
+    let data: Arc<dyn dedupvol_core::Storage> = Arc::new(dedupvol_core::FileStorage::open(&a.vol.path, !a.repair)?);
+    let meta_path = match &a.vol.meta_device {
+        Some(m) => Some(m.clone()),
+        None => recorded_meta(&a.vol.path)?,
+    };
+    let meta: Option<Arc<dyn dedupvol_core::Storage>> = match meta_path {
+        Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
+        None => None,
+    };
+    let r = dedupvol_core::check_volume(data, meta, a.repair).with_context(|| format!("checking {}", a.vol.path.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        let mut o = std::io::stdout().lock();
+        writeln!(o, "checked {}: {} mapped + {} zero logical blocks, {} physical blocks in use, {} verified",
+            a.vol.path.display(), r.mapped_blocks, r.zero_blocks, r.used_blocks, r.blocks_verified)?;
+        for p in &r.problems {
+            writeln!(o, "PROBLEM: {p}")?;
+        }
+        if r.problems_not_listed > 0 {
+            writeln!(o, "... and {} more problems", r.problems_not_listed)?;
+        }
+        for p in &r.repaired {
+            writeln!(o, "repaired: {p}")?;
+        }
+        for p in &r.unrepaired {
+            writeln!(o, "NOT repaired: {p}")?;
+        }
+        writeln!(o, "{}", if r.is_clean() { "clean" } else if a.repair && r.unrepaired.is_empty() { "repaired" } else { "problems found" })?;
+    }
+    let ok = r.is_clean() || (a.repair && r.unrepaired.is_empty());
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+fn recorded_meta(path: &Path) -> anyhow::Result<Option<PathBuf>> {
+    let vol = Volume::open_path(path, None, &OpenOptions { read_only: true, ..OpenOptions::default() });
+    match vol {
+        Ok(v) => Ok(if v.geometry().meta_dev_blocks > 0 { v.meta_path().map(PathBuf::from) } else { None }),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("opening {}", path.display()))),
     }
 }

@@ -393,6 +393,11 @@ impl Volume {
         self.policy
     }
 
+    /// The metadata device path recorded at format, if any.
+    pub fn meta_path(&self) -> Option<String> {
+        self.sb.lock().meta_path.clone()
+    }
+
     /// The volume's geometry.
     pub fn geometry(&self) -> Geometry {
         self.geo
@@ -611,7 +616,7 @@ impl Volume {
         let gen_at_lookup;
         let hash_mode;
         {
-            let mut st = self.state.lock();
+            let st = self.state.lock();
             gen_at_lookup = st.reuse_gen;
             hash_mode = st.stamps.is_some();
             if sb_dedup {
