@@ -103,6 +103,40 @@ pub fn identify(buf: &[u8], candidates: &[u64]) -> Option<u64> {
     })
 }
 
+/// Bytes of a sector.
+pub const SECTOR: usize = 512;
+
+/// Writes the content of a version (a content id per 512-byte sector) into `buf`.
+pub fn fill_version(v: &[u64; 8], buf: &mut [u8]) {
+    let mut tmp = vec![0u8; BLOCK];
+    let mut last = None;
+    for (s, &id) in v.iter().enumerate() {
+        if last != Some(id) {
+            fill(id, &mut tmp);
+            last = Some(id);
+        }
+        buf[s * SECTOR..(s + 1) * SECTOR].copy_from_slice(&tmp[s * SECTOR..(s + 1) * SECTOR]);
+    }
+}
+
+/// The version whose content `buf` is, if it is one of `candidates`.
+pub fn identify_version(buf: &[u8], candidates: &[[u64; 8]]) -> Option<[u64; 8]> {
+    let mut tmp = vec![0u8; BLOCK];
+    candidates.iter().copied().find(|v| {
+        fill_version(v, &mut tmp);
+        tmp == buf
+    })
+}
+
+/// A version for messages: `id` when all sectors agree, else the per-sector list.
+pub fn version_name(v: &[u64; 8]) -> String {
+    if v.iter().all(|&x| x == v[0]) {
+        format!("{:#x}", v[0])
+    } else {
+        format!("{v:x?}")
+    }
+}
+
 /// A short description of a block, for failure messages.
 pub fn describe(buf: &[u8]) -> String {
     if buf.iter().all(|&b| b == 0) {

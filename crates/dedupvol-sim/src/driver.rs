@@ -16,7 +16,7 @@
 use crate::content::{self, Class, BLOCK};
 use crate::disk::{Evidence, FaultConfig, FaultCounts, SimDisk, SimMachine};
 use crate::engine::{short, SimEngine};
-use crate::model::Model;
+use crate::model::{Model, Version, ZERO_VERSION};
 use dedupvol_core::{Compression, DedupVerify, Error, FormatOptions, OpenOptions, Storage, WritePolicy};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -39,6 +39,10 @@ pub const OP_LOG_MAX: usize = 48;
 pub const WRITERS_MAX: usize = 4;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
+/// Percent of writes that are sector-aligned but not block-aligned.
+pub const PARTIAL_WRITE_PCT: u32 = 15;
+const SECTORS_PER_BLOCK: u64 = 8;
+const SECTOR_BYTES: u64 = 512;
 /// Untouched blocks sampled in each verification (they must read as zeros).
 pub const UNTOUCHED_SAMPLES: u64 = 16;
 
@@ -360,6 +364,26 @@ pub fn replay_command(seed: u64, opts: &SimOptions, engine: &str) -> String {
     s
 }
 
+/// Names the content of each sector of a block read back, for failure messages.
+fn describe_sectors(buf: &[u8]) -> String {
+    let names: Vec<String> = buf
+        .chunks(content::SECTOR)
+        .enumerate()
+        .map(|(i, s)| {
+            if s.iter().all(|&b| b == 0) {
+                "0".to_string()
+            } else if i == 0 {
+                let mut id = [0u8; 8];
+                id.copy_from_slice(&s[..8]);
+                format!("{:x}", u64::from_le_bytes(id))
+            } else {
+                format!("?{:08x}", crc32c::crc32c(s))
+            }
+        })
+        .collect();
+    format!("{} (sectors: {})", content::describe(buf), names.join(" "))
+}
+
 #[derive(Clone, Copy)]
 enum Pattern {
     Sequential,
@@ -408,7 +432,7 @@ struct Run<'a, E: SimEngine> {
     open_io_calls: u64,
     /// Contents a read-only open of the same media saw; the next read-write recovery
     /// must show exactly these (recovery is a function of the media).
-    read_only_seen: std::collections::BTreeMap<u64, u64>,
+    read_only_seen: std::collections::BTreeMap<u64, Version>,
 }
 
 /// Runs one seed against engine `E`.
@@ -620,23 +644,45 @@ impl<E: SimEngine> Run<'_, E> {
 
     fn op_write(&mut self, w: usize) -> Result<(), String> {
         let (lba, n) = self.pick_range(w, WRITE_BLOCKS_MAX);
-        let ids: Vec<u64> = (0..n).map(|_| self.next_content(w)).collect();
         let fua = self.rng.gen_bool(0.1);
-        let mut buf = vec![0u8; (n * B) as usize];
-        for (i, id) in ids.iter().enumerate() {
-            content::fill(*id, &mut buf[i * BLOCK..(i + 1) * BLOCK]);
+        // Some writes are sector-aligned but not block-aligned: the engine must
+        // read-modify-write, and the block must still be old or new after a crash.
+        let (offset, len) = if self.rng.gen_range(0..100) < PARTIAL_WRITE_PCT {
+            let first = self.rng.gen_range(0..SECTORS_PER_BLOCK);
+            let sectors = self.rng.gen_range(1..=(n * SECTORS_PER_BLOCK - first));
+            (lba * B + first * SECTOR_BYTES, sectors * SECTOR_BYTES)
+        } else {
+            (lba * B, n * B)
+        };
+        let mut buf = vec![0u8; len as usize];
+        let mut blocks: Vec<(u64, Vec<Version>)> = Vec::new();
+        let mut names = Vec::new();
+        let mut tmp = vec![0u8; BLOCK];
+        let mut pos = offset;
+        while pos < offset + len {
+            let l = pos / B;
+            let within = (pos % B) as usize;
+            let take = ((offset + len - pos) as usize).min(BLOCK - within);
+            let id = self.next_content(w);
+            content::fill(id, &mut tmp);
+            let at = (pos - offset) as usize;
+            buf[at..at + take].copy_from_slice(&tmp[within..within + take]);
+            let sectors = within / content::SECTOR..(within + take) / content::SECTOR;
+            blocks.push((l, self.model.written(l, id, sectors.clone())));
+            names.push(if take == BLOCK { format!("{id:x}") } else { format!("{id:x}@{}..{}", sectors.start, sectors.end) });
+            pos += take as u64;
         }
         let before = self.machine.evidence();
         self.stats.writes += 1;
-        let what = format!("write lba {lba}+{n} fua={fua} ids={ids:x?}");
-        match self.vol().write(lba * B, &buf, fua) {
+        let what = format!("write {}+{} (lba {lba}) fua={fua} ids=[{}]", offset, len, names.join(", "));
+        match self.vol().write(offset, &buf, fua) {
             Ok(()) => {
                 self.note(what);
                 let durable = fua || self.sync_policy;
                 let mut big = false;
-                for (i, id) in ids.iter().enumerate() {
-                    self.model.write_acked(lba + i as u64, *id, durable);
-                    big |= self.model.allowed_after_crash(lba + i as u64).len() > ALLOWED_SET_FLUSH_AT;
+                for (l, versions) in &blocks {
+                    self.model.write_acked(*l, versions, durable);
+                    big |= self.model.allowed_after_crash(*l).len() > ALLOWED_SET_FLUSH_AT;
                 }
                 if big {
                     self.op_flush()?;
@@ -644,8 +690,8 @@ impl<E: SimEngine> Run<'_, E> {
                 Ok(())
             }
             Err(e) => {
-                for (i, id) in ids.iter().enumerate() {
-                    self.model.write_failed(lba + i as u64, *id);
+                for (l, versions) in &blocks {
+                    self.model.write_failed(*l, versions);
                 }
                 self.mutation_error(&what, &e, &before)
             }
@@ -663,13 +709,13 @@ impl<E: SimEngine> Run<'_, E> {
             Ok(()) => {
                 self.note(what);
                 for l in lba..lba + n {
-                    self.model.write_acked(l, content::ZERO, fua || self.sync_policy);
+                    self.model.write_acked(l, &[ZERO_VERSION], fua || self.sync_policy);
                 }
                 Ok(())
             }
             Err(e) => {
                 for l in lba..lba + n {
-                    self.model.write_failed(l, content::ZERO);
+                    self.model.write_failed(l, &[ZERO_VERSION]);
                 }
                 self.mutation_error(&what, &e, &before)
             }
@@ -702,14 +748,14 @@ impl<E: SimEngine> Run<'_, E> {
                     for i in 0..n {
                         let got = &buf[(i * B) as usize..((i + 1) * B) as usize];
                         let allowed = self.model.allowed_now(lba + i);
-                        match content::identify(got, &allowed) {
-                            Some(id) => self.model.observed(lba + i, id, after_recovery),
+                        match content::identify_version(got, &allowed) {
+                            Some(v) => self.model.observed(lba + i, v, after_recovery),
                             None => {
                                 return Err(format!(
-                                    "lba {} read back {} but the contract allows only {:x?}{}{}",
+                                    "lba {} read back {} but the contract allows only [{}]{}{}",
                                     lba + i,
-                                    content::describe(got),
-                                    allowed,
+                                    describe_sectors(got),
+                                    allowed.iter().map(content::version_name).collect::<Vec<_>>().join(", "),
                                     if after_recovery { " (verification after recovery)" } else { "" },
                                     if corrupt_seen { "; a block hit by an injected persistent fault was read during this call: corruption was returned as data" } else { "" }
                                 ));
@@ -765,13 +811,13 @@ impl<E: SimEngine> Run<'_, E> {
             if let Some(&ro) = ro_seen.get(&lba) {
                 // Only that content is allowed now: the read-only replay showed it.
                 if !self.model.allowed_now(lba).contains(&ro) {
-                    return Err(format!("internal: read-only observation {ro:#x} of lba {lba} not in the model"));
+                    return Err(format!("internal: read-only observation {} of lba {lba} not in the model", content::version_name(&ro)));
                 }
                 self.model.observed(lba, ro, false);
             }
             let ok = self.read_check(lba, 1, true).map_err(|e| {
                 if ro_seen.contains_key(&lba) {
-                    format!("{e} (a read-only recovery of the same media had shown {:#x})", ro_seen[&lba])
+                    format!("{e} (a read-only recovery of the same media had shown {})", content::version_name(&ro_seen[&lba]))
                 } else {
                     e
                 }
@@ -827,14 +873,15 @@ impl<E: SimEngine> Run<'_, E> {
             match vol.read(lba * B, &mut buf) {
                 Ok(()) => {
                     let allowed = self.model.allowed_now(lba);
-                    match content::identify(&buf, &allowed) {
-                        Some(id) => {
-                            seen.insert(lba, id);
+                    match content::identify_version(&buf, &allowed) {
+                        Some(v) => {
+                            seen.insert(lba, v);
                         }
                         None => {
                             return Err(format!(
-                                "read-only recovery: lba {lba} read back {} but the contract allows only {allowed:x?}",
-                                content::describe(&buf)
+                                "read-only recovery: lba {lba} read back {} but the contract allows only [{}]",
+                                describe_sectors(&buf),
+                                allowed.iter().map(content::version_name).collect::<Vec<_>>().join(", ")
                             ))
                         }
                     }

@@ -65,6 +65,7 @@ pub struct ToyVolume {
     n: u64,
     logical_blocks: u64,
     policy: WritePolicy,
+    read_only: bool,
     bug: ToyBug,
     inner: Mutex<Inner>,
 }
@@ -140,8 +141,12 @@ impl ToyVolume {
         if inner.failed {
             return Err(Error::Failed("toy volume failed earlier".into()));
         }
+        if self.read_only {
+            return Err(Error::ReadOnly);
+        }
         let r = f(&mut inner);
-        if r.is_err() {
+        // After an I/O error the in-memory state may be ahead of the device.
+        if matches!(r, Err(Error::Io { .. } | Error::Corrupt(_))) {
             inner.failed = true;
         }
         r
@@ -224,6 +229,7 @@ impl SimEngine for ToyVolume {
             n,
             logical_blocks,
             policy,
+            read_only: opts.read_only,
             bug: *TOY_BUG.lock(),
             inner: Mutex::new(Inner { map: HashMap::new(), next_pos: 0, epoch: epoch + 1, unsaved: Vec::new(), failed: false }),
         };
@@ -242,6 +248,9 @@ impl SimEngine for ToyVolume {
                 pos += 1;
             }
             inner.next_pos = pos;
+        }
+        if opts.read_only {
+            return Ok(vol);
         }
         let new_epoch = epoch + 1;
         data.write_at(&sb_block(new_epoch, logical_blocks, sync), (new_epoch % 2) * B).map_err(|e| io("write superblock", e))?;
@@ -268,12 +277,34 @@ impl SimEngine for ToyVolume {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.range_ok(offset, data.len() as u64)?;
+        let size = self.logical_blocks * B;
+        let len = data.len() as u64;
+        if offset % 512 != 0 || len % 512 != 0 || offset + len > size {
+            return Err(Error::OutOfRange { offset, len, size });
+        }
         self.guard(|inner| {
-            for (i, chunk) in data.chunks(B as usize).enumerate() {
-                let lba = offset / B + i as u64;
-                let zero = chunk.iter().all(|&x| x == 0);
-                self.put(inner, lba, if zero { None } else { Some(chunk) })?;
+            let mut pos = offset;
+            let mut block = vec![0u8; B as usize];
+            while pos < offset + len {
+                let lba = pos / B;
+                let within = (pos % B) as usize;
+                let take = ((offset + len - pos) as usize).min(B as usize - within);
+                // Read-modify-write of a partially covered block.
+                match inner.map.get(&lba) {
+                    Some(r) if r.data && take < B as usize => {
+                        self.dev.read_at(&mut block, self.data_off(r.pos)).map_err(|e| io("read for rmw", e))?;
+                        if crc32c::crc32c(&block) != r.crc {
+                            return Err(Error::Corrupt(format!("toy: lba {lba} fails its checksum")));
+                        }
+                    }
+                    _ => block.fill(0),
+                }
+                let at = (pos - offset) as usize;
+                block[within..within + take].copy_from_slice(&data[at..at + take]);
+                let zero = block.iter().all(|&x| x == 0);
+                let copy = block.clone();
+                self.put(inner, lba, if zero { None } else { Some(&copy) })?;
+                pos += take as u64;
             }
             if fua || self.policy == WritePolicy::Sync {
                 self.flush_locked(inner)?;
