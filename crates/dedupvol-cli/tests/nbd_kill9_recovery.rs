@@ -65,9 +65,9 @@ fn kill9_after_flush_keeps_flushed_data() {
     for line in BufReader::new(stdout).lines() {
         let line = line.expect("fio output");
         let f: Vec<&str> = line.split(';').collect();
-        // Terse v3: field 3 is the job name, field 48 the KiB written so far.
+        // Terse v3: field 3 is the job name, field 47 the KiB written so far.
         if f.get(2) == Some(&"unflushed") {
-            written_kb = f.get(47).and_then(|s| s.parse().ok()).unwrap_or(0);
+            written_kb = f.get(46).and_then(|s| s.parse().ok()).unwrap_or(0);
             if written_kb > 0 {
                 break;
             }
