@@ -591,7 +591,19 @@ impl Volume {
     }
 
     /// Writes whole blocks starting at `lba`; returns the last journal sequence used.
+    /// When the volume is full but freed blocks await a commit, commits and retries once
+    /// (blocks already applied are rewritten with the same content, which is a no-op).
     fn write_blocks(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
+        match self.write_blocks_once(lba0, buf) {
+            Err(Error::NoSpace(_)) if self.state.lock().alloc.pending_len() > 0 => {
+                self.flush()?;
+                self.write_blocks_once(lba0, buf)
+            }
+            r => r,
+        }
+    }
+
+    fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
         let n = buf.len() / BLOCK_SIZE;
         let sb_dedup = self.dedup;
         let compression = self.compression;
