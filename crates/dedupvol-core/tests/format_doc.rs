@@ -1,0 +1,35 @@
+//! docs/format.md's constants table must match the code (so the two cannot drift).
+use dedupvol_core::{block_map, index, journal, layout, packer, refcount, superblock};
+
+#[test]
+fn format_doc_constants_match_code() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/format.md")).expect("docs/format.md");
+    let code: &[(&str, u64)] = &[
+        ("BLOCK_SIZE", dedupvol_core::BLOCK_SIZE as u64),
+        ("SUPERBLOCK_RAW_BYTES", std::mem::size_of::<superblock::SuperblockRaw>() as u64),
+        ("PAGE_HEADER_BYTES", block_map::PAGE_HEADER_BYTES as u64),
+        ("MAP_ENTRY_BYTES", block_map::MAP_ENTRY_BYTES as u64),
+        ("BM_ENTRIES_PER_PAGE", layout::BM_ENTRIES_PER_PAGE),
+        ("RC_ENTRIES_PER_PAGE", layout::RC_ENTRIES_PER_PAGE),
+        ("JOURNAL_HEADER_BYTES", journal::JOURNAL_HEADER_BYTES as u64),
+        ("JOURNAL_ENTRY_BYTES", journal::JOURNAL_ENTRY_BYTES as u64),
+        ("JOURNAL_ENTRIES_PER_BLOCK", journal::JOURNAL_ENTRIES_PER_BLOCK as u64),
+        ("PACKED_HEADER_BYTES", packer::PACKED_HEADER_BYTES as u64),
+        ("PACKED_SLOTS_MAX", u64::from(block_map::PACKED_SLOTS_MAX)),
+        ("REFCOUNT_MAX", u64::from(refcount::REFCOUNT_MAX)),
+        ("INDEX_ENTRY_BYTES", index::ENTRY_BYTES),
+        ("INDEX_ENTRY_BYTES_FULL_HASH", index::ENTRY_BYTES_FULL_HASH),
+    ];
+    for (name, value) in code {
+        let row = doc
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{name}` |")))
+            .unwrap_or_else(|| panic!("docs/format.md has no row for {name}"));
+        let documented: u64 = row.split('|').nth(2).and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("bad row {row}"));
+        assert_eq!(documented, *value, "docs/format.md says {name} = {documented}, the code has {value}");
+    }
+    // Superblock field offsets quoted in the doc.
+    for (off, field) in [(48usize, "logical_blocks"), (160, "index_memory_bytes"), (216, "metadata device path")] {
+        assert!(doc.contains(&format!("| {off} |")), "offset {off} ({field}) missing from the doc");
+    }
+}
