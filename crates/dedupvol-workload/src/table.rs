@@ -7,6 +7,7 @@
 //!   table) — never as zero.
 
 use crate::bench::{BenchReport, ScenarioResult};
+use crate::content::BLOCK_BYTES;
 use crate::estimate::EstimateReport;
 
 /// A simple text table.
@@ -72,10 +73,32 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     }
 }
 
+fn per_ops(s: &ScenarioResult) -> bool {
+    s.target.as_ref().map(|t| t.unit == "writes/s").unwrap_or(false) || s.name.starts_with("overwrite")
+}
+
 /// The value a scenario is judged by: MB/s, or writes/s for the overwrite scenario.
 fn headline(s: &ScenarioResult, f: Option<&crate::bench::RunFigure>) -> Option<f64> {
-    let per_ops = s.target.as_ref().map(|t| t.unit == "writes/s").unwrap_or(false);
-    f.map(|f| if per_ops { f.ops_s } else { f.mb_s })
+    let ops = per_ops(s);
+    f.map(|f| if ops { f.ops_s } else { f.mb_s })
+}
+
+/// A simple model of the fastest this scenario could go on this machine, in MB/s of
+/// logical data: every block is hashed once and every unique one compressed, spread over
+/// `threads` cores (`threads / (1/BLAKE3 + unique_share/LZ4)`), and the device must absorb
+/// the stored bytes at the measured sequential speed (`disk × logical / stored`). The lower
+/// of the two. It ignores metadata and memory copies, so it is an upper bound.
+pub fn limit_model_mb_s(s: &ScenarioResult, threads: usize, disk_mb_s: Option<f64>) -> Option<f64> {
+    let p = s.primitives.as_ref()?;
+    let e = s.estimate.as_ref()?;
+    if e.chunks == 0 || p.blake3_mb_s <= 0.0 || p.lz4_compress_mb_s <= 0.0 {
+        return None;
+    }
+    let unique_share = e.unique_chunks as f64 / e.chunks as f64;
+    let cpu = threads as f64 / (1.0 / p.blake3_mb_s + unique_share / p.lz4_compress_mb_s);
+    let stored = e.physical_bytes.max(1) as f64;
+    let disk = disk_mb_s.map(|d| d * e.scanned_bytes as f64 / stored);
+    Some(disk.map_or(cpu, |d| d.min(cpu)))
 }
 
 /// The full benchmark printout: primitives, engine vs baselines vs target, reduction, I/O.
@@ -116,6 +139,7 @@ pub fn render_bench(r: &BenchReport) -> String {
         "target",
         "engine",
         "met",
+        "limit model",
         "no-reduction vol",
         "raw pwrite",
         "engine/no-red",
@@ -124,8 +148,11 @@ pub fn render_bench(r: &BenchReport) -> String {
         "WA dev/logical",
         "WA dev/ideal",
     ]);
+    let disk = r.disk_seq_write.as_ref().map(|d| d.mb_s);
     for s in &r.scenarios {
-        let unit = s.target.as_ref().map(|t| t.unit.clone()).unwrap_or_else(|| "MB/s".into());
+        let unit = s.target.as_ref().map(|t| t.unit.clone()).unwrap_or_else(|| {
+            if per_ops(s) { "writes/s" } else { "MB/s" }.into()
+        });
         let e = headline(s, s.engine.as_ref());
         let b = headline(s, s.no_reduction_volume.as_ref());
         let raw = headline(s, s.raw_file.as_ref());
@@ -140,6 +167,11 @@ pub fn render_bench(r: &BenchReport) -> String {
             s.target.as_ref().map(|t| format!(">= {}", t.min)).unwrap_or_else(|| "-".into()),
             if s.engine_error.is_some() { "error".into() } else { num(e, 0) },
             met,
+            if per_ops(s) {
+                num(limit_model_mb_s(s, r.options.threads, disk).map(|m| m * 1e6 / BLOCK_BYTES as f64), 0)
+            } else {
+                num(limit_model_mb_s(s, r.options.threads, disk), 0)
+            },
             if s.no_reduction_error.is_some() { "error".into() } else { num(b, 0) },
             num(raw, 0),
             num(ratio(e, b), 2),
@@ -150,7 +182,10 @@ pub fn render_bench(r: &BenchReport) -> String {
         ]);
     }
     out.push_str(&t.render());
-    out.push('\n');
+    out.push_str(
+        "limit model: min(threads / (1/BLAKE3 + unique share/LZ4), disk seq MB/s x logical/stored) — hashing, compression and\n\
+         the device's sequential speed only, no metadata: an upper bound to compare the engine with.\n\n",
+    );
 
     for s in &r.scenarios {
         out.push_str(&format!("[{}] {}\n", s.name, s.description));
