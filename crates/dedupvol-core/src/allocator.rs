@@ -68,7 +68,7 @@ impl Allocator {
     fn best_slab(&self) -> Option<u64> {
         let mut best: Option<(u64, u64)> = None;
         for (s, &f) in self.slab_free.iter().enumerate() {
-            if f > 0 && best.map_or(true, |(_, bf)| f > bf) {
+            if f > 0 && best.is_none_or(|(_, bf)| f > bf) {
                 best = Some((s as u64, f));
             }
         }

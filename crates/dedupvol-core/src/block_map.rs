@@ -78,11 +78,11 @@ impl MapEntry {
     }
     /// Encodes into 10 bytes: pbn (5 bytes LE), state (1), crc (4).
     pub fn encode(&self, out: &mut [u8]) {
+        let p = self.pbn.to_le_bytes();
+        let c = self.crc.to_le_bytes();
+        let b: [u8; MAP_ENTRY_BYTES] = [p[0], p[1], p[2], p[3], p[4], self.state, c[0], c[1], c[2], c[3]];
         if let Some(o) = out.get_mut(..MAP_ENTRY_BYTES) {
-            let p = self.pbn.to_le_bytes();
-            o[..5].copy_from_slice(&p[..5]);
-            o[5] = self.state;
-            o[6..10].copy_from_slice(&self.crc.to_le_bytes());
+            o.copy_from_slice(&b);
         }
     }
     /// Decodes 10 bytes; an unknown state is corruption.

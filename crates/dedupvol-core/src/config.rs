@@ -144,7 +144,7 @@ pub const INDEX_MEMORY_BYTES_MIN: u64 = 64 << 10;
 impl FormatOptions {
     /// Checks sizes before anything is written.
     pub fn validate(&self) -> Result<()> {
-        if self.logical_size_bytes == 0 || self.logical_size_bytes % BLOCK_SIZE_U64 != 0 {
+        if self.logical_size_bytes == 0 || !self.logical_size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
             return Err(Error::InvalidArgument(format!(
                 "logical size {} must be a non-zero multiple of 4096",
                 self.logical_size_bytes
@@ -163,13 +163,13 @@ impl FormatOptions {
             )));
         }
         let slab = self.slab_size_bytes;
-        if slab < (1 << 20) || slab > (1 << 35) || !slab.is_power_of_two() {
+        if !((1 << 20)..=(1 << 35)).contains(&slab) || !slab.is_power_of_two() {
             return Err(Error::InvalidArgument(format!(
                 "slab size {slab} must be a power of two between 1 MiB and 32 GiB"
             )));
         }
         if let Some(j) = self.journal_size_bytes {
-            if j < (256 << 10) || j > (4 << 30) || j % BLOCK_SIZE_U64 != 0 {
+            if !((256 << 10)..=(4 << 30)).contains(&j) || j % BLOCK_SIZE_U64 != 0 {
                 return Err(Error::InvalidArgument(format!(
                     "journal size {j} must be a multiple of 4096 between 256 KiB and 4 GiB"
                 )));

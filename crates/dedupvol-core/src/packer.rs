@@ -33,7 +33,7 @@ pub fn compress(codec: Compression, src: &[u8]) -> Option<Vec<u8>> {
     let n = match codec {
         Compression::None => return None,
         Compression::Lz4 => lz4_flex::block::compress_into(src, &mut out).ok()?,
-        Compression::Zstd => zstd::bulk::compress_to_buffer(src, &mut out[..FRAGMENT_BYTES_MAX], 1).ok()?,
+        Compression::Zstd => zstd::bulk::compress_to_buffer(src, out.get_mut(..FRAGMENT_BYTES_MAX)?, 1).ok()?,
     };
     if n == 0 || n > FRAGMENT_BYTES_MAX {
         return None;

@@ -216,9 +216,9 @@ impl Refcounts {
                 break;
             }
             let off = PAGE_HEADER_BYTES + 2 * j as usize;
+            let pair = [self.get(pbn), self.frags(pbn)];
             if let Some(d) = buf.get_mut(off..off + 2) {
-                d[0] = self.get(pbn);
-                d[1] = self.frags(pbn);
+                d.copy_from_slice(&pair);
             }
         }
         let seq = self.page_seq.get(page as usize).copied().unwrap_or(0);

@@ -137,7 +137,7 @@ impl MemStorage {
     }
 
     fn for_each_chunk(&self, offset: u64, len: usize, mut f: impl FnMut(&RwLock<Vec<u8>>, usize, usize, usize)) -> io::Result<()> {
-        if offset.checked_add(len as u64).map_or(true, |end| end > self.len) {
+        if offset.checked_add(len as u64).is_none_or(|end| end > self.len) {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "access beyond end of memory device"));
         }
         let mut done = 0usize;
@@ -154,6 +154,7 @@ impl MemStorage {
     }
 }
 
+#[expect(clippy::indexing_slicing, reason = "for_each_chunk bounds every range to the device and the 1 MiB chunk")]
 impl Storage for MemStorage {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let len = buf.len();

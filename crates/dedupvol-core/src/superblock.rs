@@ -277,7 +277,7 @@ impl Superblock {
             match Superblock::decode(&buf, role) {
                 Ok(Some(sb)) => {
                     saw_magic = true;
-                    if best.as_ref().map_or(true, |b| sb.generation > b.generation) {
+                    if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
                         best = Some(sb);
                     }
                 }

@@ -583,10 +583,7 @@ impl Volume {
         let _g = stripe.lock();
         let mut block = vec![0u8; BLOCK_SIZE];
         self.read_blocks(lba, 1, &mut block)?;
-        match piece {
-            Some(p) => block.get_mut(within..within + p.len()).ok_or_else(|| Error::InvalidArgument("range".into()))?.copy_from_slice(p),
-            None => {}
-        }
+        if let Some(p) = piece { block.get_mut(within..within + p.len()).ok_or_else(|| Error::InvalidArgument("range".into()))?.copy_from_slice(p) }
         self.write_blocks(lba, &block)
     }
 
@@ -814,7 +811,7 @@ impl Volume {
             st.red.zero_blocks += 1;
             return Ok(MapEntry::ZERO);
         };
-        let stamp_ok = |st: &State, loc: &Location| st.stamps.as_ref().map_or(true, |s| s.get(loc.pbn as usize) == Some(&loc.stamp));
+        let stamp_ok = |st: &State, loc: &Location| st.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp));
         let mut chosen = None;
         // Re-check the verified candidate: still referenced, below the cap, and not
         // freed-and-reused since it was verified.
