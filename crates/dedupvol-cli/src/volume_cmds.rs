@@ -84,8 +84,8 @@ pub struct ImportArgs {
     vol: OpenArgs,
     /// File or image to copy in.
     file: PathBuf,
-    /// Byte offset in the volume.
-    #[arg(long, default_value_t = 0)]
+    /// Byte offset in the volume (K/M/G/T suffixes).
+    #[arg(long, value_parser = size, default_value = "0")]
     offset: u64,
 }
 

@@ -604,23 +604,21 @@ impl Volume {
         let n = buf.len() / BLOCK_SIZE;
         let sb_dedup = self.dedup;
         let compression = self.compression;
-        // Phase 1: fingerprints (no lock).
-        let mut plans: Vec<Plan> = buf
-            .chunks_exact(BLOCK_SIZE)
-            .map(|c| {
-                if crate::codec::is_zero(c) {
-                    Plan::Zero
-                } else {
-                    Plan::Data {
-                        hash: if sb_dedup { *blake3::hash(c).as_bytes() } else { [0u8; 32] },
-                        crc: crc32c::crc32c(c),
-                        candidate: None,
-                        verified: false,
-                        frag: None,
-                    }
-                }
-            })
-            .collect();
+        // Phase 1: fingerprints (no lock; large requests use every core).
+        let mut plans: Vec<Plan> = Vec::with_capacity(n);
+        plans.resize_with(n, || Plan::Zero);
+        par_for_each(&mut plans, |i, p| {
+            let c = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
+            if !crate::codec::is_zero(c) {
+                *p = Plan::Data {
+                    hash: if sb_dedup { *blake3::hash(c).as_bytes() } else { [0u8; 32] },
+                    crc: crc32c::crc32c(c),
+                    candidate: None,
+                    verified: false,
+                    frag: None,
+                };
+            }
+        });
         // Phase 2: index lookups (state lock).
         let gen_at_lookup;
         let hash_mode;
@@ -651,8 +649,8 @@ impl Volume {
                 }
             }
         }
-        // Phase 3: verify candidates and compress the rest (no lock).
-        for (i, p) in plans.iter_mut().enumerate() {
+        // Phase 3: verify candidates and compress the rest (no lock; parallel).
+        par_for_each(&mut plans, |i, p| {
             let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
             if let Plan::Data { candidate, verified, frag, .. } = p {
                 if let (Some(loc), false, false) = (*candidate, *verified, hash_mode) {
@@ -662,7 +660,7 @@ impl Volume {
                     *frag = packer::compress(compression, chunk);
                 }
             }
-        }
+        });
         // Phase 4: place, write and journal (state lock).
         let mut st = self.state.lock();
         let r = self.apply_plans(&mut st, lba0, n, buf, &mut plans, gen_at_lookup, compression);
@@ -1166,6 +1164,34 @@ impl Volume {
             io: self.io.snapshot(),
         }
     }
+}
+
+/// Chunks per request below which the pipeline stays on the calling thread.
+const PARALLEL_CHUNKS_MIN: usize = 64;
+/// Threads a single request may use for hashing and compression.
+const PARALLEL_THREADS_MAX: usize = 8;
+
+/// Runs `f` on every element, splitting large slices across scoped threads (one request
+/// from a single-threaded client, such as an import, still uses every core).
+fn par_for_each<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_THREADS_MAX);
+    if items.len() < PARALLEL_CHUNKS_MIN || threads < 2 {
+        for (i, t) in items.iter_mut().enumerate() {
+            f(i, t);
+        }
+        return;
+    }
+    let per = items.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (k, part) in items.chunks_mut(per).enumerate() {
+            let f = &f;
+            s.spawn(move || {
+                for (j, t) in part.iter_mut().enumerate() {
+                    f(k * per + j, t);
+                }
+            });
+        }
+    });
 }
 
 /// True when `block` (raw or packed, per `state`) holds `chunk`.
