@@ -290,6 +290,19 @@ def main():
             md.append(f"\n`dedupvol estimate` predicted {f(est.get('total_reduction_ratio'), 2)}x on the same files "
                       f"(zero {f(mib(est.get('savings_zero_bytes')), 0)} MiB, dedup {f(mib(est.get('savings_dedup_bytes')), 0)} MiB, "
                       f"compression net {f(mib(est.get('savings_compression_bytes')), 0)} MiB saved).\n")
+        ebc = d.get("estimate_by_chunk") or {}
+        if ebc:
+            rows = []
+            for cs, e in ebc.items():
+                if "error" in e:
+                    rows.append([cs, "error", "-", "-", "-", "-"])
+                    continue
+                n = d["input_bytes"] or 1
+                rows.append([cs, f(e["total_reduction_ratio"], 2), f(e["savings_zero_bytes"] * 100 / n, 1) + "%",
+                             f(e["savings_dedup_bytes"] * 100 / n, 1) + "%", f(e["compression_gross_bytes"] * 100 / n, 1) + "%",
+                             f(e["savings_compression_bytes"] * 100 / n, 1) + "%"])
+            md.append("\n`dedupvol estimate` by chunk size (savings as % of the input; LZ4 before and after the engine's packing):\n\n" +
+                      table(["chunk", "ratio", "zero", "dedup", "LZ4 gross", "compression net"], rows))
         tools = [t for t in d["tools"] if "error" not in d["tools"][t]]
         if tools:
             bar_chart(out / f"ingest-{k}.svg", f"Ingest: {d['dataset'][:70]}", tools, ["reduction ratio"],

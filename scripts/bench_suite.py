@@ -307,6 +307,16 @@ def ingest(cfg, name, files, work):
                                                 "savings_zero_bytes", "savings_dedup_bytes", "savings_compression_bytes")}
     except Exception as e:
         res["tools"]["dedupvol (LZ4, 4 KiB)"] = {"error": str(e)}
+    # What the estimate predicts at each chunk size (the engine itself uses 4 KiB).
+    res["estimate_by_chunk"] = {}
+    for cs in ("4K", "8K", "16K", "32K"):
+        try:
+            o, dt = run([DEDUPVOL, "estimate", "--chunk-size", cs, "--json", *files], timeout=3600)
+            e = json.loads(o)["estimate"]
+            res["estimate_by_chunk"][cs] = {k: e[k] for k in ("total_reduction_ratio", "savings_zero_bytes", "savings_dedup_bytes",
+                                                               "savings_compression_bytes", "compression_gross_bytes", "physical_bytes", "mb_per_s")}
+        except Exception as ex:
+            res["estimate_by_chunk"][cs] = {"error": str(ex)}
     # Page cache is warm for every tool below as well (same files, just read).
     if shutil.which("borg"):
         repo = work / "borg-repo"
