@@ -16,6 +16,8 @@
 //!   requests (its completed writes are in the shared backend, for every connection).
 //! - Nothing the client sends can panic the server: protocol decisions are made by the
 //!   pure functions in [`crate::proto`].
+//! - Time is bounded where a client could stall the server: the handshake and each reply
+//!   write ([`ConnectionLimits::handshake_timeout`], `reply_write_timeout`).
 
 use crate::backend::Backend;
 use crate::proto::{self, Command, Disposition, ExportLimits};
@@ -26,9 +28,14 @@ use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Options after which a still-negotiating client is disconnected (it is spinning).
 pub const OPTIONS_PER_CONNECTION_MAX: usize = 1024;
+/// Default for [`ConnectionLimits::handshake_timeout`].
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default for [`ConnectionLimits::reply_write_timeout`].
+pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Socket read buffer: holds many pipelined request headers per system call.
 const READ_BUFFER_BYTES: usize = 256 << 10;
 
@@ -41,11 +48,24 @@ pub struct ConnectionLimits {
     pub queue_requests_max: usize,
     /// Read and write payload bytes held in flight before the reader stops reading.
     pub inflight_bytes_max: u64,
+    /// A client must finish negotiating within this time, or it is disconnected (so silent
+    /// connections cannot hold `connections_max` slots). Transmission has no idle limit:
+    /// an idle block device is normal.
+    pub handshake_timeout: Duration,
+    /// A reply write that makes no progress for this long (the client stopped reading)
+    /// breaks the connection, so a stuck client cannot stall shutdown forever.
+    pub reply_write_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
-        ConnectionLimits { workers: 4, queue_requests_max: 16, inflight_bytes_max: 64 << 20 }
+        ConnectionLimits {
+            workers: 4,
+            queue_requests_max: 16,
+            inflight_bytes_max: 64 << 20,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+            reply_write_timeout: REPLY_WRITE_TIMEOUT,
+        }
     }
 }
 
@@ -107,11 +127,20 @@ pub fn serve_connection(
     stopping: &AtomicBool,
 ) -> Outcome {
     let mut s = stream;
+    let timeouts = s
+        .set_read_timeout(Some(limits.handshake_timeout))
+        .and_then(|()| s.set_write_timeout(Some(limits.reply_write_timeout)));
+    if let Err(e) = timeouts {
+        return Outcome::Dropped(format!("setting socket timeouts: {e}"));
+    }
     let session = match handshake(&mut s, backend.size(), export, stopping) {
         Ok(Some(session)) => session,
         Ok(None) => return Outcome::Closed,
         Err(e) => return Outcome::Dropped(format!("handshake: {e}")),
     };
+    if let Err(e) = s.set_read_timeout(None) {
+        return Outcome::Dropped(format!("clearing the handshake timeout: {e}"));
+    }
     transmission(s, session, backend, export, limits)
 }
 

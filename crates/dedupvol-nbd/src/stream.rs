@@ -30,6 +30,20 @@ impl Stream {
             Stream::Unix(s) => s.shutdown(how),
         }
     }
+    /// Bounds how long one read may wait (`None`: forever).
+    pub fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+    /// Bounds how long one write may wait for the peer to make room (`None`: forever).
+    pub fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(t),
+            Stream::Unix(s) => s.set_write_timeout(t),
+        }
+    }
     /// A printable peer name for logs.
     pub fn peer(&self) -> String {
         match self {

@@ -119,3 +119,26 @@ fn connections_beyond_the_maximum_are_refused() {
     let summary = srv.shutdown();
     assert_eq!(summary.connections_refused, 1);
 }
+
+#[test]
+fn a_silent_client_is_dropped_after_the_handshake_timeout_and_frees_its_slot() {
+    let srv = TestServer::start_with(1 << 20, false, 1, std::time::Duration::from_millis(300));
+    let mut silent = connect_raw(&srv.socket);
+    let _greeting = read_n(&mut silent, 18);
+    // Say nothing: the server must give up on us, and the slot must become free.
+    let start = std::time::Instant::now();
+    assert!(is_closed(&mut silent));
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    drop(silent);
+    // The slot is released once the connection thread ends; retry until it is, bounded.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let mut s = connect_raw(&srv.socket);
+        let mut g = [0u8; 18];
+        if std::io::Read::read_exact(&mut s, &mut g).is_ok() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "slot never freed");
+    }
+    srv.shutdown();
+}

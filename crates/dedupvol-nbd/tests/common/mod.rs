@@ -19,12 +19,22 @@ pub struct TestServer {
 
 impl TestServer {
     pub fn start(size: u64, read_only: bool, connections_max: usize) -> TestServer {
+        Self::start_with(size, read_only, connections_max, std::time::Duration::from_secs(30))
+    }
+
+    pub fn start_with(size: u64, read_only: bool, connections_max: usize, handshake_timeout: std::time::Duration) -> TestServer {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("nbd.sock");
         let config = ServerConfig {
             export: ExportConfig { name: "vol".into(), description: None, read_only },
             connections_max,
-            limits: ConnectionLimits { workers: 3, queue_requests_max: 4, inflight_bytes_max: 1 << 20 },
+            limits: ConnectionLimits {
+                workers: 3,
+                queue_requests_max: 4,
+                inflight_bytes_max: 1 << 20,
+                handshake_timeout,
+                ..ConnectionLimits::default()
+            },
         };
         let server = Server::bind(&ListenAddr::Unix(socket.clone()), config).expect("bind");
         let stop = server.stop_handle().expect("stop handle");
