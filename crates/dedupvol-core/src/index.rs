@@ -53,13 +53,14 @@ fn tag_of(h: &[u8; 32]) -> u64 {
     u64::from_le_bytes(t) | 1
 }
 
-fn bucket_key(h: &[u8; 32]) -> u64 {
-    let mut t = [0u8; 8];
-    t.copy_from_slice(&h[8..16]);
-    u64::from_le_bytes(t)
+/// The bucket comes from the tag alone (mixed, so its high bits matter too), which lets a
+/// saved index be reloaded from (tag, location) pairs into a table of any size.
+fn bucket_of_tag(tag: u64) -> u64 {
+    tag.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29)
 }
 
 fn rest_of(h: &[u8; 32]) -> [u8; 24] {
+    // Bytes 8..32: with the 8-byte tag, the whole fingerprint.
     let mut r = [0u8; 24];
     r.copy_from_slice(&h[8..]);
     r
@@ -110,7 +111,11 @@ impl Index {
     }
 
     fn range(&self, h: &[u8; 32]) -> std::ops::Range<usize> {
-        let b = (bucket_key(h) % self.buckets as u64) as usize;
+        self.range_of_tag(tag_of(h))
+    }
+
+    fn range_of_tag(&self, tag: u64) -> std::ops::Range<usize> {
+        let b = (bucket_of_tag(tag) % self.buckets as u64) as usize;
         b * BUCKET_ENTRIES..(b + 1) * BUCKET_ENTRIES
     }
 
@@ -156,6 +161,53 @@ impl Index {
         }
     }
 
+    /// Serialises every entry (tag, location word[, rest of hash]) for saving at close.
+    /// `keep` decides per location whether the entry is still valid, and may rewrite its
+    /// stamp (reuse stamps restart at zero on the next open).
+    pub fn export(&self, keep: impl Fn(Location) -> Option<Location>) -> (u64, Vec<u8>) {
+        let per = self.bytes_per_entry() as usize;
+        let mut out = Vec::with_capacity(self.entries as usize * per);
+        let mut n = 0;
+        for (i, (&tag, &loc)) in self.tags.iter().zip(&self.locs).enumerate() {
+            if tag == 0 {
+                continue;
+            }
+            let Some(l) = keep(Location::unpack(loc)) else { continue };
+            out.extend_from_slice(&tag.to_le_bytes());
+            out.extend_from_slice(&l.pack().to_le_bytes());
+            if let Some(r) = self.rest.as_ref().and_then(|r| r.get(i)) {
+                out.extend_from_slice(r);
+            }
+            n += 1;
+        }
+        (n, out)
+    }
+
+    /// Loads entries written by `export` (same verification mode); returns how many.
+    pub fn import(&mut self, bytes: &[u8]) -> u64 {
+        let per = self.bytes_per_entry() as usize;
+        let mut n = 0;
+        for e in bytes.chunks_exact(per) {
+            let tag = crate::codec::get_u64(e, 0);
+            let loc = crate::codec::get_u64(e, 8);
+            if tag == 0 {
+                continue;
+            }
+            let r = self.range_of_tag(tag);
+            let Some(i) = r.clone().find(|&i| self.tags.get(i) == Some(&0)) else { continue };
+            if let (Some(t), Some(l)) = (self.tags.get_mut(i), self.locs.get_mut(i)) {
+                *t = tag;
+                *l = loc;
+            }
+            if let (Some(rest), Some(src)) = (self.rest.as_mut().and_then(|r| r.get_mut(i)), e.get(16..40)) {
+                rest.copy_from_slice(src);
+            }
+            self.entries += 1;
+            n += 1;
+        }
+        n
+    }
+
     /// Forgets `h` if it still points at `loc` (after a failed verification).
     pub fn remove(&mut self, h: &[u8; 32], loc: Location) {
         if let Some(i) = self.find(h) {
@@ -189,5 +241,14 @@ mod tests {
         assert!(ix.len() <= ix.capacity());
         let full = Index::new(64 << 10, true);
         assert_eq!(full.bytes_per_entry(), 40);
+        // Save and reload into a differently sized table.
+        let mut a = Index::new(64 << 10, true);
+        let h2 = *blake3::hash(b"b").as_bytes();
+        a.insert(&h2, loc);
+        let (n, bytes) = a.export(Some);
+        assert_eq!(n, 1);
+        let mut b = Index::new(1 << 20, true);
+        assert_eq!(b.import(&bytes), 1);
+        assert_eq!(b.lookup(&h2), Some(loc));
     }
 }

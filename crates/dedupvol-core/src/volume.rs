@@ -268,6 +268,7 @@ impl Volume {
             )));
         }
         let ulo = uuid_lo(&sb.uuid);
+        let was_clean = sb.clean;
         let mut rc = Refcounts::load(geo, ulo, meta.clone())?;
         let mut map = BlockMap::new(geo, ulo, meta.clone(), opts.block_map_cache_bytes);
         let replay = journal::scan(&meta, &geo, &sb.uuid)?;
@@ -334,6 +335,19 @@ impl Volume {
             red: ReductionCounters::default(),
             rc,
         };
+        // The saved index is from the last clean close. With byte verification a stale
+        // entry is harmless (it fails verification), so it is used after a crash too; with
+        // hash verification only a clean volume's index is trusted.
+        let mut state = state;
+        let saved = if was_clean || !full_hash { sb.index_saved_entries } else { 0 };
+        if saved > 0 && sb.dedup {
+            match load_index(&meta, &geo, ulo, saved, state.index.bytes_per_entry()) {
+                Ok(bytes) => {
+                    state.index.import(&bytes);
+                }
+                Err(e) => notes.push(format!("saved fingerprint index ignored: {e}")),
+            }
+        }
         let policy = opts.write_policy.unwrap_or(sb.write_policy);
         let (dedup, compression) = (sb.dedup, sb.compression);
         Ok(Volume {
@@ -365,8 +379,10 @@ impl Volume {
         let _c = self.commit_lock.lock();
         let mut st = self.state.lock();
         self.checkpoint(&mut st)?;
+        let saved = self.save_index(&st)?;
         let mut sb = self.sb.lock();
         sb.clean = true;
+        sb.index_saved_entries = saved;
         sb.next_entry_seq = st.journal.next_entry_seq;
         sb.next_block_seq = st.journal.next_block_seq;
         sb.mapped_blocks = st.counters.mapped_blocks;
@@ -1206,6 +1222,59 @@ fn content_matches(block: &[u8], state: u8, chunk: &[u8]) -> bool {
             packer::unpack(block, slot, &mut out).is_ok() && out == chunk
         }
         None => false,
+    }
+}
+
+/// Magic of the index save area's header block ("DVIX").
+const INDEX_MAGIC: u32 = u32::from_le_bytes(*b"DVIX");
+
+/// Reads the saved index: a header block (magic, crc of the entries, count, entry size,
+/// uuid) and the entries after it.
+fn load_index(meta: &Dev, geo: &Geometry, ulo: u64, count: u64, per: u64) -> Result<Vec<u8>> {
+    use crate::codec::{get_u32, get_u64};
+    let mut head = vec![0u8; BLOCK_SIZE];
+    meta.read(IoKind::Index, &mut head, geo.index_start * BLOCK_SIZE_U64)?;
+    if get_u32(&head, 0) != INDEX_MAGIC || get_u64(&head, 24) != ulo || get_u64(&head, 8) != count || u64::from(get_u32(&head, 16)) != per {
+        return Err(Error::Corrupt("index save area header does not match the superblock".into()));
+    }
+    let len = count * per;
+    if len > geo.index_blocks.saturating_sub(1) * BLOCK_SIZE_U64 {
+        return Err(Error::Corrupt("saved index larger than its area".into()));
+    }
+    let mut bytes = vec![0u8; len as usize];
+    meta.read(IoKind::Index, &mut bytes, (geo.index_start + 1) * BLOCK_SIZE_U64)?;
+    if crc32c::crc32c(&bytes) != get_u32(&head, 4) {
+        return Err(Error::Corrupt("saved index checksum mismatch".into()));
+    }
+    Ok(bytes)
+}
+
+impl Volume {
+    /// Saves the fingerprint index into its area (clean close); returns entries saved.
+    fn save_index(&self, st: &State) -> Result<u64> {
+        if !self.dedup || self.geo.index_blocks < 2 {
+            return Ok(0);
+        }
+        let per = st.index.bytes_per_entry();
+        let room = (self.geo.index_blocks - 1) * BLOCK_SIZE_U64 / per;
+        let (n, mut bytes) = st.index.export(|l| {
+            let valid = st.rc.get(l.pbn) > 0
+                && st.stamps.as_ref().map_or(true, |s| s.get(l.pbn as usize) == Some(&l.stamp));
+            valid.then_some(Location { stamp: 0, ..l })
+        });
+        let n = n.min(room);
+        bytes.truncate((n * per) as usize);
+        let mut head = vec![0u8; BLOCK_SIZE];
+        crate::codec::put_u32(&mut head, 0, INDEX_MAGIC);
+        crate::codec::put_u32(&mut head, 4, crc32c::crc32c(&bytes));
+        crate::codec::put_u64(&mut head, 8, n);
+        crate::codec::put_u32(&mut head, 16, per as u32);
+        crate::codec::put_u64(&mut head, 24, uuid_lo(&self.sb.lock().uuid));
+        bytes.resize(bytes.len().div_ceil(BLOCK_SIZE) * BLOCK_SIZE, 0);
+        self.meta.write(IoKind::Index, &bytes, (self.geo.index_start + 1) * BLOCK_SIZE_U64)?;
+        self.meta.write(IoKind::Index, &head, self.geo.index_start * BLOCK_SIZE_U64)?;
+        self.meta.sync()?;
+        Ok(n)
     }
 }
 

@@ -44,3 +44,23 @@ fn out_of_range_and_not_a_volume() {
     let blank = Arc::new(dedupvol_core::MemStorage::new(16 << 20));
     assert!(matches!(Volume::open(blank, None, &small_open()), Err(Error::NotAVolume(_))));
 }
+
+#[test]
+fn fingerprint_index_survives_a_clean_close_in_both_verification_modes() {
+    for verify in [dedupvol_core::DedupVerify::Bytes, dedupvol_core::DedupVerify::Hash] {
+        let (dev, vol) = mem_volume(64 << 20, 64 << 20, |o| o.verify = verify);
+        for i in 0..100u64 {
+            vol.write(i * 4096, &block(i, 0), false).expect("w");
+        }
+        vol.close().expect("close");
+        let vol = Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).expect("reopen");
+        assert!(vol.stats().index_entries >= 100, "{verify:?}: index not reloaded");
+        for i in 0..100u64 {
+            vol.write((1000 + i) * 4096, &block(i, 0), false).expect("w");
+        }
+        assert_eq!(vol.stats().counters.dedup_hits, 100, "{verify:?}");
+        vol.close().expect("close");
+        let rep = dedupvol_core::check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+        assert!(rep.is_clean(), "{rep:?}");
+    }
+}
