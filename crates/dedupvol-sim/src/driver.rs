@@ -15,7 +15,7 @@
 
 use crate::content::{self, Class, BLOCK};
 use crate::disk::{Evidence, FaultConfig, FaultCounts, SimDisk, SimMachine};
-use crate::engine::{short, SimEngine};
+use crate::engine::{short, Coverage, SimEngine};
 use crate::model::{Model, Version, ZERO_VERSION};
 use dedupvol_core::{Compression, DedupVerify, Error, FormatOptions, OpenOptions, Storage, WritePolicy};
 use rand::{Rng, SeedableRng};
@@ -39,6 +39,8 @@ pub const OP_LOG_MAX: usize = 48;
 pub const WRITERS_MAX: usize = 4;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
+/// Data devices this small get a writer that fills them with unique data.
+pub const SPACE_PRESSURE_DATA_BYTES: u64 = 8 << 20;
 /// Percent of writes that are sector-aligned but not block-aligned.
 pub const PARTIAL_WRITE_PCT: u32 = 15;
 const SECTORS_PER_BLOCK: u64 = 8;
@@ -180,7 +182,11 @@ impl RunConfig {
         let meta_dev = r.gen_bool(0.4);
         // 8 MiB devices put the data region under space pressure (NoSpace, slab reuse).
         let data_bytes = pick(&mut r, &[8u64, 16, 24, 32]) << 20;
-        let logical_blocks = pick(&mut r, &[512u64, 1024, 1536, 2048]);
+        let mut logical_blocks = pick(&mut r, &[512u64, 1024, 1536, 2048]);
+        if data_bytes <= SPACE_PRESSURE_DATA_BYTES {
+            // Thin provisioning overcommitted: more logical than physical space.
+            logical_blocks = data_bytes / B;
+        }
         let write_policy = if r.gen_bool(0.3) { WritePolicy::Sync } else { WritePolicy::Async };
         let format = FormatOptions {
             logical_size_bytes: logical_blocks * B,
@@ -213,7 +219,7 @@ impl RunConfig {
         f.bit_flips = r.gen_bool(0.5) && k.bitflip && persistent;
         f.bit_flip_ppm = pick(&mut r, &[500, 3_000]);
         f.read_errors = r.gen_bool(0.5) && k.read_error;
-        f.read_error_ppm = pick(&mut r, &[20, 300]);
+        f.read_error_ppm = pick(&mut r, &[20, 300, 3_000]);
         f.read_flips = r.gen_bool(0.4) && k.read_flip;
         f.read_flip_ppm = pick(&mut r, &[500, 3_000]);
         RunConfig {
@@ -291,6 +297,8 @@ pub struct RunStats {
     pub crashes_in_close: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
+    /// Engine counters summed over every volume instance that was closed or crashed.
+    pub coverage: Coverage,
     /// I/O calls made by the engine.
     pub io_calls: u64,
     /// Hash of every I/O call's kind, device, offset and length (reproducibility).
@@ -318,6 +326,7 @@ impl RunStats {
         self.read_only_recoveries += o.read_only_recoveries;
         self.crashes_in_close += o.crashes_in_close;
         self.faults.add(&o.faults);
+        self.coverage.add(&o.coverage);
         self.io_calls += o.io_calls;
     }
 }
@@ -398,6 +407,8 @@ struct Writer {
     pattern: Pattern,
     /// Percent weights: zero, duplicate, compressible (rest unique).
     mix: [u32; 3],
+    /// Distinct duplicate contents this writer draws from.
+    dup_pool: u64,
 }
 
 /// What explains an engine error.
@@ -443,15 +454,23 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
     let meta = cfg.meta_dev.then(|| machine.add_disk("sim-meta", cfg.meta_bytes));
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x00D0_1A0D);
     let logical_blocks = cfg.format.logical_size_bytes / B;
-    let writers = (0..cfg.writers)
+    let mut writers: Vec<Writer> = (0..cfg.writers)
         .map(|_| {
             let len = rng.gen_range(logical_blocks / 8..=logical_blocks);
             let start = rng.gen_range(0..=logical_blocks - len);
             let pattern = pick(&mut rng, &[Pattern::Sequential, Pattern::Random, Pattern::Hot]);
-            let mix = pick(&mut rng, &[[10, 40, 30], [5, 70, 15], [10, 10, 60], [30, 20, 20], [5, 15, 20]]);
-            Writer { start, len, cursor: 0, pattern, mix }
+            // Mixes: balanced, duplicate-heavy, compressible-heavy, zero-heavy, unique-heavy
+            // (space pressure), and one duplicate block over and over (refcount cap).
+            let mix = pick(&mut rng, &[[10, 40, 30], [5, 70, 15], [10, 10, 60], [30, 20, 20], [5, 15, 20], [0, 0, 10], [0, 100, 0]]);
+            let dup_pool = if mix == [0, 100, 0] { 2 } else { content::DUPLICATE_POOL_SIZE };
+            Writer { start, len, cursor: 0, pattern, mix, dup_pool }
         })
         .collect();
+    if cfg.data_bytes <= SPACE_PRESSURE_DATA_BYTES {
+        // A small device gets a streaming writer of unique data over the whole volume, so
+        // the data region fills up (NoSpace, reuse of freed blocks).
+        writers.push(Writer { start: 0, len: logical_blocks, cursor: 0, pattern: Pattern::Sequential, mix: [0, 0, 0], dup_pool: 1 });
+    }
     let sync_policy = cfg.open.write_policy.unwrap_or(cfg.format.write_policy) == WritePolicy::Sync;
     let mut run = Run::<E> {
         opts,
@@ -579,7 +598,7 @@ impl<E: SimEngine> Run<'_, E> {
             Class::Unique
         };
         let n = match class {
-            Class::Duplicate => self.rng.gen_range(0..content::DUPLICATE_POOL_SIZE),
+            Class::Duplicate => self.rng.gen_range(0..self.writers[w].dup_pool),
             _ => {
                 self.next_id += 1;
                 self.next_id
@@ -589,7 +608,11 @@ impl<E: SimEngine> Run<'_, E> {
     }
 
     fn pick_range(&mut self, w: usize, max_blocks: u64) -> (u64, u64) {
-        let n = self.rng.gen_range(1..=max_blocks);
+        let mut n = self.rng.gen_range(1..=max_blocks);
+        if self.writers[w].dup_pool == 1 {
+            // The space-pressure writer streams full-size requests.
+            n = max_blocks;
+        }
         let wr = &mut self.writers[w];
         let n = n.min(wr.len);
         let rel = match wr.pattern {
@@ -606,6 +629,10 @@ impl<E: SimEngine> Run<'_, E> {
     }
 
     fn step(&mut self) -> Result<(), String> {
+        let pressure = self.cfg.data_bytes <= SPACE_PRESSURE_DATA_BYTES;
+        if pressure && self.rng.gen_bool(0.4) {
+            return self.op_write(self.writers.len() - 1);
+        }
         let w = self.rng.gen_range(0..self.writers.len());
         let x = self.rng.gen_range(0..100);
         if x < 55 {
@@ -830,7 +857,15 @@ impl<E: SimEngine> Run<'_, E> {
         Ok(true)
     }
 
+    fn take_coverage(&mut self) {
+        if let Some(v) = &self.vol {
+            let c = v.coverage();
+            self.stats.coverage.add(&c);
+        }
+    }
+
     fn crash_and_recover(&mut self) -> Result<(), String> {
+        self.take_coverage();
         self.vol = None;
         self.machine.disarm_crash();
         let power = self.rng.gen_bool(0.8);
@@ -966,6 +1001,7 @@ impl<E: SimEngine> Run<'_, E> {
             self.note(format!("close: arm crash after {after} I/O calls"));
             self.machine.arm_crash(after);
         }
+        self.take_coverage();
         let Some(vol) = self.vol.take() else { return Err("no open volume to close".into()) };
         let before = self.machine.evidence();
         let closed = vol.close();

@@ -25,6 +25,10 @@ pub trait SimEngine: Sized {
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()>;
     /// Clean shutdown.
     fn close(self) -> Result<()>;
+    /// Engine counters that show what a run reached (zero when the engine has none).
+    fn coverage(&self) -> Coverage {
+        Coverage::default()
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -35,6 +39,38 @@ pub trait SimEngine: Sized {
     /// injected a persistent fault, and only there).
     fn corrupt_data_block(_problem: &str) -> Option<u64> {
         None
+    }
+}
+
+/// What the engine reached during a run: evidence that the corner cases were exercised.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Coverage {
+    /// Checkpoints (journal space reclaimed).
+    pub checkpoints: u64,
+    /// Group commits.
+    pub commits: u64,
+    /// Dedup hits.
+    pub dedup_hits: u64,
+    /// Duplicates stored again because the reference count was at its cap.
+    pub refcount_cap_copies: u64,
+    /// Packed blocks written.
+    pub packed_blocks_written: u64,
+    /// Block map pages read on a cache miss.
+    pub block_map_cache_misses: u64,
+    /// Highest percentage of data blocks in use seen at a close.
+    pub data_used_pct_max: u64,
+}
+
+impl Coverage {
+    /// Adds `o` into `self` (maximum for the percentage).
+    pub fn add(&mut self, o: &Coverage) {
+        self.checkpoints += o.checkpoints;
+        self.commits += o.commits;
+        self.dedup_hits += o.dedup_hits;
+        self.refcount_cap_copies += o.refcount_cap_copies;
+        self.packed_blocks_written += o.packed_blocks_written;
+        self.block_map_cache_misses += o.block_map_cache_misses;
+        self.data_used_pct_max = self.data_used_pct_max.max(o.data_used_pct_max);
     }
 }
 
@@ -67,6 +103,19 @@ impl SimEngine for Volume {
     }
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport> {
         check_volume(data, meta, false)
+    }
+    fn coverage(&self) -> Coverage {
+        let s = self.stats();
+        let c = &s.counters;
+        Coverage {
+            checkpoints: c.checkpoints,
+            commits: c.commits,
+            dedup_hits: c.dedup_hits,
+            refcount_cap_copies: c.refcount_cap_copies,
+            packed_blocks_written: c.packed_blocks_written,
+            block_map_cache_misses: c.block_map_cache_misses,
+            data_used_pct_max: s.data_blocks_used * 100 / s.data_blocks_total.max(1),
+        }
     }
     fn data_region(data: &dyn Storage, _has_meta: bool) -> Option<Range<u64>> {
         let mut buf = vec![0u8; 4096];

@@ -133,6 +133,7 @@ fn main() {
     println!("passed: {}  failed: {}", seeds_run - failures.len() as u64, failures.len());
     println!("{}", figures(&total));
     println!("faults injected: {}", total.faults.summary());
+    println!("engine coverage: {:?}", total.coverage);
     if content_differs > 0 {
         println!("seeds whose I/O sequence repeated exactly but whose written bytes differed between two runs: {content_differs}");
     }
