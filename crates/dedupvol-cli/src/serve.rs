@@ -10,7 +10,7 @@
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use dedupvol_core::{OpenOptions, Volume, WritePolicy};
-use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, Server, ServerConfig};
+use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -106,30 +106,43 @@ impl ServeCommand {
         };
         let config = ServerConfig {
             export: ExportConfig {
-                name: export_name.clone(),
+                name: export_name,
                 description: Some(format!("dedupvol volume {}", path.display())),
                 read_only,
             },
             connections_max,
             limits: ConnectionLimits { workers: workers_per_connection, ..Default::default() },
         };
-        let server = Server::bind(&addr, config).with_context(|| format!("listening on {addr:?}"))?;
-        server.stop_on_signals().context("installing signal handlers")?;
-        let size = backend.size();
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "dedupvol: serving {export_name} ({size} bytes) on {}", server.display_addr())?;
-        out.flush()?;
-        drop(out);
-
-        let summary = server.run(backend).context("serving")?;
+        // Whatever happens to the server, the volume is closed cleanly afterwards: dropping
+        // it unclosed would look like a crash and cost a journal replay at the next open.
+        let served = serve(&addr, config, backend);
+        let closed = match volume {
+            Some(v) => match Arc::try_unwrap(v) {
+                Ok(v) => v.close().with_context(|| format!("closing volume {}", path.display())),
+                Err(_) => Err(anyhow::anyhow!("volume still referenced after the server stopped; not closed")),
+            },
+            None => Ok(()),
+        };
+        let summary = served?;
+        closed?;
         eprintln!(
-            "dedupvol: stopped after {} connection(s) ({} refused); closing the volume",
+            "dedupvol: stopped after {} connection(s) ({} refused); volume closed",
             summary.connections_served, summary.connections_refused
         );
-        if let Some(v) = volume {
-            let v = Arc::try_unwrap(v).map_err(|_| anyhow::anyhow!("volume still referenced after the server stopped"))?;
-            v.close().with_context(|| format!("closing volume {}", path.display()))?;
-        }
         Ok(ExitCode::SUCCESS)
     }
+}
+
+/// Binds, prints the readiness line, and serves until SIGINT/SIGTERM. Consumes `backend`
+/// so that, on return, the caller holds the only reference to the volume.
+fn serve(addr: &ListenAddr, config: ServerConfig, backend: Arc<dyn Backend>) -> anyhow::Result<RunSummary> {
+    let name = config.export.name.clone();
+    let server = Server::bind(addr, config).with_context(|| format!("listening on {addr:?}"))?;
+    server.stop_on_signals().context("installing signal handlers")?;
+    let size = backend.size();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "dedupvol: serving {name} ({size} bytes) on {}", server.display_addr())?;
+    out.flush()?;
+    drop(out);
+    server.run(backend).context("serving")
 }
