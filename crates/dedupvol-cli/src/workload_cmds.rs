@@ -84,6 +84,10 @@ pub struct BenchArgs {
     /// Directory for the volume and the baseline files (default: the system temp dir).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Use this file or block device for the volume (and then the baselines) instead of
+    /// temp files in --dir. DESTROYS its contents; the path is kept afterwards.
+    #[arg(long)]
+    volume: Option<PathBuf>,
     /// Compression of the engine volume.
     #[arg(long, default_value = "lz4")]
     compression: String,
@@ -214,6 +218,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     spec.validate().map_err(anyhow::Error::msg)?;
     let opts = BenchOptions {
         dir: dir.clone(),
+        target_path: a.volume.clone(),
         threads: a.threads,
         request_bytes: request_bytes as usize,
         compression,

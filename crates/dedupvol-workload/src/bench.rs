@@ -81,6 +81,9 @@ pub struct Target {
 pub struct BenchOptions {
     /// Directory for the volume and baseline files (same filesystem as the disk figure).
     pub dir: PathBuf,
+    /// A file or block device to use instead of temp files (engine volume, baseline
+    /// volume and raw writes in turn; its contents are destroyed, the path is kept).
+    pub target_path: Option<PathBuf>,
     /// Writer threads.
     pub threads: usize,
     /// Request size of `seq` and `ingest`, in bytes.
@@ -288,11 +291,23 @@ fn generate(model: &ContentModel, first_index: u64, bytes: u64, threads: usize) 
     data
 }
 
-/// Formats a volume at `path` and opens it.
-fn fresh_volume(path: &Path, logical: u64, physical: u64, fmt: &FormatOptions) -> Result<Volume, String> {
-    let _ = std::fs::remove_file(path);
-    let dev: Arc<dyn Storage> =
-        Arc::new(FileStorage::create(path, Some(physical)).map_err(|e| format!("creating {}: {e}", path.display()))?);
+fn is_block_device(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false)
+}
+
+/// Formats a volume at `path` and opens it. A temp file is recreated; a user-given file is
+/// extended when needed, a block device used as it is.
+fn fresh_volume(path: &Path, temp: bool, logical: u64, physical: u64, fmt: &FormatOptions) -> Result<Volume, String> {
+    if temp {
+        let _ = std::fs::remove_file(path);
+    }
+    let size = if is_block_device(path) { None } else { Some(physical) };
+    let dev: Arc<dyn Storage> = Arc::new(match size {
+        Some(_) => FileStorage::create(path, size),
+        None => FileStorage::open(path, false),
+    }
+    .map_err(|e| format!("creating {}: {e}", path.display()))?);
     let mut opts = fmt.clone();
     opts.logical_size_bytes = logical;
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
@@ -322,16 +337,21 @@ fn timed_volume_writes(vol: &Arc<Volume>, source: &Source, threads: usize) -> Re
     Ok((start.elapsed().as_secs_f64(), flush_start.elapsed().as_secs_f64()))
 }
 
-fn timed_raw_writes(path: &Path, size: u64, source: &Source, threads: usize) -> Result<RunFigure, String> {
-    let _ = std::fs::remove_file(path);
+fn timed_raw_writes(path: &Path, temp: bool, size: u64, source: &Source, threads: usize) -> Result<RunFigure, String> {
+    if temp {
+        let _ = std::fs::remove_file(path);
+    }
+    let device = is_block_device(path);
     let f = FsOpenOptions::new()
-        .create(true)
-        .truncate(true)
+        .create(!device)
+        .truncate(false)
         .read(true)
         .write(true)
         .open(path)
         .map_err(|e| format!("creating {}: {e}", path.display()))?;
-    f.set_len(size).map_err(|e| format!("sizing {}: {e}", path.display()))?;
+    if !device && f.metadata().map(|m| m.len()).unwrap_or(0) < size {
+        f.set_len(size).map_err(|e| format!("sizing {}: {e}", path.display()))?;
+    }
     let start = Instant::now();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -377,10 +397,19 @@ pub fn run_scenario(
     opts: &BenchOptions,
 ) -> Result<ScenarioResult, String> {
     let threads = opts.threads.max(1);
-    let vol_path = opts.dir.join(format!(".dedupvol-bench-{}-vol", std::process::id()));
-    let base_path = opts.dir.join(format!(".dedupvol-bench-{}-base", std::process::id()));
-    let raw_path = opts.dir.join(format!(".dedupvol-bench-{}-raw", std::process::id()));
-    let _cleanup = (RemoveOnDrop(vol_path.clone()), RemoveOnDrop(base_path.clone()), RemoveOnDrop(raw_path.clone()));
+    // A given path (file or block device) serves all three runs in turn and is kept; temp
+    // files are removed even on error paths.
+    let temp = opts.target_path.is_none();
+    let in_dir = |what: &str| opts.dir.join(format!(".dedupvol-bench-{}-{what}", std::process::id()));
+    let vol_path = opts.target_path.clone().unwrap_or_else(|| in_dir("vol"));
+    let base_path = opts.target_path.clone().unwrap_or_else(|| in_dir("base"));
+    let raw_path = opts.target_path.clone().unwrap_or_else(|| in_dir("raw"));
+    let _cleanup = temp.then(|| (RemoveOnDrop(vol_path.clone()), RemoveOnDrop(base_path.clone()), RemoveOnDrop(raw_path.clone())));
+    let remove = |p: &Path| {
+        if temp {
+            let _ = std::fs::remove_file(p);
+        }
+    };
     let est_opts = EstimateOptions { chunk_bytes: BLOCK_BYTES, threads };
     let t0 = Instant::now();
     let phase = |what: &str| {
@@ -510,7 +539,7 @@ pub fn run_scenario(
     phase("primitives measured");
     let is_overwrite = matches!(scenario, Scenario::Overwrite { .. });
     let engine = (|| -> Result<(RunFigure, Stats, IoBreakdown), String> {
-        let vol = Arc::new(fresh_volume(&vol_path, logical, physical, &fmt)?);
+        let vol = Arc::new(fresh_volume(&vol_path, temp, logical, physical, &fmt)?);
         phase("engine volume formatted");
         if let (true, Some(m)) = (is_overwrite, &model) {
             prefill(&vol, m, logical)?;
@@ -526,7 +555,7 @@ pub fn run_scenario(
         }
         Ok((RunFigure::new(source.total_bytes(), source.total_ops(), secs, flush), stats, io))
     })();
-    let _ = std::fs::remove_file(&vol_path);
+    remove(&vol_path);
     phase("engine volume closed and removed");
     match engine {
         Ok((fig, stats, io)) => {
@@ -543,7 +572,7 @@ pub fn run_scenario(
     if opts.baselines {
         let base_fmt = FormatOptions { compression: Compression::None, dedup: false, ..fmt.clone() };
         let base = (|| -> Result<RunFigure, String> {
-            let vol = Arc::new(fresh_volume(&base_path, logical, physical, &base_fmt)?);
+            let vol = Arc::new(fresh_volume(&base_path, temp, logical, physical, &base_fmt)?);
             if let (true, Some(m)) = (is_overwrite, &model) {
                 prefill(&vol, m, logical)?;
             }
@@ -553,13 +582,13 @@ pub fn run_scenario(
             }
             Ok(RunFigure::new(source.total_bytes(), source.total_ops(), secs, flush))
         })();
-        let _ = std::fs::remove_file(&base_path);
+        remove(&base_path);
         phase("no-reduction volume done");
         match base {
             Ok(f) => result.no_reduction_volume = Some(f),
             Err(e) => result.no_reduction_error = Some(e),
         }
-        result.raw_file = Some(timed_raw_writes(&raw_path, logical, &source, threads)?);
+        result.raw_file = Some(timed_raw_writes(&raw_path, temp, logical, &source, threads)?);
         phase("raw file done");
     }
     Ok(result)
