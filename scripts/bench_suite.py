@@ -388,6 +388,11 @@ def main():
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    # Run a private copy, so a rebuild by someone else mid-run cannot mix two binaries.
+    global DEDUPVOL
+    private = work / "dedupvol"
+    shutil.copy2(DEDUPVOL, private)
+    DEDUPVOL = private
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     date = time.strftime("%Y-%m-%d", time.gmtime())
