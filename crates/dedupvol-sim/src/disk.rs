@@ -311,6 +311,25 @@ struct MachineState {
     ops: u64,
     trace: u64,
     content_trace: u64,
+    /// The most recent persistent faults: (disk, first block, blocks, what).
+    fault_log: std::collections::VecDeque<(usize, u64, u64, String)>,
+    /// Reads bypass crash points, faults and the trace (diagnostic audits must not
+    /// perturb the run they observe).
+    passthrough: bool,
+}
+
+/// Persistent faults remembered for failure reports.
+pub const FAULT_LOG_MAX: usize = 256;
+
+impl MachineState {
+    fn log_fault(&mut self, disk: usize, offset: u64, len: u64, what: String) {
+        if self.fault_log.len() == FAULT_LOG_MAX {
+            self.fault_log.pop_front();
+        }
+        let r = blocks_touched(offset, len);
+        let what = format!("{what} (I/O call {})", self.ops);
+        self.fault_log.push_back((disk, r.start, r.end - r.start, what));
+    }
 }
 
 impl MachineState {
@@ -331,6 +350,9 @@ impl MachineState {
 
     /// Counts one I/O call against the crash point; true when the call must fail.
     fn tick(&mut self) -> bool {
+        if self.passthrough {
+            return false;
+        }
         self.ops += 1;
         if self.crashed {
             self.evidence.crashed_calls += 1;
@@ -409,6 +431,7 @@ impl MachineState {
         disk.durable[byte] ^= 1 << (bit % 8);
         disk.bad_current.insert(b);
         disk.bad_durable.insert(b);
+        self.log_fault(d, b * BLOCK_BYTES, BLOCK_BYTES, format!("bit {} of block {b} flipped", bit));
         self.counts.bit_flips += 1;
         self.persistent_this_cycle += 1;
     }
@@ -448,6 +471,8 @@ impl SimMachine {
                 ops: 0,
                 trace: 0xcbf2_9ce4_8422_2325,
                 content_trace: 0xcbf2_9ce4_8422_2325,
+                fault_log: std::collections::VecDeque::new(),
+                passthrough: false,
             }),
         })
     }
@@ -475,6 +500,11 @@ impl SimMachine {
     pub fn set_data_region(&self, index: usize, region: Range<u64>) {
         assert!(region.start % BLOCK_BYTES == 0 && region.end % BLOCK_BYTES == 0);
         self.state.lock().disks[index].data_region = Some(region);
+    }
+
+    /// While on, reads see the cache image with no fault, no crash tick and no trace.
+    pub fn set_passthrough(&self, on: bool) {
+        self.state.lock().passthrough = on;
     }
 
     /// Turns fault injection on or off (crashes armed with `arm_crash` still happen).
@@ -594,6 +624,16 @@ impl SimMachine {
         self.state.lock().disks[index].bad_durable.contains(&block)
     }
 
+    /// The logged persistent faults that touched block `block` of disk `index`.
+    pub fn faults_touching(&self, index: usize, block: u64) -> Vec<String> {
+        let st = self.state.lock();
+        st.fault_log
+            .iter()
+            .filter(|(d, first, n, _)| *d == index && block >= *first && block < first + n)
+            .map(|(_, _, _, w)| w.clone())
+            .collect()
+    }
+
     /// A copy of the media image of disk `index` (tests).
     pub fn durable_image(&self, index: usize) -> Vec<u8> {
         self.state.lock().disks[index].durable.clone()
@@ -624,6 +664,10 @@ impl dedupvol_core::Storage for SimDisk {
         let len = buf.len() as u64;
         if offset.checked_add(len).map_or(true, |e| e > self.len) {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read beyond end of simulated disk"));
+        }
+        if st.passthrough {
+            buf.copy_from_slice(&st.disks[self.index].current[offset as usize..(offset + len) as usize]);
+            return Ok(());
         }
         st.trace(1, self.index, offset, len, 0);
         if st.tick() {
@@ -703,10 +747,14 @@ impl dedupvol_core::Storage for SimDisk {
             PendingKind::Lost => {
                 st.counts.lost_writes += 1;
                 st.persistent_this_cycle += 1;
+                st.log_fault(d, offset, len, format!("write of {len} bytes at block {} lost", offset / BLOCK_BYTES));
             }
-            PendingKind::Misdirected { .. } => {
+            PendingKind::Misdirected { from } => {
                 st.counts.misdirected_writes += 1;
                 st.persistent_this_cycle += 1;
+                let what = format!("write of {len} bytes for block {} misdirected to block {}", from / BLOCK_BYTES, store_at / BLOCK_BYTES);
+                st.log_fault(d, from, len, what.clone());
+                st.log_fault(d, store_at, len, what);
             }
         }
         st.maybe_destage(d);

@@ -57,11 +57,17 @@ pub struct SimOptions {
     pub ops: u64,
     /// Print progress and the recent-op log.
     pub verbose: bool,
+    /// Run the engine's in-memory audit after every operation (slow; for diagnosis; its
+    /// reads bypass the simulated faults so the run is the same as without it).
+    pub audit_every_op: bool,
+    /// Issue sector-aligned partial writes (the draw is made either way, so switching this
+    /// off changes nothing else in the run).
+    pub partial_writes: bool,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
-        SimOptions { faults: FaultKinds::all(), ops: 400, verbose: false }
+        SimOptions { faults: FaultKinds::all(), ops: 400, verbose: false, audit_every_op: false, partial_writes: true }
     }
 }
 
@@ -367,6 +373,9 @@ pub fn replay_command(seed: u64, opts: &SimOptions, engine: &str) -> String {
     if opts.ops != SimOptions::default().ops {
         s += &format!(" --ops {}", opts.ops);
     }
+    if !opts.partial_writes {
+        s += " --no-partial-writes";
+    }
     if engine != "dedupvol" {
         s += &format!(" --engine {engine}");
     }
@@ -568,6 +577,14 @@ impl<E: SimEngine> Run<'_, E> {
                 self.machine.arm_crash(after);
             }
             self.step()?;
+            if self.opts.audit_every_op && !self.machine.is_crashed() {
+                self.machine.set_passthrough(true);
+                let r = self.vol().audit();
+                self.machine.set_passthrough(false);
+                if let Err(e) = r {
+                    return Err(format!("engine in-memory audit failed after op {i}: {e}"));
+                }
+            }
             if self.machine.is_crashed() {
                 self.crash_and_recover()?;
             } else if self.rng.gen_range(0..1_000_000) < self.cfg.close_ppm {
@@ -677,7 +694,11 @@ impl<E: SimEngine> Run<'_, E> {
         let (offset, len) = if self.rng.gen_range(0..100) < PARTIAL_WRITE_PCT {
             let first = self.rng.gen_range(0..SECTORS_PER_BLOCK);
             let sectors = self.rng.gen_range(1..=(n * SECTORS_PER_BLOCK - first));
-            (lba * B + first * SECTOR_BYTES, sectors * SECTOR_BYTES)
+            if self.opts.partial_writes {
+                (lba * B + first * SECTOR_BYTES, sectors * SECTOR_BYTES)
+            } else {
+                (lba * B, n * B)
+            }
         } else {
             (lba * B, n * B)
         };
@@ -1049,6 +1070,11 @@ impl<E: SimEngine> Run<'_, E> {
                         .is_some_and(|pbn| self.machine.is_bad_on_media(self.data.index(), self.data_region_start_block + pbn))
                 });
                 self.stats.corruption_detected += expected.len() as u64;
+                for p in &expected {
+                    let blk = E::corrupt_data_block(p).unwrap_or(0) + self.data_region_start_block;
+                    let faults = self.machine.faults_touching(self.data.index(), blk);
+                    self.note(format!("audit: expected problem {p:?}; faults on device block {blk}: {faults:?}"));
+                }
                 if !unexpected.is_empty() {
                     let bad = self.machine.bad_blocks(self.data.index());
                     return Err(format!(

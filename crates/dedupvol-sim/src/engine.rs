@@ -25,6 +25,10 @@ pub trait SimEngine: Sized {
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()>;
     /// Clean shutdown.
     fn close(self) -> Result<()>;
+    /// The engine's own in-memory invariant audit (diagnostics; Ok when it has none).
+    fn audit(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
     /// Engine counters that show what a run reached (zero when the engine has none).
     fn coverage(&self) -> Coverage {
         Coverage::default()
@@ -34,9 +38,9 @@ pub trait SimEngine: Sized {
     /// The byte range of the data device that holds only data blocks (where persistent
     /// faults are survivable), read from a freshly formatted, synced volume.
     fn data_region(data: &dyn Storage, has_meta: bool) -> Option<Range<u64>>;
-    /// When an audit problem reports detected corruption of one data block, that block's
-    /// number relative to the data region (such problems are expected where the simulator
-    /// injected a persistent fault, and only there).
+    /// When an audit problem can be a consequence of a persistent fault on one data block,
+    /// that block's number relative to the data region (such problems are expected where
+    /// the simulator injected a persistent fault, and only there).
     fn corrupt_data_block(_problem: &str) -> Option<u64> {
         None
     }
@@ -104,6 +108,9 @@ impl SimEngine for Volume {
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport> {
         check_volume(data, meta, false)
     }
+    fn audit(&self) -> std::result::Result<(), String> {
+        self.audit_memory()
+    }
     fn coverage(&self) -> Coverage {
         let s = self.stats();
         let c = &s.counters;
@@ -131,13 +138,17 @@ impl SimEngine for Volume {
         None
     }
     fn corrupt_data_block(problem: &str) -> Option<u64> {
-        // "physical block N: checksum mismatch (...)" or "physical block N slot S: checksum mismatch (...)"
         let rest = problem.strip_prefix("physical block ")?;
-        let (head, tail) = rest.split_once(':')?;
-        if !tail.trim_start().starts_with("checksum mismatch") {
-            return None;
-        }
-        head.split_whitespace().next()?.parse().ok()
+        let pbn: u64 = rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()?;
+        let tail = &rest[pbn.to_string().len()..];
+        // "N: checksum mismatch (...)", "N slot S: checksum mismatch (...)": the audit
+        // detected the corruption. "N is used twice: ...": a lost or misdirected write left
+        // a block's old content in place, a stale index entry pointed a duplicate of that
+        // old content at it, and byte verification (rightly) matched it — the engine
+        // returned no wrong data, but the block now has references with two contents.
+        let detected = tail.split_once(':').is_some_and(|(_, t)| t.trim_start().starts_with("checksum mismatch"));
+        let shared_stale = tail.starts_with(" is used twice");
+        (detected || shared_stale).then_some(pbn)
     }
 }
 

@@ -33,6 +33,12 @@ struct Args {
     /// Print every operation.
     #[arg(long, short)]
     verbose: bool,
+    /// Run the engine's in-memory audit after every operation (slow; diagnosis).
+    #[arg(long)]
+    audit_every_op: bool,
+    /// Only block-aligned writes.
+    #[arg(long)]
+    no_partial_writes: bool,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -73,7 +79,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let opts = SimOptions { faults, ops: args.ops, verbose: args.verbose };
+    let opts = SimOptions { faults, ops: args.ops, verbose: args.verbose, audit_every_op: args.audit_every_op, partial_writes: !args.no_partial_writes };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };
         match run_one(&args.engine, seed, &opts) {
