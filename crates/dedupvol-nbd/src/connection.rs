@@ -36,6 +36,9 @@ pub const OPTIONS_PER_CONNECTION_MAX: usize = 1024;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default for [`ConnectionLimits::reply_write_timeout`].
 pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Failed or rejected requests logged per connection; the rest are only counted, so a
+/// client retrying against a full volume cannot flood the log.
+pub const ERROR_LOG_LINES_MAX: u64 = 16;
 /// Socket read buffer: holds many pipelined request headers per system call.
 const READ_BUFFER_BYTES: usize = 256 << 10;
 
@@ -250,6 +253,28 @@ fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &Atomic
     Err(invalid(format!("client sent more than {OPTIONS_PER_CONNECTION_MAX} options")))
 }
 
+/// Per-connection error log with a line budget.
+struct ErrorLog {
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl ErrorLog {
+    fn log(&self, what: std::fmt::Arguments<'_>) {
+        let n = self.count.fetch_add(1, Ordering::Relaxed);
+        if n < ERROR_LOG_LINES_MAX {
+            eprintln!("dedupvol-nbd: {what}");
+        } else if n == ERROR_LOG_LINES_MAX {
+            eprintln!("dedupvol-nbd: further request errors on this connection are counted, not logged");
+        }
+    }
+    fn finish(&self) {
+        let n = self.count.load(Ordering::Relaxed);
+        if n > ERROR_LOG_LINES_MAX {
+            eprintln!("dedupvol-nbd: {n} request errors on this connection in all");
+        }
+    }
+}
+
 /// A byte budget shared by the reader (acquire) and the workers (release).
 struct Budget {
     used: Mutex<u64>,
@@ -334,9 +359,9 @@ impl ReplyWriter {
     }
 }
 
-fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter) {
+fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLog) {
     let report = |e: &crate::backend::BackendError| {
-        eprintln!("dedupvol-nbd: request {:#x} failed: {e}", job.cookie);
+        log.log(format_args!("request {:#x} failed: {e}", job.cookie));
         proto::nbd_error_from_errno(e.errno)
     };
     let status = |r: Result<(), crate::backend::BackendError>| writer.status(r.err().map_or(0, |e| report(&e)), job.cookie);
@@ -382,19 +407,20 @@ fn transmission(
         structured: session.structured,
     });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
+    let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0) });
     let (tx, rx) = mpsc::sync_channel::<Job>(limits.queue_requests_max.max(1));
     let rx = Arc::new(Mutex::new(rx));
     let mut workers = Vec::with_capacity(limits.workers);
     for i in 0..limits.workers.max(1) {
-        let (rx, writer, budget, backend) = (rx.clone(), writer.clone(), budget.clone(), backend.clone());
+        let (rx, writer, budget, backend, log) = (rx.clone(), writer.clone(), budget.clone(), backend.clone(), log.clone());
         let spawned = std::thread::Builder::new().name(format!("nbd-worker-{i}")).spawn(move || loop {
             // Hold the receiver lock only to take one job.
             let job = rx.lock().recv();
             let Ok(job) = job else { break };
             // An engine bug must cost one request (EIO), not the connection's accounting.
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(backend.as_ref(), &job, &writer)));
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(backend.as_ref(), &job, &writer, &log)));
             if ran.is_err() {
-                eprintln!("dedupvol-nbd: request {:#x} panicked in the backend; answering EIO", job.cookie);
+                log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
                 match job.cmd {
                     Command::Read { .. } => writer.read_err(job.cookie, proto::NBD_EIO, "internal error"),
                     _ => writer.status(proto::NBD_EIO, job.cookie),
@@ -433,7 +459,7 @@ fn transmission(
             Disposition::Disconnect => break Outcome::Closed,
             Disposition::Close(why) => break Outcome::Dropped(why),
             Disposition::Reject { error, skip, reason } => {
-                eprintln!("dedupvol-nbd: rejecting request {:#x}: {reason}", req.cookie);
+                log.log(format_args!("rejecting request {:#x}: {reason}", req.cookie));
                 let skipped = io::copy(&mut (&mut reader).take(u64::from(skip)), &mut io::sink());
                 match skipped {
                     Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => writer.read_err(req.cookie, error, &reason),
@@ -470,5 +496,6 @@ fn transmission(
         }
     }
     let _ = writer.stream.lock().shutdown(Shutdown::Both);
+    log.finish();
     outcome
 }
