@@ -25,11 +25,14 @@ pub fn in_memory() -> bool {
     std::env::var_os("DEDUPVOL_NBD_TEST_IN_MEMORY").is_some_and(|v| v == "1")
 }
 
-/// Finds `tool` on PATH (or /usr/sbin, /sbin); prints a loud skip line when absent.
+/// Checks that every tool is on PATH (where the tests will run it from); prints a loud
+/// skip line when one is absent.
 pub fn require(test: &str, tools: &[&str]) -> bool {
     for t in tools {
         if which(t).is_none() {
-            eprintln!("SKIPPED: {test}: `{t}` not installed (see scripts/apt-packages.txt) — this test did NOT run");
+            eprintln!(
+                "SKIPPED: {test}: `{t}` not installed or not on PATH (see scripts/apt-packages.txt) — this test did NOT run"
+            );
             return false;
         }
     }
@@ -38,10 +41,7 @@ pub fn require(test: &str, tools: &[&str]) -> bool {
 
 pub fn which(tool: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].iter().map(PathBuf::from))
-        .map(|d| d.join(tool))
-        .find(|p| p.is_file())
+    std::env::split_paths(&path).map(|d| d.join(tool)).find(|p| p.is_file())
 }
 
 /// Runs a command, panicking with its output when it fails.
