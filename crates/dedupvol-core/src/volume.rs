@@ -58,6 +58,9 @@ pub(crate) struct State {
     pub(crate) reuse_gen: u64,
     pub(crate) counters: Counters,
     pub(crate) red: ReductionCounters,
+    /// Data blocks placed but not yet written: merged into large writes when the buffer
+    /// fills or before a commit syncs data. They are the authority for their pbns.
+    pub(crate) staged: Vec<(u64, Block)>,
 }
 
 /// An open volume. Share it between threads with `Arc`; every method takes `&self`.
@@ -333,6 +336,7 @@ impl Volume {
             reuse_gen: 0,
             counters,
             red: ReductionCounters::default(),
+            staged: Vec::new(),
             rc,
         };
         // The saved index is from the last clean close. With byte verification a stale
@@ -463,6 +467,7 @@ impl Volume {
     /// Seals the packer and encodes pending journal entries (state lock held).
     fn take_commit(&self, st: &mut State) -> Result<CommitBatch> {
         self.seal_packer(st)?;
+        self.write_staged(st)?;
         st.journal.take_batch()
     }
 
@@ -651,13 +656,17 @@ impl Volume {
                             *candidate = Some(loc);
                             if hash_mode {
                                 *verified = true;
-                            } else if st.packer.open_pbn() == Some(loc.pbn) {
-                                // The open block is not on the device yet (the device may still
-                                // hold the block's previous life): decide here, from memory.
+                            } else {
+                                // A block not on the device yet (the device may still hold its
+                                // previous life) is decided here, from memory.
                                 let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
-                                *verified = self.verify_in_packer(&st, loc, chunk);
-                                if !*verified {
-                                    *candidate = None;
+                                let mut out = vec![0u8; BLOCK_SIZE];
+                                let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
+                                if let Some(ok) = decode_unwritten(&st, &e, &mut out) {
+                                    *verified = ok && out == chunk;
+                                    if !*verified {
+                                        *candidate = None;
+                                    }
                                 }
                             }
                         }
@@ -690,12 +699,6 @@ impl Volume {
             Err(e @ (Error::NoSpace(_) | Error::OutOfRange { .. })) => Err(e),
             Err(e) => self.fail(e),
         }
-    }
-
-    fn verify_in_packer(&self, st: &State, loc: Location, chunk: &[u8]) -> bool {
-        let Some(slot) = (MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 }).slot() else { return false };
-        let mut out = vec![0u8; BLOCK_SIZE];
-        matches!(st.packer.unpack_open(loc.pbn, slot, &mut out), Some(Ok(()))) && out == chunk
     }
 
     /// Reads the candidate's content (cache first, else a verification read) and compares.
@@ -763,12 +766,11 @@ impl Volume {
         }
         let hash_mode = st.stamps.is_some();
         let stale = st.reuse_gen != gen_at_lookup;
-        let mut raw_writes: Vec<(u64, usize)> = Vec::new();
         let mut last = st.journal.next_entry_seq.saturating_sub(1);
         let mut placed = Ok(());
         for (i, p) in plans.iter_mut().enumerate() {
             let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
-            let e = match self.place(st, p, chunk, i, stale, hash_mode, compression, &mut raw_writes) {
+            let e = match self.place(st, p, chunk, stale, hash_mode, compression) {
                 Ok(e) => e,
                 Err(err) => {
                     placed = Err(err);
@@ -784,27 +786,6 @@ impl Volume {
             }
             st.red.blocks_written += 1;
         }
-        // Raw data reaches the device before the state lock is released, so no reader or
-        // committer sees a mapping to unwritten data. Adjacent blocks are merged.
-        raw_writes.sort_unstable();
-        let mut k = 0;
-        while let Some(&(start, i0)) = raw_writes.get(k) {
-            let mut run = 1usize;
-            while raw_writes.get(k + run).is_some_and(|&(p, _)| p == start + run as u64) {
-                run += 1;
-            }
-            if run == 1 {
-                let chunk = buf.get(i0 * BLOCK_SIZE..(i0 + 1) * BLOCK_SIZE).unwrap_or(&[]);
-                self.data.write(IoKind::Data, chunk, self.geo.data_offset(start))?;
-            } else {
-                let mut joined = Vec::with_capacity(run * BLOCK_SIZE);
-                for &(_, i) in raw_writes.get(k..k + run).unwrap_or(&[]) {
-                    joined.extend_from_slice(buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]));
-                }
-                self.data.write(IoKind::Data, &joined, self.geo.data_offset(start))?;
-            }
-            k += run;
-        }
         placed.map(|()| last)
     }
 
@@ -815,11 +796,9 @@ impl Volume {
         st: &mut State,
         p: &mut Plan,
         chunk: &[u8],
-        i: usize,
         stale: bool,
         hash_mode: bool,
         compression: Compression,
-        raw_writes: &mut Vec<(u64, usize)>,
     ) -> Result<MapEntry> {
         let Plan::Data { hash, crc, candidate, verified, frag } = p else {
             st.red.zero_blocks += 1;
@@ -848,8 +827,12 @@ impl Volume {
                 if c > 0 && c < REFCOUNT_MAX {
                     let ok = if hash_mode {
                         stamp_ok(st, &loc)
-                    } else if st.packer.open_pbn() == Some(loc.pbn) {
-                        self.verify_in_packer(st, loc, chunk)
+                    } else if let Some(ok) = {
+                        let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
+                        let mut out = vec![0u8; BLOCK_SIZE];
+                        decode_unwritten(st, &e, &mut out).map(|ok| ok && out == chunk)
+                    } {
+                        ok
                     } else {
                         let cached = self.cache.lock().get(loc.pbn);
                         cached.is_some_and(|b| content_matches(&b, loc.state, chunk))
@@ -883,9 +866,7 @@ impl Volume {
             }
             None => {
                 let pbn = self.alloc_block(st)?;
-                raw_writes.push((pbn, i));
-                // Cached now so a duplicate later in this request verifies from memory.
-                self.cache.lock().put(pbn, Block::from(chunk));
+                self.stage(st, pbn, Block::from(chunk))?;
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, *crc)
             }
@@ -903,10 +884,43 @@ impl Volume {
             if count == 0 {
                 st.alloc.unreserve(pbn);
             } else {
-                self.data.write(IoKind::Data, &block, self.geo.data_offset(pbn))?;
-                self.cache.lock().put(pbn, Block::from(block));
+                self.stage(st, pbn, Block::from(block))?;
                 st.red.packed_blocks_written += 1;
             }
+        }
+        Ok(())
+    }
+
+    /// Queues a placed data block for writing (and caches it).
+    fn stage(&self, st: &mut State, pbn: u64, block: Block) -> Result<()> {
+        self.cache.lock().put(pbn, block.clone());
+        st.staged.push((pbn, block));
+        if st.staged.len() >= STAGED_BLOCKS_MAX {
+            self.write_staged(st)?;
+        }
+        Ok(())
+    }
+
+    /// Writes every staged block, merging blocks adjacent on the device into one write.
+    fn write_staged(&self, st: &mut State) -> Result<()> {
+        let mut staged = std::mem::take(&mut st.staged);
+        staged.sort_unstable_by_key(|(p, _)| *p);
+        let mut k = 0;
+        while let Some((start, first)) = staged.get(k) {
+            let mut run = 1usize;
+            while staged.get(k + run).is_some_and(|(p, _)| *p == start + run as u64) {
+                run += 1;
+            }
+            if run == 1 {
+                self.data.write(IoKind::Data, first, self.geo.data_offset(*start))?;
+            } else {
+                let mut joined = Vec::with_capacity(run * BLOCK_SIZE);
+                for (_, b) in staged.get(k..k + run).unwrap_or(&[]) {
+                    joined.extend_from_slice(b);
+                }
+                self.data.write(IoKind::Data, &joined, self.geo.data_offset(*start))?;
+            }
+            k += run;
         }
         Ok(())
     }
@@ -1026,10 +1040,12 @@ impl Volume {
                 for &i in &todo {
                     let e = st.map.get(lba0 + i as u64)?;
                     let mut done = false;
-                    if let (true, Some(slot)) = (st.packer.open_pbn() == Some(e.pbn), e.slot()) {
+                    if e.is_data() {
                         let dst = out.get_mut(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&mut []);
-                        if let Some(r) = st.packer.unpack_open(e.pbn, slot, dst) {
-                            r?;
+                        if let Some(ok) = decode_unwritten(&st, &e, dst) {
+                            if !ok || crc32c::crc32c(dst) != e.crc {
+                                return Err(Error::Corrupt(format!("logical block {}: unwritten data does not match its checksum", lba0 + i as u64)));
+                            }
                             done = true;
                         }
                     }
@@ -1108,9 +1124,8 @@ impl Volume {
                 continue;
             }
             let mut out = vec![0u8; BLOCK_SIZE];
-            let from_packer = e.slot().and_then(|s| st.packer.unpack_open(e.pbn, s, &mut out));
-            let ok = match from_packer {
-                Some(r) => r.is_ok(),
+            let ok = match decode_unwritten(&st, &e, &mut out) {
+                Some(ok) => ok,
                 None => {
                     let mut b = vec![0u8; BLOCK_SIZE];
                     self.data.read(IoKind::Verify, &mut b, self.geo.data_offset(e.pbn)).map_err(|e| e.to_string())?;
@@ -1180,6 +1195,30 @@ impl Volume {
             io: self.io.snapshot(),
         }
     }
+}
+
+/// Data blocks staged before they are written as one merged write (256 KiB).
+const STAGED_BLOCKS_MAX: usize = 64;
+
+/// Decodes the logical content `e` refers to when its physical block is not on the device
+/// yet (the open packed block, or a staged block). None: read it from the device.
+fn decode_unwritten(st: &State, e: &MapEntry, out: &mut [u8]) -> Option<bool> {
+    if st.packer.open_pbn() == Some(e.pbn) {
+        // The open block is a packed block: a raw mapping to it is stale.
+        return Some(e.slot().and_then(|slot| st.packer.unpack_open(e.pbn, slot, out)).is_some_and(|r| r.is_ok()));
+    }
+    let (_, block) = st.staged.iter().rev().find(|(p, _)| *p == e.pbn)?;
+    Some(match e.slot() {
+        None => {
+            if out.len() == block.len() {
+                out.copy_from_slice(block);
+                true
+            } else {
+                false
+            }
+        }
+        Some(slot) => packer::unpack(block, slot, out).is_ok(),
+    })
 }
 
 /// Chunks per request below which the pipeline stays on the calling thread.
