@@ -365,7 +365,13 @@ fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLo
         proto::nbd_error_from_errno(e.errno)
     };
     let status = |r: Result<(), crate::backend::BackendError>| writer.status(r.err().map_or(0, |e| report(&e)), job.cookie);
+    // Zero-length requests touch nothing; the engine need not define them.
+    let fua_only = |fua: bool| if fua { backend.flush() } else { Ok(()) };
     match job.cmd {
+        Command::Read { offset, len: 0 } => writer.read_ok(job.cookie, offset, &[]),
+        Command::Write { len: 0, fua, .. }
+        | Command::Trim { len: 0, fua, .. }
+        | Command::WriteZeroes { len: 0, fua, .. } => status(fua_only(fua)),
         Command::Read { offset, len } => {
             let mut buf = vec![0u8; len as usize];
             match backend.read(offset, &mut buf) {
@@ -382,7 +388,7 @@ fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLo
         }
         Command::Trim { offset, len, fua } => {
             // The engine's discard has no FUA of its own; a flush after it gives the same.
-            status(backend.trim(offset, u64::from(len)).and_then(|()| if fua { backend.flush() } else { Ok(()) }));
+            status(backend.trim(offset, u64::from(len)).and_then(|()| fua_only(fua)));
         }
         Command::WriteZeroes { offset, len, fua } => {
             status(backend.write_zeroes(offset, u64::from(len), fua));

@@ -56,6 +56,11 @@ fn engine_round_trip_through_the_server() {
     assert_eq!(read_reply(&mut b), (0, 900));
     send_request(&mut a, CMD_FLUSH, 0, 901, 0, 0, &[]);
     assert_eq!(read_reply(&mut a), (0, 901));
+    // Zero-length requests of every kind succeed and change nothing.
+    for (cookie, kind) in [(902, CMD_WRITE), (903, CMD_TRIM), (904, CMD_WRITE_ZEROES), (905, CMD_READ)] {
+        send_request(&mut a, kind, 0, cookie, 4096, 0, &[]);
+        assert_eq!(read_reply(&mut a), (0, cookie), "zero-length command {kind}");
+    }
     send_request(&mut a, CMD_DISC, 0, 0, 0, 0, &[]);
     drop(b);
     stop.stop().unwrap();
