@@ -223,6 +223,12 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     println!("dedup           {} (verify {:?})", if s.dedup { "on" } else { "off" }, s.verify);
     println!("index           {} entries, {} ({} B/entry)", s.index_capacity, human(s.index_memory_bytes), s.index_bytes_per_entry);
     println!("write policy    {:?}", s.write_policy);
+    let mem = vol.memory_usage();
+    println!("memory          {} in engine structures (measured process RSS {})", human(mem.iter().map(|(_, b)| b).sum()),
+        rss_bytes().map_or_else(|| "unknown".into(), human));
+    for (what, b) in mem {
+        println!("  {what:<34} {}", human(b));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -347,6 +353,13 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
     }
     let ok = r.is_clean() || (a.repair && r.unrepaired.is_empty());
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// Resident set size of this process (Linux /proc).
+fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
 }
 
 fn recorded_meta(path: &Path) -> anyhow::Result<Option<PathBuf>> {

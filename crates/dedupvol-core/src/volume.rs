@@ -1111,6 +1111,20 @@ impl Volume {
         Ok(b)
     }
 
+    /// Memory held by the volume's structures now, in bytes, by structure.
+    pub fn memory_usage(&self) -> Vec<(&'static str, u64)> {
+        let st = self.state.lock();
+        let blocks = self.geo.data_blocks;
+        vec![
+            ("reference + fragment counts", 2 * blocks),
+            ("allocator bitmap", blocks.div_ceil(64) * 8),
+            ("reuse stamps", if st.stamps.is_some() { 2 * blocks } else { 0 }),
+            ("fingerprint index", st.index.memory_bytes()),
+            ("block map cache (pages held now)", st.map.cached_pages() as u64 * BLOCK_SIZE_U64),
+            ("content cache (blocks held now)", self.cache.lock().len() as u64 * BLOCK_SIZE_U64),
+        ]
+    }
+
     /// Cheap in-memory invariant audit (allocator vs reference counts); for tests and the
     /// simulator. Returns a description of the first violation.
     pub fn audit_memory(&self) -> std::result::Result<(), String> {
