@@ -125,6 +125,8 @@ pub struct FaultCounts {
     pub bit_flips: u64,
     /// Bits flipped in transit.
     pub read_flips: u64,
+    /// Superblock copies corrupted (one of two, never the newer).
+    pub superblock_copies: u64,
 }
 
 impl FaultCounts {
@@ -140,12 +142,13 @@ impl FaultCounts {
         self.read_errors += o.read_errors;
         self.bit_flips += o.bit_flips;
         self.read_flips += o.read_flips;
+        self.superblock_copies += o.superblock_copies;
     }
 
     /// One line, every kind.
     pub fn summary(&self) -> String {
         format!(
-            "power_failures={} process_crashes={} unsynced_lost={} torn={} destaged={} lost_writes={} misdirected={} read_errors={} bit_flips={} read_flips={}",
+            "power_failures={} process_crashes={} unsynced_lost={} torn={} destaged={} lost_writes={} misdirected={} read_errors={} bit_flips={} read_flips={} superblock_copies={}",
             self.power_failures,
             self.process_crashes,
             self.unsynced_lost,
@@ -155,7 +158,8 @@ impl FaultCounts {
             self.misdirected_writes,
             self.read_errors,
             self.bit_flips,
-            self.read_flips
+            self.read_flips,
+            self.superblock_copies
         )
     }
 }
@@ -632,6 +636,28 @@ impl SimMachine {
             .filter(|(d, first, n, _)| *d == index && block >= *first && block < first + n)
             .map(|(_, _, _, w)| w.clone())
             .collect()
+    }
+
+    /// Media block `block` (4 KiB) of disk `index`.
+    pub fn media_block(&self, index: usize, block: u64) -> Vec<u8> {
+        let st = self.state.lock();
+        let o = (block * BLOCK_BYTES) as usize;
+        st.disks[index].durable[o..o + BLOCK_BYTES as usize].to_vec()
+    }
+
+    /// Flips one random bit of media block `block` of disk `index` while the machine is
+    /// powered off (no pending writes), e.g. in one of two redundant metadata copies. Not
+    /// marked bad: the engine must survive it completely.
+    pub fn corrupt_redundant_copy(&self, index: usize, block: u64) {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        assert!(st.disks[index].pending.is_empty(), "redundant copies are corrupted only between power cycles");
+        let bit = st.rng.gen_range(0..BLOCK_BYTES * 8);
+        let byte = (block * BLOCK_BYTES + bit / 8) as usize;
+        let disk = &mut st.disks[index];
+        disk.durable[byte] ^= 1 << (bit % 8);
+        disk.current[byte] ^= 1 << (bit % 8);
+        st.counts.superblock_copies += 1;
     }
 
     /// A copy of the media image of disk `index` (tests).

@@ -92,19 +92,21 @@ pub struct FaultKinds {
     pub bitflip: bool,
     /// Bit flips in transit.
     pub read_flip: bool,
+    /// One of the two superblock copies (never the newer) corrupted while powered off.
+    pub sb_copy: bool,
 }
 
 /// Names accepted by `--faults`.
-pub const FAULT_NAMES: &[&str] = &["crash", "cache-loss", "torn", "destage", "lost", "misdirect", "read-error", "bitflip", "read-flip"];
+pub const FAULT_NAMES: &[&str] = &["crash", "cache-loss", "torn", "destage", "lost", "misdirect", "read-error", "bitflip", "read-flip", "sb-copy"];
 
 impl FaultKinds {
     /// Every kind.
     pub fn all() -> Self {
-        FaultKinds { crash: true, cache_loss: true, torn: true, destage: true, lost: true, misdirect: true, read_error: true, bitflip: true, read_flip: true }
+        FaultKinds { crash: true, cache_loss: true, torn: true, destage: true, lost: true, misdirect: true, read_error: true, bitflip: true, read_flip: true, sb_copy: true }
     }
     /// No kind.
     pub fn none() -> Self {
-        FaultKinds { crash: false, cache_loss: false, torn: false, destage: false, lost: false, misdirect: false, read_error: false, bitflip: false, read_flip: false }
+        FaultKinds { crash: false, cache_loss: false, torn: false, destage: false, lost: false, misdirect: false, read_error: false, bitflip: false, read_flip: false, sb_copy: false }
     }
     /// Parses a comma list of `FAULT_NAMES`, or `all` / `none`.
     pub fn parse(s: &str) -> Result<Self, String> {
@@ -123,6 +125,7 @@ impl FaultKinds {
                 "read-error" => k.read_error = true,
                 "bitflip" => k.bitflip = true,
                 "read-flip" => k.read_flip = true,
+                "sb-copy" => k.sb_copy = true,
                 _ => return Err(format!("unknown fault kind {name:?}; known: all, none, {}", FAULT_NAMES.join(", "))),
             }
         }
@@ -133,7 +136,7 @@ impl FaultKinds {
         if *self == Self::all() {
             return "all".into();
         }
-        let flags = [self.crash, self.cache_loss, self.torn, self.destage, self.lost, self.misdirect, self.read_error, self.bitflip, self.read_flip];
+        let flags = [self.crash, self.cache_loss, self.torn, self.destage, self.lost, self.misdirect, self.read_error, self.bitflip, self.read_flip, self.sb_copy];
         let v: Vec<&str> = FAULT_NAMES.iter().zip(flags).filter(|(_, f)| *f).map(|(n, _)| *n).collect();
         if v.is_empty() {
             "none".into()
@@ -170,6 +173,8 @@ pub struct RunConfig {
     pub crash_in_close_pct: u32,
     /// Probability that a recovery is first done read-only and cross-checked, percent.
     pub read_only_first_pct: u32,
+    /// Probability that a power cycle corrupts one superblock copy per device, percent.
+    pub sb_copy_pct: u32,
     /// Workload operations.
     pub ops: u64,
     /// Logical writers.
@@ -241,6 +246,7 @@ impl RunConfig {
             close_ppm: pick(&mut r, &[2_000, 5_000]),
             crash_in_close_pct: pick(&mut r, &[0, 25]) * u32::from(k.crash),
             read_only_first_pct: pick(&mut r, &[0, 30]),
+            sb_copy_pct: pick(&mut r, &[0, 30]) * u32::from(k.sb_copy),
             ops: opts.ops,
             writers: r.gen_range(1..=WRITERS_MAX),
         }
@@ -894,10 +900,30 @@ impl<E: SimEngine> Run<'_, E> {
         self.machine.power_cycle(power);
         self.model.crashed();
         self.stats.crashes += 1;
+        self.maybe_corrupt_superblock_copy();
         if self.rng.gen_range(0..100) < self.cfg.read_only_first_pct {
             self.read_only_recovery()?;
         }
         self.recover()
+    }
+
+    /// While the machine is off, flips a bit in one superblock copy of each device, only
+    /// where the engine says the copy is not the newer one.
+    fn maybe_corrupt_superblock_copy(&mut self) {
+        if self.rng.gen_range(0..100) >= self.cfg.sb_copy_pct {
+            return;
+        }
+        let mut disks = vec![(self.data.index(), 0u8)];
+        if let Some(m) = &self.meta {
+            disks.push((m.index(), 1));
+        }
+        for (index, role) in disks {
+            let (a, b) = (self.machine.media_block(index, 0), self.machine.media_block(index, 1));
+            if let Some(copy) = E::corruptible_superblock_copy([&a, &b], role) {
+                self.note(format!("corrupt superblock copy {copy} of disk {index}"));
+                self.machine.corrupt_redundant_copy(index, copy as u64);
+            }
+        }
     }
 
     /// Opens the crashed volume read-only (journal replayed in memory only), checks every

@@ -38,6 +38,12 @@ pub trait SimEngine: Sized {
     /// The byte range of the data device that holds only data blocks (where persistent
     /// faults are survivable), read from a freshly formatted, synced volume.
     fn data_region(data: &dyn Storage, has_meta: bool) -> Option<Range<u64>>;
+    /// Given the media content of the two superblock copies of a device (`role` 0 data,
+    /// 1 metadata), which copy may be corrupted with the volume still recoverable: a copy
+    /// whose generation is not higher than the other, valid, copy. None when unsure.
+    fn corruptible_superblock_copy(_copies: [&[u8]; 2], _role: u8) -> Option<usize> {
+        None
+    }
     /// When an audit problem can be a consequence of a persistent fault on one data block,
     /// that block's number relative to the data region (such problems are expected where
     /// the simulator injected a persistent fault, and only there).
@@ -136,6 +142,14 @@ impl SimEngine for Volume {
             }
         }
         None
+    }
+    fn corruptible_superblock_copy(copies: [&[u8]; 2], role: u8) -> Option<usize> {
+        use dedupvol_core::superblock::Superblock;
+        let a = Superblock::decode(copies[0], role).ok()??;
+        let b = Superblock::decode(copies[1], role).ok()??;
+        // Equal generations hold the same state: either copy may go. Otherwise only the
+        // older one: falling back to it would lose a completed superblock update.
+        Some(if a.generation <= b.generation { 0 } else { 1 })
     }
     fn corrupt_data_block(problem: &str) -> Option<u64> {
         let rest = problem.strip_prefix("physical block ")?;
