@@ -67,8 +67,9 @@ fn die(what: &str, e: impl std::fmt::Display) -> ! {
 }
 
 /// Runs the child: formats `path` when it does not exist, then writes iterations
-/// `start..` forever, printing "flushed k" after each flush.
-pub fn child_writer(path: &Path, start: u64) {
+/// `start..` forever, printing "flushed k" after each flush. With `lie` it prints the line
+/// without flushing (the negative control of the kill -9 test: it must be caught).
+pub fn child_writer(path: &Path, start: u64, lie: bool) {
     let fresh = !path.exists();
     let file = FileStorage::create(path, Some(CHILD_FILE_BYTES)).unwrap_or_else(|e| die("create", e));
     let data: Arc<dyn Storage> = Arc::new(file);
@@ -86,7 +87,9 @@ pub fn child_writer(path: &Path, start: u64) {
             content::fill(id, &mut buf);
             vol.write(lba * BLOCK as u64, &buf, false).unwrap_or_else(|e| die("write", e));
         }
-        vol.flush().unwrap_or_else(|e| die("flush", e));
+        if !lie {
+            vol.flush().unwrap_or_else(|e| die("flush", e));
+        }
         if writeln!(out, "flushed {k}").and_then(|()| out.flush()).is_err() {
             return;
         }

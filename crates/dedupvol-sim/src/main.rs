@@ -52,6 +52,9 @@ struct Args {
     /// First iteration of --child-writer.
     #[arg(long, default_value_t = 1)]
     child_start: u64,
+    /// --child-writer prints "flushed N" without flushing (negative control of the test).
+    #[arg(long, hide = true)]
+    child_lie: bool,
 }
 
 fn run_one(engine: &str, seed: u64, opts: &SimOptions) -> Result<RunStats, dedupvol_sim::Failure> {
@@ -65,7 +68,7 @@ fn run_one(engine: &str, seed: u64, opts: &SimOptions) -> Result<RunStats, dedup
 fn main() {
     let args = Args::parse();
     if let Some(path) = &args.child_writer {
-        dedupvol_sim::kill9::child_writer(path, args.child_start);
+        dedupvol_sim::kill9::child_writer(path, args.child_start, args.child_lie);
         return;
     }
     if args.engine != "toy" && args.engine != "dedupvol" {
