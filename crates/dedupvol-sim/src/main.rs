@@ -159,7 +159,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} no_space={} restarts={} io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} no_space={} restarts={} io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -173,6 +173,7 @@ fn figures(s: &RunStats) -> String {
         s.clean_checks,
         s.blocks_verified,
         s.corruption_detected,
+        s.stale_dedup_after_fault,
         s.no_space,
         s.restarts,
         s.io_calls
