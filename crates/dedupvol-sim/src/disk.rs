@@ -61,6 +61,10 @@ pub struct FaultConfig {
     pub bit_flips: bool,
     /// Bits flipped in a read's buffer only (data region).
     pub read_flips: bool,
+    /// Transient `io::Error` on writes (nothing written) and syncs (nothing made durable).
+    pub write_errors: bool,
+    /// Probability of a write or sync error per call, ppm.
+    pub write_error_ppm: u32,
     /// Probability of a lost write per data-region write, ppm.
     pub lost_write_ppm: u32,
     /// Probability of a misdirected write per data-region write, ppm.
@@ -87,6 +91,8 @@ impl FaultConfig {
             read_errors: false,
             bit_flips: false,
             read_flips: false,
+            write_errors: false,
+            write_error_ppm: 0,
             lost_write_ppm: 0,
             misdirect_ppm: 0,
             read_error_ppm: 0,
@@ -127,6 +133,10 @@ pub struct FaultCounts {
     pub read_flips: u64,
     /// Superblock copies corrupted (one of two, never the newer).
     pub superblock_copies: u64,
+    /// Writes refused with an error.
+    pub write_errors: u64,
+    /// Syncs refused with an error.
+    pub sync_errors: u64,
 }
 
 impl FaultCounts {
@@ -143,12 +153,14 @@ impl FaultCounts {
         self.bit_flips += o.bit_flips;
         self.read_flips += o.read_flips;
         self.superblock_copies += o.superblock_copies;
+        self.write_errors += o.write_errors;
+        self.sync_errors += o.sync_errors;
     }
 
     /// One line, every kind.
     pub fn summary(&self) -> String {
         format!(
-            "power_failures={} process_crashes={} unsynced_lost={} torn={} destaged={} lost_writes={} misdirected={} read_errors={} bit_flips={} read_flips={} superblock_copies={}",
+            "power_failures={} process_crashes={} unsynced_lost={} torn={} destaged={} lost_writes={} misdirected={} read_errors={} bit_flips={} read_flips={} superblock_copies={} write_errors={} sync_errors={}",
             self.power_failures,
             self.process_crashes,
             self.unsynced_lost,
@@ -159,7 +171,9 @@ impl FaultCounts {
             self.read_errors,
             self.bit_flips,
             self.read_flips,
-            self.superblock_copies
+            self.superblock_copies,
+            self.write_errors,
+            self.sync_errors
         )
     }
 }
@@ -730,6 +744,11 @@ impl dedupvol_core::Storage for SimDisk {
         if st.tick() {
             return Err(crash_error());
         }
+        if st.faults_enabled && st.cfg.write_errors && st.chance(st.cfg.write_error_ppm) {
+            st.counts.write_errors += 1;
+            st.evidence.transient += 1;
+            return Err(io::Error::other("simulated write error"));
+        }
         let d = self.index;
         let in_data = st.disks[d].in_data_region(offset, len);
         let faulty = in_data && st.faults_enabled && st.persistent_budget_left();
@@ -794,6 +813,12 @@ impl dedupvol_core::Storage for SimDisk {
         st.trace(3, self.index, 0, 0, 0);
         if st.tick() {
             return Err(crash_error());
+        }
+        if st.faults_enabled && st.cfg.write_errors && st.chance(st.cfg.write_error_ppm) {
+            // Nothing is made durable; the writes stay in the cache and may still be lost.
+            st.counts.sync_errors += 1;
+            st.evidence.transient += 1;
+            return Err(io::Error::other("simulated sync error"));
         }
         let disk = &mut st.disks[self.index];
         let pending = std::mem::take(&mut disk.pending);

@@ -94,19 +94,21 @@ pub struct FaultKinds {
     pub read_flip: bool,
     /// One of the two superblock copies (never the newer) corrupted while powered off.
     pub sb_copy: bool,
+    /// Transient write and sync errors.
+    pub write_error: bool,
 }
 
 /// Names accepted by `--faults`.
-pub const FAULT_NAMES: &[&str] = &["crash", "cache-loss", "torn", "destage", "lost", "misdirect", "read-error", "bitflip", "read-flip", "sb-copy"];
+pub const FAULT_NAMES: &[&str] = &["crash", "cache-loss", "torn", "destage", "lost", "misdirect", "read-error", "bitflip", "read-flip", "sb-copy", "write-error"];
 
 impl FaultKinds {
     /// Every kind.
     pub fn all() -> Self {
-        FaultKinds { crash: true, cache_loss: true, torn: true, destage: true, lost: true, misdirect: true, read_error: true, bitflip: true, read_flip: true, sb_copy: true }
+        FaultKinds { crash: true, cache_loss: true, torn: true, destage: true, lost: true, misdirect: true, read_error: true, bitflip: true, read_flip: true, sb_copy: true, write_error: true }
     }
     /// No kind.
     pub fn none() -> Self {
-        FaultKinds { crash: false, cache_loss: false, torn: false, destage: false, lost: false, misdirect: false, read_error: false, bitflip: false, read_flip: false, sb_copy: false }
+        FaultKinds { crash: false, cache_loss: false, torn: false, destage: false, lost: false, misdirect: false, read_error: false, bitflip: false, read_flip: false, sb_copy: false, write_error: false }
     }
     /// Parses a comma list of `FAULT_NAMES`, or `all` / `none`.
     pub fn parse(s: &str) -> Result<Self, String> {
@@ -126,6 +128,7 @@ impl FaultKinds {
                 "bitflip" => k.bitflip = true,
                 "read-flip" => k.read_flip = true,
                 "sb-copy" => k.sb_copy = true,
+                "write-error" => k.write_error = true,
                 _ => return Err(format!("unknown fault kind {name:?}; known: all, none, {}", FAULT_NAMES.join(", "))),
             }
         }
@@ -136,7 +139,7 @@ impl FaultKinds {
         if *self == Self::all() {
             return "all".into();
         }
-        let flags = [self.crash, self.cache_loss, self.torn, self.destage, self.lost, self.misdirect, self.read_error, self.bitflip, self.read_flip, self.sb_copy];
+        let flags = [self.crash, self.cache_loss, self.torn, self.destage, self.lost, self.misdirect, self.read_error, self.bitflip, self.read_flip, self.sb_copy, self.write_error];
         let v: Vec<&str> = FAULT_NAMES.iter().zip(flags).filter(|(_, f)| *f).map(|(n, _)| *n).collect();
         if v.is_empty() {
             "none".into()
@@ -233,6 +236,8 @@ impl RunConfig {
         f.read_error_ppm = pick(&mut r, &[20, 300, 3_000]);
         f.read_flips = r.gen_bool(0.4) && k.read_flip;
         f.read_flip_ppm = pick(&mut r, &[500, 3_000]);
+        f.write_errors = r.gen_bool(0.3) && k.write_error;
+        f.write_error_ppm = pick(&mut r, &[1_000, 10_000]);
         RunConfig {
             seed,
             meta_dev,
@@ -1127,7 +1132,14 @@ impl<E: SimEngine> Run<'_, E> {
         } else {
             let vol = self.vol.take();
             if let Some(v) = vol {
-                v.close().map_err(|e| format!("final close failed: {}", short(&e)))?;
+                let before = self.machine.evidence();
+                if let Err(e) = v.close() {
+                    let cause = self.cause(&e, &before);
+                    if cause == Cause::Unexplained || cause == Cause::NoSpace {
+                        return Err(format!("final close failed with no fault to explain it: {}", short(&e)));
+                    }
+                    self.note(format!("final close -> error ({cause:?}): {}", short(&e)));
+                }
             }
             Ok(())
         }
