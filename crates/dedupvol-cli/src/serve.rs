@@ -84,15 +84,14 @@ impl ServeCommand {
 
         // Open the volume (replaying its journal if needed) before listening, so a client
         // never connects to a server that then fails to open.
-        let mut _lock: Option<std::fs::File> = None;
         let (volume, backend): (Option<Arc<Volume>>, Arc<dyn Backend>) = match &in_memory {
             Some(size) => {
                 let size = dedupvol_core::parse_size(size).context("--in-memory size")?;
                 (None, Arc::new(MemBackend::new(size, read_only).map_err(|e| anyhow::anyhow!("{e}"))?))
             }
             None => {
-                // Before open: opening may replay the journal, i.e. write.
-                _lock = Some(lock_volume_file(&path, read_only)?);
+                // The engine's FileStorage holds an flock (exclusive read-write, shared
+                // read-only) for as long as the volume is open.
                 let opts = OpenOptions { read_only, write_policy, ..Default::default() };
                 // open_path finds a separate metadata device from the superblock unless
                 // --meta-device overrides it, and replays the journal after a crash.
@@ -150,21 +149,3 @@ fn serve(addr: &ListenAddr, config: ServerConfig, backend: Arc<dyn Backend>) -> 
     server.run(backend).context("serving")
 }
 
-/// Takes an advisory `flock` on the volume's data file for as long as the returned file
-/// lives: exclusive when serving read-write, shared when read-only, so two servers can
-/// never write one volume at once (which would corrupt it). Fails at once if held.
-fn lock_volume_file(path: &std::path::Path, read_only: bool) -> anyhow::Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mode = if read_only { libc::LOCK_SH } else { libc::LOCK_EX };
-    // SAFETY: flock on a file descriptor we own for the duration of the call.
-    let r = unsafe { libc::flock(f.as_raw_fd(), mode | libc::LOCK_NB) };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::WouldBlock {
-            bail!("{} is already being served by another process", path.display());
-        }
-        return Err(e).with_context(|| format!("locking {}", path.display()));
-    }
-    Ok(f)
-}

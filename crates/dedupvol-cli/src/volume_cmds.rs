@@ -321,11 +321,12 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
-    let data: Arc<dyn dedupvol_core::Storage> = Arc::new(dedupvol_core::FileStorage::open(&a.vol.path, !a.repair)?);
+    // Learn the metadata device first: the data file's lock is exclusive with --repair.
     let meta_path = match &a.vol.meta_device {
         Some(m) => Some(m.clone()),
         None => recorded_meta(&a.vol.path)?,
     };
+    let data: Arc<dyn dedupvol_core::Storage> = Arc::new(dedupvol_core::FileStorage::open(&a.vol.path, !a.repair)?);
     let meta: Option<Arc<dyn dedupvol_core::Storage>> = match meta_path {
         Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
         None => None,

@@ -53,7 +53,7 @@ impl FileStorage {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        Self::from_file(file, path)
+        Self::from_file(file, path, read_only)
     }
 
     /// Opens `path`, creating it as a regular file of `size_bytes` when given (a file is only
@@ -81,13 +81,35 @@ impl FileStorage {
                 )));
             }
         }
-        Self::from_file(file, path)
+        Self::from_file(file, path, false)
     }
 
-    fn from_file(file: File, path: &Path) -> Result<Self> {
+    fn from_file(file: File, path: &Path, read_only: bool) -> Result<Self> {
+        lock(&file, path, read_only)?;
         let len = device_len(&file, path)?;
         Ok(FileStorage { file, len, name: path.display().to_string() })
     }
+}
+
+/// Takes an advisory `flock` for as long as the file is open: exclusive for writers,
+/// shared for readers, so two processes never write one volume at once (which would
+/// corrupt it) and nobody audits a volume that is being written. Fails at once if held.
+fn lock(file: &File, path: &Path, read_only: bool) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let mode = if read_only { libc::LOCK_SH } else { libc::LOCK_EX };
+    // SAFETY: flock on a file descriptor owned by `file`, valid for the call.
+    let r = unsafe { libc::flock(file.as_raw_fd(), mode | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.kind() == io::ErrorKind::WouldBlock {
+        return Err(Error::InvalidArgument(format!(
+            "{} is in use by another process (already being served, or open for writing)",
+            path.display()
+        )));
+    }
+    Err(Error::io(format!("locking {}", path.display()), e))
 }
 
 fn device_len(file: &File, path: &Path) -> Result<u64> {
