@@ -23,6 +23,8 @@ use std::sync::Arc;
 const B: u64 = 4096;
 const SB_MAGIC: &[u8; 8] = b"TOYVOLSB";
 const REC_MAGIC: &[u8; 8] = b"TOYVOLRC";
+/// Record headers read per I/O during recovery.
+const SCAN_HEADERS_PER_IO: u64 = 64;
 
 /// Deliberate bugs the simulator must catch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,15 +239,22 @@ impl SimEngine for ToyVolume {
         let mut pos = 0;
         {
             let mut inner = vol.inner.lock();
-            while pos < n {
-                data.read_at(&mut b, (2 + pos) * B).map_err(|e| io("read header", e))?;
-                let e = u64_at(&b, 12);
-                if !valid(&b, REC_MAGIC) || u64_at(&b, 20) != pos || e > epoch || e < last_epoch {
-                    break;
+            // Headers are read 64 at a time: a scan of thousands of single-block reads would
+            // almost never get through the simulator's transient read errors.
+            let mut chunk = vec![0u8; (SCAN_HEADERS_PER_IO * B) as usize];
+            'scan: while pos < n {
+                let take = (n - pos).min(SCAN_HEADERS_PER_IO);
+                let bytes = &mut chunk[..(take * B) as usize];
+                data.read_at(bytes, (2 + pos) * B).map_err(|e| io("read headers", e))?;
+                for b in bytes.chunks_exact(B as usize) {
+                    let e = u64_at(b, 12);
+                    if !valid(b, REC_MAGIC) || u64_at(b, 20) != pos || e > epoch || e < last_epoch {
+                        break 'scan;
+                    }
+                    last_epoch = e;
+                    inner.map.insert(u64_at(b, 28), Rec { pos, data: b[36] == 1, crc: u32_at(b, 37) });
+                    pos += 1;
                 }
-                last_epoch = e;
-                inner.map.insert(u64_at(&b, 28), Rec { pos, data: b[36] == 1, crc: u32_at(&b, 37) });
-                pos += 1;
             }
             inner.next_pos = pos;
         }
