@@ -39,6 +39,8 @@ pub const OP_LOG_MAX: usize = 48;
 pub const WRITERS_MAX: usize = 4;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
+/// Percent of crash recoveries followed at once by a clean close and an audit.
+pub const AUDIT_AFTER_RECOVERY_PCT: u32 = 20;
 /// Data devices this small get a writer that fills them with unique data.
 pub const SPACE_PRESSURE_DATA_BYTES: u64 = 8 << 20;
 /// Percent of writes that are sector-aligned but not block-aligned.
@@ -601,6 +603,11 @@ impl<E: SimEngine> Run<'_, E> {
             }
             if self.machine.is_crashed() {
                 self.crash_and_recover()?;
+                if self.rng.gen_range(0..100) < AUDIT_AFTER_RECOVERY_PCT {
+                    // A clean close right after recovery audits what recovery left behind
+                    // (torn journal tails, half-written pages) before new writes cover it.
+                    self.close_and_check(true)?;
+                }
             } else if self.rng.gen_range(0..1_000_000) < self.cfg.close_ppm {
                 self.close_and_check(true)?;
             }
