@@ -1,0 +1,55 @@
+//! Regression tests for engine bugs the simulator found. Each opens with the bug it pins.
+//! Tests of bugs not yet fixed in the engine are `#[ignore]`d with the reason, so that
+//! `cargo test` stays green while `cargo test -- --ignored` shows them failing.
+
+use dedupvol_core::journal::JOURNAL_MAGIC;
+use dedupvol_core::superblock::Superblock;
+use dedupvol_core::{check_volume, FormatOptions, MemStorage, OpenOptions, Storage, Volume};
+use std::sync::Arc;
+
+const B: usize = 4096;
+
+/// Bug (simulator soak, seed 201061 of sim ccab429 + engine 87d8331): a journal block torn
+/// by a crash stays in the journal region after recovery, outside the live journal, until
+/// that slot is reused. `journal::scan` counts every block of the region whose magic and
+/// UUID match but whose checksum fails as "damaged", recovery turns that into an open note,
+/// and `check_volume` reports every open note as a problem — so a cleanly closed, healthy
+/// volume fails its audit with "1 journal blocks failed their checksum (torn by a crash, or
+/// corrupt)". A torn block outside the live range is the normal residue of a crash (the
+/// write was never acknowledged as durable), not damage.
+///
+/// The test makes that residue by hand, exactly as a crash leaves it: the slot after the
+/// last journal block gets the first sectors of a new journal block and zeros after them
+/// (a torn write onto a never-used slot), on a cleanly closed volume.
+#[test]
+#[ignore = "engine bug: check reports a torn stale journal block on a healthy volume (see doc comment)"]
+fn torn_stale_journal_block_does_not_fail_the_audit() {
+    let dev = Arc::new(MemStorage::new(16 << 20));
+    let data: Arc<dyn Storage> = dev.clone();
+    let opts = FormatOptions { logical_size_bytes: 4 << 20, slab_size_bytes: 1 << 20, journal_size_bytes: Some(256 << 10), index_memory_bytes: 64 << 10, ..FormatOptions::default() };
+    Volume::format(data.clone(), None, &opts, false).expect("format");
+    let vol = Volume::open(data.clone(), None, &OpenOptions::default()).expect("open");
+    vol.write(0, &vec![7u8; B], false).expect("write");
+    vol.flush().expect("flush");
+    vol.close().expect("close");
+    assert!(check_volume(data.clone(), None, false).expect("check").is_clean(), "clean before the torn block");
+
+    let mut sb = vec![0u8; B];
+    dev.read_at(&mut sb, 0).expect("read superblock");
+    let geo = Superblock::decode(&sb, 0).expect("decode").expect("superblock").geometry;
+    let mut block = vec![0u8; B];
+    let mut last_used = None;
+    for p in 0..geo.journal_blocks {
+        dev.read_at(&mut block, (geo.journal_start + p) * B as u64).expect("read journal");
+        if block[..8] == JOURNAL_MAGIC {
+            last_used = Some((p, block.clone()));
+        }
+    }
+    let (p, mut torn) = last_used.expect("the flush wrote a journal block");
+    let slot = (p + 1) % geo.journal_blocks;
+    torn[B / 2..].fill(0);
+    dev.write_at(&torn, (geo.journal_start + slot) * B as u64).expect("write torn block");
+
+    let report = check_volume(data, None, false).expect("check");
+    assert!(report.is_clean(), "a torn, never-acknowledged journal block fails the audit of a healthy volume: {:?}", report.problems);
+}
