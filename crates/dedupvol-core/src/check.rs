@@ -208,7 +208,11 @@ impl Volume {
         }
         if repair && !self.read_only {
             let mut st = self.state.lock();
-            let seq = st.journal.next_entry_seq.saturating_sub(1);
+            // Repaired pages need a sequence above every journal entry, so that neither a
+            // replay nor the older copy in the other slot (same seq) can win over them.
+            let seq = st.journal.next_entry_seq;
+            st.journal.next_entry_seq += 1;
+            st.journal.durable_seq = seq;
             for &(pbn, count, frags) in &fixes {
                 st.rc.set_for_repair(pbn, count, frags, seq);
                 report.repaired.push(format!("physical block {pbn}: reference count set to {count}"));
