@@ -148,4 +148,3 @@ fn serve(addr: &ListenAddr, config: ServerConfig, backend: Arc<dyn Backend>) -> 
     drop(out);
     server.run(backend).context("serving")
 }
-

@@ -2,7 +2,9 @@
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use dedupvol_core::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, Volume, WritePolicy, BLOCK_SIZE};
+use dedupvol_core::{
+    parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, Volume, WritePolicy, BLOCK_SIZE,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
 use std::io::{IsTerminal, Read, Write};
@@ -132,7 +134,8 @@ fn on_off(s: &str) -> anyhow::Result<bool> {
 
 fn open(a: &OpenArgs, read_only: bool) -> anyhow::Result<Volume> {
     let opts = OpenOptions { read_only, ..OpenOptions::default() };
-    Volume::open_path(&a.path, a.meta_device.as_deref(), &opts).with_context(|| format!("opening volume {}", a.path.display()))
+    Volume::open_path(&a.path, a.meta_device.as_deref(), &opts)
+        .with_context(|| format!("opening volume {}", a.path.display()))
 }
 
 fn human(b: u64) -> String {
@@ -214,18 +217,36 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     println!("volume          {}", a.path.display());
     println!("uuid            {}", s.uuid);
     println!("logical size    {} ({} blocks)", human(s.logical_size_bytes), g.logical_blocks);
-    println!("data region     {} ({} blocks, {} slabs of {})", human(g.data_blocks * 4096), g.data_blocks, g.slab_count(), human(g.slab_blocks * 4096));
-    println!("metadata        {}{}", human(s.metadata_bytes), if s.separate_metadata_device { " (separate device)" } else { "" });
+    println!(
+        "data region     {} ({} blocks, {} slabs of {})",
+        human(g.data_blocks * 4096),
+        g.data_blocks,
+        g.slab_count(),
+        human(g.slab_blocks * 4096)
+    );
+    println!(
+        "metadata        {}{}",
+        human(s.metadata_bytes),
+        if s.separate_metadata_device { " (separate device)" } else { "" }
+    );
     println!("  journal       {} blocks", g.journal_blocks);
     println!("  block map     {} pages x 2 slots", g.block_map_pages);
     println!("  refcounts     {} pages x 2 slots", g.refcount_pages);
     println!("compression     {:?}", s.compression);
     println!("dedup           {} (verify {:?})", if s.dedup { "on" } else { "off" }, s.verify);
-    println!("index           {} entries, {} ({} B/entry)", s.index_capacity, human(s.index_memory_bytes), s.index_bytes_per_entry);
+    println!(
+        "index           {} entries, {} ({} B/entry)",
+        s.index_capacity,
+        human(s.index_memory_bytes),
+        s.index_bytes_per_entry
+    );
     println!("write policy    {:?}", s.write_policy);
     let mem = vol.memory_usage();
-    println!("memory          {} in engine structures (measured process RSS {})", human(mem.iter().map(|(_, b)| b).sum()),
-        rss_bytes().map_or_else(|| "unknown".into(), human));
+    println!(
+        "memory          {} in engine structures (measured process RSS {})",
+        human(mem.iter().map(|(_, b)| b).sum()),
+        rss_bytes().map_or_else(|| "unknown".into(), human)
+    );
     for (what, b) in mem {
         println!("  {what:<34} {}", human(b));
     }
@@ -237,7 +258,13 @@ fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
     let vol = Arc::new(open(&a.vol, false)?);
     if a.offset.checked_add(len).map_or(true, |e| e > vol.logical_size()) {
-        bail!("{} ({} bytes) at offset {} does not fit in the volume ({} bytes)", a.file.display(), len, a.offset, vol.logical_size());
+        bail!(
+            "{} ({} bytes) at offset {} does not fit in the volume ({} bytes)",
+            a.file.display(),
+            len,
+            a.offset,
+            vol.logical_size()
+        );
     }
     let pb = progress(len, "import");
     let mut buf = vec![0u8; COPY_CHUNK_BYTES];
@@ -310,7 +337,12 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
     }
     println!("logical size        {}", human(s.logical_size_bytes));
     println!("logical in use      {}", human(s.logical_bytes_used));
-    println!("physical data used  {} of {} ({} blocks)", human(s.physical_data_bytes_used), human(s.data_blocks_total * 4096), s.data_blocks_used);
+    println!(
+        "physical data used  {} of {} ({} blocks)",
+        human(s.physical_data_bytes_used),
+        human(s.data_blocks_total * 4096),
+        s.data_blocks_used
+    );
     println!("metadata            {}", human(s.metadata_bytes));
     println!("reduction ratio     {:.2}:1", s.reduction_ratio);
     println!("savings: zero       {}", human(s.savings.zero_bytes));
@@ -331,13 +363,21 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
         Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
         None => None,
     };
-    let r = dedupvol_core::check_volume(data, meta, a.repair).with_context(|| format!("checking {}", a.vol.path.display()))?;
+    let r = dedupvol_core::check_volume(data, meta, a.repair)
+        .with_context(|| format!("checking {}", a.vol.path.display()))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         let mut o = std::io::stdout().lock();
-        writeln!(o, "checked {}: {} mapped + {} zero logical blocks, {} physical blocks in use, {} verified",
-            a.vol.path.display(), r.mapped_blocks, r.zero_blocks, r.used_blocks, r.blocks_verified)?;
+        writeln!(
+            o,
+            "checked {}: {} mapped + {} zero logical blocks, {} physical blocks in use, {} verified",
+            a.vol.path.display(),
+            r.mapped_blocks,
+            r.zero_blocks,
+            r.used_blocks,
+            r.blocks_verified
+        )?;
         for p in &r.problems {
             writeln!(o, "PROBLEM: {p}")?;
         }
@@ -350,7 +390,17 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
         for p in &r.unrepaired {
             writeln!(o, "NOT repaired: {p}")?;
         }
-        writeln!(o, "{}", if r.is_clean() { "clean" } else if a.repair && r.unrepaired.is_empty() { "repaired" } else { "problems found" })?;
+        writeln!(
+            o,
+            "{}",
+            if r.is_clean() {
+                "clean"
+            } else if a.repair && r.unrepaired.is_empty() {
+                "repaired"
+            } else {
+                "problems found"
+            }
+        )?;
     }
     let ok = r.is_clean() || (a.repair && r.unrepaired.is_empty());
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })

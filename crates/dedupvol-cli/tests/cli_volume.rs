@@ -42,7 +42,20 @@ fn import_export_stats_check_and_repair() {
     let dir = tempfile::tempdir().expect("tmp");
     let img = dir.path().join("v.img");
     let p = img.to_str().expect("utf8");
-    assert!(dedupvol(&["format", p, "--logical-size", "256M", "--physical-size", "64M", "--index-memory", "1M", "--slab-size", "1M"]).status.success());
+    assert!(dedupvol(&[
+        "format",
+        p,
+        "--logical-size",
+        "256M",
+        "--physical-size",
+        "64M",
+        "--index-memory",
+        "1M",
+        "--slab-size",
+        "1M"
+    ])
+    .status
+    .success());
     // Text-like data with repeats: reduces by dedup and compression.
     let mut data = Vec::new();
     for i in 0..2048u32 {
@@ -64,10 +77,28 @@ fn import_export_stats_check_and_repair() {
     assert!(back[..8 << 20].iter().all(|&b| b == 0));
     let o = dedupvol(&["stats", p, "--json"]);
     let s: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    for field in ["logical_size_bytes", "logical_bytes_used", "physical_data_bytes_used", "metadata_bytes", "savings", "index_entries", "index_memory_bytes", "io"] {
+    for field in [
+        "logical_size_bytes",
+        "logical_bytes_used",
+        "physical_data_bytes_used",
+        "metadata_bytes",
+        "savings",
+        "index_entries",
+        "index_memory_bytes",
+        "io",
+    ] {
         assert!(s.get(field).is_some(), "stats --json lacks {field}");
     }
-    for cat in ["data_write", "data_read", "journal_write", "block_map_read", "block_map_write", "refcount_write", "index_read", "verify_read"] {
+    for cat in [
+        "data_write",
+        "data_read",
+        "journal_write",
+        "block_map_read",
+        "block_map_write",
+        "refcount_write",
+        "index_read",
+        "verify_read",
+    ] {
         assert!(s["io"].get(cat).and_then(|c| c.get("bytes")).is_some(), "io lacks {cat}");
     }
     assert!(s["savings"]["dedup_bytes"].as_u64().unwrap_or(0) > 0, "{s}");
@@ -81,7 +112,12 @@ fn import_export_stats_check_and_repair() {
     assert!(dedupvol(&["import", p, small.to_str().expect("utf8"), "--offset", "100M"]).status.success());
     // Destroy both slots of refcount page 0: check reports wrong counts, repair fixes them.
     let info = text(&dedupvol(&["info", p]));
-    let journal_blocks: u64 = info.lines().find(|l| l.trim_start().starts_with("journal")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).expect("journal blocks");
+    let journal_blocks: u64 = info
+        .lines()
+        .find(|l| l.trim_start().starts_with("journal"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .expect("journal blocks");
     let rc_start = 2 + journal_blocks;
     let f = std::fs::OpenOptions::new().write(true).open(&img).expect("open");
     f.write_all_at(&vec![0xEEu8; 8192], rc_start * 4096).expect("corrupt");

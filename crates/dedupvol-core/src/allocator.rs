@@ -180,7 +180,11 @@ impl Allocator {
             return Err(format!("pending-free block {p} is already free"));
         }
         if free != self.free_total || self.slab_free.iter().sum::<u64>() != free {
-            return Err(format!("free counters {} / {} disagree with the bitmap ({free})", self.free_total, self.slab_free.iter().sum::<u64>()));
+            return Err(format!(
+                "free counters {} / {} disagree with the bitmap ({free})",
+                self.free_total,
+                self.slab_free.iter().sum::<u64>()
+            ));
         }
         Ok(())
     }

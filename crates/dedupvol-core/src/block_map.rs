@@ -116,7 +116,9 @@ pub struct SlotPick {
 pub fn pick_slot(both: &[u8], magic: u32, page_index: u64, uuid_lo: u64) -> SlotPick {
     let mut pick = SlotPick { slot: None, seq: 0, damaged: false };
     for s in 0..2u8 {
-        let Some(b) = both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE) else { continue };
+        let Some(b) = both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE) else {
+            continue;
+        };
         let ours = get_u32(b, 0) == magic && get_u64(b, 8) == page_index && get_u64(b, 24) == uuid_lo;
         if !ours {
             continue;
@@ -223,7 +225,8 @@ impl BlockMap {
         } else {
             self.misses += 1;
             let (buf, pick) = self.read_page(page)?;
-            self.pages.insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+            self.pages
+                .insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
         }
         let p = self.pages.get_mut(&page).ok_or_else(|| Error::Corrupt("block map cache lost a page".into()))?;
         p.used = tick;
@@ -288,12 +291,8 @@ impl BlockMap {
             return Ok(());
         }
         let target = self.capacity_pages - self.capacity_pages / 8;
-        let mut victims: Vec<(u64, u64)> = self
-            .pages
-            .iter()
-            .filter(|(_, p)| !p.dirty || p.seq <= durable_seq)
-            .map(|(&i, p)| (p.used, i))
-            .collect();
+        let mut victims: Vec<(u64, u64)> =
+            self.pages.iter().filter(|(_, p)| !p.dirty || p.seq <= durable_seq).map(|(&i, p)| (p.used, i)).collect();
         victims.sort_unstable();
         let excess = self.pages.len() - target;
         for &(_, page) in victims.iter().take(excess) {
@@ -344,7 +343,9 @@ mod tests {
 
     #[test]
     fn entries_round_trip_and_bad_states_are_corruption() {
-        for e in [MapEntry::UNMAPPED, MapEntry::ZERO, MapEntry::raw((1 << 40) - 1, 0xdead_beef), MapEntry::packed(7, 13, 1)] {
+        for e in
+            [MapEntry::UNMAPPED, MapEntry::ZERO, MapEntry::raw((1 << 40) - 1, 0xdead_beef), MapEntry::packed(7, 13, 1)]
+        {
             let mut b = [0u8; MAP_ENTRY_BYTES];
             e.encode(&mut b);
             assert_eq!(MapEntry::decode(&b).expect("decode"), e);

@@ -61,7 +61,12 @@ impl CheckReport {
 /// Opens the volume on `data` (and `meta`), audits it, and (with `repair`) fixes what can
 /// be recomputed, then closes it.
 pub fn check_volume(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, repair: bool) -> Result<CheckReport> {
-    let opts = OpenOptions { read_only: !repair, content_cache_bytes: 0, block_map_cache_bytes: 16 << 20, ..OpenOptions::default() };
+    let opts = OpenOptions {
+        read_only: !repair,
+        content_cache_bytes: 0,
+        block_map_cache_bytes: 16 << 20,
+        ..OpenOptions::default()
+    };
     let vol = Volume::open(data, meta, &opts)?;
     let report = vol.audit(repair)?;
     vol.close()?;
@@ -118,7 +123,10 @@ impl Volume {
                 None => {
                     if let Some(&c) = raw_crc.get(&e.pbn) {
                         if c != e.crc {
-                            report.problem(format!("physical block {} is used twice: referenced with different contents", e.pbn));
+                            report.problem(format!(
+                                "physical block {} is used twice: referenced with different contents",
+                                e.pbn
+                            ));
                         }
                     }
                     raw_crc.insert(e.pbn, e.crc);
@@ -126,7 +134,10 @@ impl Volume {
                 Some(s) => {
                     if let Some(&c) = frag_crc.get(&(e.pbn, s)) {
                         if c != e.crc {
-                            report.problem(format!("physical block {} slot {s} is used twice: referenced with different contents", e.pbn));
+                            report.problem(format!(
+                                "physical block {} slot {s} is used twice: referenced with different contents",
+                                e.pbn
+                            ));
                         }
                     }
                     frag_crc.insert((e.pbn, s), e.crc);
@@ -146,7 +157,8 @@ impl Volume {
         for (pbn, &r) in refs.iter().enumerate() {
             let pbn = pbn as u64;
             let have = st.rc.get(pbn);
-            let frags = if kind.get(pbn as usize) == Some(&2) { max_slot.get(pbn as usize).copied().unwrap_or(1) } else { 1 };
+            let frags =
+                if kind.get(pbn as usize) == Some(&2) { max_slot.get(pbn as usize).copied().unwrap_or(1) } else { 1 };
             if r > 0 {
                 report.used_blocks += 1;
             }
@@ -159,7 +171,9 @@ impl Volume {
                 if r <= u32::from(REFCOUNT_MAX) {
                     fixes.push((pbn, r as u8, frags));
                 } else {
-                    report.unrepaired.push(format!("physical block {pbn} has {r} references, above the cap {REFCOUNT_MAX}"));
+                    report
+                        .unrepaired
+                        .push(format!("physical block {pbn} has {r} references, above the cap {REFCOUNT_MAX}"));
                 }
             }
         }
@@ -191,9 +205,14 @@ impl Volume {
                 if !ok {
                     let lbas: Vec<String> = referers
                         .get(&pbn)
-                        .map(|v| v.iter().filter(|(_, e)| e.slot() == slot).take(8).map(|(l, _)| l.to_string()).collect())
+                        .map(|v| {
+                            v.iter().filter(|(_, e)| e.slot() == slot).take(8).map(|(l, _)| l.to_string()).collect()
+                        })
                         .unwrap_or_default();
-                    report.problem(format!("{what}: checksum mismatch (data lost for logical blocks {})", lbas.join(", ")));
+                    report.problem(format!(
+                        "{what}: checksum mismatch (data lost for logical blocks {})",
+                        lbas.join(", ")
+                    ));
                     report.unrepaired.push(format!("{what}: stored data does not match its checksum"));
                 }
             };

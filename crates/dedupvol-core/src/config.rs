@@ -224,10 +224,9 @@ pub fn parse_size(s: &str) -> Result<u64> {
         }
         _ => (t, 1),
     };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .map_err(|_| Error::InvalidArgument(format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix")))?;
+    let n: u64 = num.trim().parse().map_err(|_| {
+        Error::InvalidArgument(format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix"))
+    })?;
     n.checked_mul(mult).ok_or_else(|| Error::InvalidArgument(format!("size {s:?} overflows")))
 }
 

@@ -194,7 +194,9 @@ impl Index {
                 continue;
             }
             let r = self.range_of_tag(tag);
-            let Some(i) = r.clone().find(|&i| self.tags.get(i) == Some(&0)) else { continue };
+            let Some(i) = r.clone().find(|&i| self.tags.get(i) == Some(&0)) else {
+                continue;
+            };
             if let (Some(t), Some(l)) = (self.tags.get_mut(i), self.locs.get_mut(i)) {
                 *t = tag;
                 *l = loc;

@@ -292,7 +292,9 @@ pub fn scan(meta: &Dev, geo: &Geometry, uuid: &[u8; 16]) -> Result<Replay> {
     let mut b = head;
     let mut expect_entry: Option<u64> = None;
     while b <= max_block && b - head < geo.journal_blocks {
-        let Some((seq, s)) = found.get(&(b % geo.journal_blocks)) else { break };
+        let Some((seq, s)) = found.get(&(b % geo.journal_blocks)) else {
+            break;
+        };
         if *seq != b || expect_entry.is_some_and(|x| x != s.first_entry_seq) {
             break;
         }

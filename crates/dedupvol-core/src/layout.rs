@@ -162,7 +162,8 @@ impl Geometry {
     /// Bytes of metadata regions (including superblocks on both devices).
     pub fn metadata_bytes(&self) -> u64 {
         let sb = if self.meta_dev_blocks > 0 { 2 * SUPERBLOCK_BLOCKS } else { SUPERBLOCK_BLOCKS };
-        (sb + self.journal_blocks + 2 * self.refcount_pages + 2 * self.block_map_pages + self.index_blocks) * BLOCK_SIZE_U64
+        (sb + self.journal_blocks + 2 * self.refcount_pages + 2 * self.block_map_pages + self.index_blocks)
+            * BLOCK_SIZE_U64
     }
 
     /// Device byte offset of data block `pbn` (data device).

@@ -46,8 +46,12 @@ pub fn compress(codec: Compression, src: &[u8]) -> Option<Vec<u8>> {
 pub fn decompress(codec: Compression, frag: &[u8], out: &mut [u8]) -> Result<()> {
     let n = match codec {
         Compression::None => return Err(Error::Corrupt("packed block with codec none".into())),
-        Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| Error::Corrupt(format!("lz4: {e}")))?,
-        Compression::Zstd => zstd::bulk::decompress_to_buffer(frag, out).map_err(|e| Error::Corrupt(format!("zstd: {e}")))?,
+        Compression::Lz4 => {
+            lz4_flex::block::decompress_into(frag, out).map_err(|e| Error::Corrupt(format!("lz4: {e}")))?
+        }
+        Compression::Zstd => {
+            zstd::bulk::decompress_to_buffer(frag, out).map_err(|e| Error::Corrupt(format!("zstd: {e}")))?
+        }
     };
     if n != BLOCK_SIZE {
         return Err(Error::Corrupt(format!("fragment decompressed to {n} bytes, not {BLOCK_SIZE}")));

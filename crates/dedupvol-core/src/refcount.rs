@@ -92,7 +92,9 @@ impl Refcounts {
                         *ff = f;
                     }
                 }
-                if let (Some(sq), Some(ls)) = (rc.page_seq.get_mut(page as usize), rc.latest_slot.get_mut(page as usize)) {
+                if let (Some(sq), Some(ls)) =
+                    (rc.page_seq.get_mut(page as usize), rc.latest_slot.get_mut(page as usize))
+                {
                     *sq = pick.seq;
                     *ls = Some(s);
                 }
@@ -241,7 +243,11 @@ impl Refcounts {
             }
             let slot = self.latest_slot.get(p).copied().flatten().map_or(0, |s| 1 - s);
             let buf = self.encode_page(page);
-            self.meta.write(IoKind::Refcount, &buf, (self.geo.refcount_start + 2 * page + u64::from(slot)) * BLOCK_SIZE_U64)?;
+            self.meta.write(
+                IoKind::Refcount,
+                &buf,
+                (self.geo.refcount_start + 2 * page + u64::from(slot)) * BLOCK_SIZE_U64,
+            )?;
             if let (Some(ls), Some(d)) = (self.latest_slot.get_mut(p), self.page_dirty.get_mut(p)) {
                 *ls = Some(slot);
                 *d = false;

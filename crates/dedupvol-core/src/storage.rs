@@ -158,7 +158,12 @@ impl MemStorage {
         MemStorage { chunks: (0..n).map(|_| RwLock::new(Vec::new())).collect(), len }
     }
 
-    fn for_each_chunk(&self, offset: u64, len: usize, mut f: impl FnMut(&RwLock<Vec<u8>>, usize, usize, usize)) -> io::Result<()> {
+    fn for_each_chunk(
+        &self,
+        offset: u64,
+        len: usize,
+        mut f: impl FnMut(&RwLock<Vec<u8>>, usize, usize, usize),
+    ) -> io::Result<()> {
         if offset.checked_add(len as u64).is_none_or(|end| end > self.len) {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "access beyond end of memory device"));
         }

@@ -216,7 +216,11 @@ impl Superblock {
                 "superblock role {} but expected {} ({})",
                 raw.role,
                 expect_role,
-                if expect_role == 0 { "a data device was given a metadata device" } else { "the metadata device is a data device" }
+                if expect_role == 0 {
+                    "a data device was given a metadata device"
+                } else {
+                    "the metadata device is a data device"
+                }
             )));
         }
         let compression = Compression::from_code(raw.compression)
@@ -239,7 +243,8 @@ impl Superblock {
         };
         geometry.validate()?;
         let n = usize::from(raw.meta_path_len.get()).min(META_PATH_BYTES_MAX);
-        let meta_path = raw.meta_path.get(..n).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned());
+        let meta_path =
+            raw.meta_path.get(..n).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned());
         Ok(Some(Superblock {
             uuid: raw.uuid,
             generation: raw.generation.get(),
@@ -291,7 +296,11 @@ impl Superblock {
         }
         match best {
             Some(sb) => Ok((sb, notes)),
-            None if saw_magic => Err(Error::Corrupt(format!("both superblock copies of {} are corrupt: {}", dev.name(), notes.join("; ")))),
+            None if saw_magic => Err(Error::Corrupt(format!(
+                "both superblock copies of {} are corrupt: {}",
+                dev.name(),
+                notes.join("; ")
+            ))),
             None => Err(Error::NotAVolume(format!("{} does not hold a dedupvol volume", dev.name()))),
         }
     }

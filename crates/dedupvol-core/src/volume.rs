@@ -126,7 +126,12 @@ impl Volume {
 
     /// Formats `data` (and `meta`, when given) as a new, empty volume. Refuses to overwrite
     /// an existing volume unless `force`.
-    pub fn format(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &FormatOptions, force: bool) -> Result<()> {
+    pub fn format(
+        data: Arc<dyn Storage>,
+        meta: Option<Arc<dyn Storage>>,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<()> {
         Self::format_with_hint(data, meta, opts, force, None)
     }
 
@@ -263,7 +268,8 @@ impl Volume {
             }
             (None, false) => data.clone(),
         };
-        if data.len() < geo.data_dev_blocks * BLOCK_SIZE_U64 || (separate && meta.len() < geo.meta_dev_blocks * BLOCK_SIZE_U64)
+        if data.len() < geo.data_dev_blocks * BLOCK_SIZE_U64
+            || (separate && meta.len() < geo.meta_dev_blocks * BLOCK_SIZE_U64)
         {
             return Err(Error::Corrupt(format!(
                 "device {} is smaller than the volume's recorded geometry (was it truncated?)",
@@ -299,7 +305,10 @@ impl Volume {
         let next_block_seq = replay.max_block_seq.map_or(0, |m| m + 1).max(sb.next_block_seq);
         let mut journal = Journal::new(geo, sb.uuid, next_entry_seq, next_block_seq, counters);
         if replay.damaged_blocks > 0 {
-            notes.push(format!("{} journal blocks failed their checksum (torn by a crash, or corrupt)", replay.damaged_blocks));
+            notes.push(format!(
+                "{} journal blocks failed their checksum (torn by a crash, or corrupt)",
+                replay.damaged_blocks
+            ));
         }
         if !opts.read_only {
             // Make the replayed state durable in the pages, so the journal can restart empty
@@ -571,7 +580,8 @@ impl Volume {
                 pos += n;
             } else {
                 let full = (data.len() - pos) / BLOCK_SIZE;
-                let chunk = data.get(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
+                let chunk =
+                    data.get(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
                 last_seq = last_seq.max(self.write_blocks(lba, chunk)?);
                 pos += full * BLOCK_SIZE;
             }
@@ -604,7 +614,12 @@ impl Volume {
         let _g = stripe.lock();
         let mut block = vec![0u8; BLOCK_SIZE];
         self.read_blocks(lba, 1, &mut block)?;
-        if let Some(p) = piece { block.get_mut(within..within + p.len()).ok_or_else(|| Error::InvalidArgument("range".into()))?.copy_from_slice(p) }
+        if let Some(p) = piece {
+            block
+                .get_mut(within..within + p.len())
+                .ok_or_else(|| Error::InvalidArgument("range".into()))?
+                .copy_from_slice(p)
+        }
         self.write_blocks(lba, &block)
     }
 
@@ -804,7 +819,8 @@ impl Volume {
             st.red.zero_blocks += 1;
             return Ok(MapEntry::ZERO);
         };
-        let stamp_ok = |st: &State, loc: &Location| st.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp));
+        let stamp_ok =
+            |st: &State, loc: &Location| st.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp));
         let mut chosen = None;
         // Re-check the verified candidate: still referenced, below the cap, and not
         // freed-and-reused since it was verified.
@@ -858,7 +874,9 @@ impl Volume {
                         self.seal_packer(st)?;
                         let pbn = self.alloc_block(st)?;
                         st.packer.open(pbn);
-                        st.packer.try_add(f).ok_or_else(|| Error::Corrupt("fragment does not fit an empty block".into()))?
+                        st.packer
+                            .try_add(f)
+                            .ok_or_else(|| Error::Corrupt("fragment does not fit an empty block".into()))?
                     }
                 };
                 st.red.compressed_blocks += 1;
@@ -1020,7 +1038,8 @@ impl Volume {
             } else {
                 // Bounded per call so one huge read does not pin the block map cache.
                 let full = ((buf.len() - pos) / BLOCK_SIZE).min(1024);
-                let dst = buf.get_mut(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
+                let dst =
+                    buf.get_mut(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
                 self.read_blocks(lba, full, dst)?;
                 pos += full * BLOCK_SIZE;
             }
@@ -1044,7 +1063,10 @@ impl Volume {
                         let dst = out.get_mut(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&mut []);
                         if let Some(ok) = decode_unwritten(&st, &e, dst) {
                             if !ok || crc32c::crc32c(dst) != e.crc {
-                                return Err(Error::Corrupt(format!("logical block {}: unwritten data does not match its checksum", lba0 + i as u64)));
+                                return Err(Error::Corrupt(format!(
+                                    "logical block {}: unwritten data does not match its checksum",
+                                    lba0 + i as u64
+                                )));
                             }
                             done = true;
                         }
@@ -1067,7 +1089,10 @@ impl Volume {
                     continue;
                 }
                 if e.pbn >= self.geo.data_blocks {
-                    return Err(Error::Corrupt(format!("logical block {} maps beyond the data region", lba0 + i as u64)));
+                    return Err(Error::Corrupt(format!(
+                        "logical block {} maps beyond the data region",
+                        lba0 + i as u64
+                    )));
                 }
                 let block = self.physical_block(e.pbn)?;
                 let dst = out.get_mut(dst_range).unwrap_or(&mut []);
@@ -1153,7 +1178,10 @@ impl Volume {
                 }
             };
             if !ok || crc32c::crc32c(&out) != e.crc {
-                return Err(format!("lba {lba} -> {e:?}: device content does not match (open packer {:?})", st.packer.open_pbn()));
+                return Err(format!(
+                    "lba {lba} -> {e:?}: device content does not match (open packer {:?})",
+                    st.packer.open_pbn()
+                ));
             }
         }
         Ok(())
@@ -1287,7 +1315,11 @@ fn load_index(meta: &Dev, geo: &Geometry, ulo: u64, count: u64, per: u64) -> Res
     use crate::codec::{get_u32, get_u64};
     let mut head = vec![0u8; BLOCK_SIZE];
     meta.read(IoKind::Index, &mut head, geo.index_start * BLOCK_SIZE_U64)?;
-    if get_u32(&head, 0) != INDEX_MAGIC || get_u64(&head, 24) != ulo || get_u64(&head, 8) != count || u64::from(get_u32(&head, 16)) != per {
+    if get_u32(&head, 0) != INDEX_MAGIC
+        || get_u64(&head, 24) != ulo
+        || get_u64(&head, 8) != count
+        || u64::from(get_u32(&head, 16)) != per
+    {
         return Err(Error::Corrupt("index save area header does not match the superblock".into()));
     }
     let len = count * per;
@@ -1311,8 +1343,8 @@ impl Volume {
         let per = st.index.bytes_per_entry();
         let room = (self.geo.index_blocks - 1) * BLOCK_SIZE_U64 / per;
         let (n, mut bytes) = st.index.export(|l| {
-            let valid = st.rc.get(l.pbn) > 0
-                && st.stamps.as_ref().map_or(true, |s| s.get(l.pbn as usize) == Some(&l.stamp));
+            let valid =
+                st.rc.get(l.pbn) > 0 && st.stamps.as_ref().map_or(true, |s| s.get(l.pbn as usize) == Some(&l.stamp));
             valid.then_some(Location { stamp: 0, ..l })
         });
         let n = n.min(room);

@@ -3,7 +3,8 @@ use dedupvol_core::{block_map, index, journal, layout, packer, refcount, superbl
 
 #[test]
 fn format_doc_constants_match_code() {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/format.md")).expect("docs/format.md");
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/format.md")).expect("docs/format.md");
     let code: &[(&str, u64)] = &[
         ("BLOCK_SIZE", dedupvol_core::BLOCK_SIZE as u64),
         ("SUPERBLOCK_RAW_BYTES", std::mem::size_of::<superblock::SuperblockRaw>() as u64),
@@ -25,7 +26,8 @@ fn format_doc_constants_match_code() {
             .lines()
             .find(|l| l.starts_with(&format!("| `{name}` |")))
             .unwrap_or_else(|| panic!("docs/format.md has no row for {name}"));
-        let documented: u64 = row.split('|').nth(2).and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("bad row {row}"));
+        let documented: u64 =
+            row.split('|').nth(2).and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("bad row {row}"));
         assert_eq!(documented, *value, "docs/format.md says {name} = {documented}, the code has {value}");
     }
     // Superblock field offsets quoted in the doc.

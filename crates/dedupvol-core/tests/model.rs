@@ -120,7 +120,11 @@ fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Comp
             Op::Discard { lba, n } | Op::Zeroes { lba, n, .. } => {
                 let n = n.min(LOGICAL_BLOCKS - lba);
                 let fua = matches!(op, Op::Zeroes { fua: true, .. });
-                let r = if matches!(op, Op::Discard { .. }) { v.discard(lba * 4096, n * 4096) } else { v.write_zeroes(lba * 4096, n * 4096, fua) };
+                let r = if matches!(op, Op::Discard { .. }) {
+                    v.discard(lba * 4096, n * 4096)
+                } else {
+                    v.write_zeroes(lba * 4096, n * 4096, fua)
+                };
                 r.map_err(|e| TestCaseError::fail(format!("discard/zeroes: {e}")))?;
                 for i in 0..n {
                     m.set(lba + i, vec![0u8; 4096], fua || sync);
@@ -133,23 +137,32 @@ fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Comp
             Op::Reopen => {
                 vol.take().expect("vol").close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
                 m.flush();
-                vol = Some(Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?);
+                vol = Some(
+                    Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open())
+                        .map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?,
+                );
             }
             Op::Crash => {
                 drop(vol.take());
-                let v2 = Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).map_err(|e| TestCaseError::fail(format!("recover: {e}")))?;
+                let v2 = Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open())
+                    .map_err(|e| TestCaseError::fail(format!("recover: {e}")))?;
                 // Each block must read back one allowed content; that content is now durable.
                 for lba in 0..LOGICAL_BLOCKS {
                     let mut b = vec![0u8; 4096];
-                    v2.read(lba * 4096, &mut b).map_err(|e| TestCaseError::fail(format!("read after crash lba {lba}: {e}")))?;
+                    v2.read(lba * 4096, &mut b)
+                        .map_err(|e| TestCaseError::fail(format!("read after crash lba {lba}: {e}")))?;
                     let allowed = m.allowed.get(&lba).cloned().unwrap_or_else(|| vec![vec![0u8; 4096]]);
                     prop_assert!(allowed.contains(&b), "lba {lba} holds content that was never allowed after a crash");
                     m.set(lba, b, true);
                 }
                 v2.close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
-                let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false).map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
+                let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false)
+                    .map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
                 prop_assert!(rep.is_clean(), "check after crash: {:?}", rep.problems);
-                vol = Some(Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()).map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?);
+                vol = Some(
+                    Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open())
+                        .map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?,
+                );
             }
         }
     }
@@ -160,7 +173,8 @@ fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Comp
         prop_assert!(b == m.last(lba), "lba {lba} differs from the last write");
     }
     v.close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
-    let rep = check_volume(dev as Arc<dyn Storage>, None, false).map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
+    let rep =
+        check_volume(dev as Arc<dyn Storage>, None, false).map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
     prop_assert!(rep.is_clean(), "final check: {:?}", rep.problems);
     Ok(())
 }

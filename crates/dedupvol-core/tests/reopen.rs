@@ -37,7 +37,12 @@ fn file_volume_with_separate_metadata_device_reopens_and_survives_superblock_dam
     let data = dir.path().join("data.img");
     let meta = dir.path().join("meta.img");
     std::fs::File::create(&meta).and_then(|f| f.set_len(16 << 20)).expect("meta file");
-    let opts = FormatOptions { logical_size_bytes: 64 << 20, index_memory_bytes: 1 << 20, slab_size_bytes: 1 << 20, ..FormatOptions::default() };
+    let opts = FormatOptions {
+        logical_size_bytes: 64 << 20,
+        index_memory_bytes: 1 << 20,
+        slab_size_bytes: 1 << 20,
+        ..FormatOptions::default()
+    };
     Volume::format_path(&data, Some(32 << 20), Some(&meta), &opts, false).expect("format");
     assert!(Volume::format_path(&data, None, Some(&meta), &opts, false).is_err(), "must refuse without force");
     let vol = Volume::open_path(&data, None, &OpenOptions::default()).expect("open via recorded meta path");
@@ -47,7 +52,8 @@ fn file_volume_with_separate_metadata_device_reopens_and_survives_superblock_dam
     let f = std::fs::OpenOptions::new().write(true).open(&data).expect("open");
     std::os::unix::fs::FileExt::write_all_at(&f, &[0xAB; 64], 100).expect("corrupt");
     drop(f);
-    let vol = Volume::open_path(&data, Some(&meta), &OpenOptions::default()).expect("open with one bad superblock copy");
+    let vol =
+        Volume::open_path(&data, Some(&meta), &OpenOptions::default()).expect("open with one bad superblock copy");
     let mut b = vec![0u8; 4096];
     vol.read(8192, &mut b).expect("r");
     assert_eq!(b, block(5, 0));

@@ -21,7 +21,8 @@ fn content(t: u64, lba: u64, round: u64) -> Vec<u8> {
 
 #[test]
 fn concurrent_writers_flushers_and_readers() {
-    let (dev, vol) = mem_volume(64 << 20, THREADS * BLOCKS_PER_THREAD * 4096, |o| o.journal_size_bytes = Some(512 << 10));
+    let (dev, vol) =
+        mem_volume(64 << 20, THREADS * BLOCKS_PER_THREAD * 4096, |o| o.journal_size_bytes = Some(512 << 10));
     let vol = Arc::new(vol);
     std::thread::scope(|s| {
         for t in 0..THREADS {
@@ -57,4 +58,57 @@ fn concurrent_writers_flushers_and_readers() {
     let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
     assert!(r.is_clean(), "{:?}", r.problems);
     let _ = Volume::format;
+}
+
+/// Sync policy: every write is durable on return, and concurrent writers share commits
+/// (group commit) instead of paying one sync each.
+#[test]
+fn sync_policy_group_commits_concurrent_writers() {
+    /// A device whose sync takes a millisecond, like a real disk's cache flush.
+    struct SlowSync(dedupvol_core::MemStorage);
+    impl Storage for SlowSync {
+        fn read_at(&self, b: &mut [u8], o: u64) -> std::io::Result<()> {
+            self.0.read_at(b, o)
+        }
+        fn write_at(&self, b: &[u8], o: u64) -> std::io::Result<()> {
+            self.0.write_at(b, o)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            Ok(())
+        }
+        fn len(&self) -> u64 {
+            self.0.len()
+        }
+    }
+    let dev: Arc<dyn Storage> = Arc::new(SlowSync(dedupvol_core::MemStorage::new(64 << 20)));
+    let opts = dedupvol_core::FormatOptions {
+        logical_size_bytes: 16 << 20,
+        index_memory_bytes: 1 << 20,
+        slab_size_bytes: 1 << 20,
+        write_policy: dedupvol_core::WritePolicy::Sync,
+        ..Default::default()
+    };
+    Volume::format(dev.clone(), None, &opts, false).expect("format");
+    let vol = Arc::new(Volume::open(dev, None, &small_open()).expect("open"));
+    const WRITES: u64 = 200;
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let vol = vol.clone();
+            s.spawn(move || {
+                for i in 0..WRITES {
+                    vol.write((t * WRITES + i) * 4096, &block(t * 10_000 + i, 1), false).expect("write");
+                }
+            });
+        }
+    });
+    let st = vol.stats();
+    assert!(st.counters.commits > 0);
+    assert!(
+        st.counters.commits < 8 * WRITES,
+        "no group commit: {} commits for {} writes",
+        st.counters.commits,
+        8 * WRITES
+    );
+    eprintln!("sync policy: {} writes in {} commits", 8 * WRITES, st.counters.commits);
 }
