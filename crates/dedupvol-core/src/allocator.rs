@@ -160,7 +160,7 @@ impl Allocator {
 
     /// Checks the allocator against reference counts: every referenced or pending block is
     /// busy, and the free counters match the bitmap (an audit for tests and the simulator).
-    pub fn audit(&self, counts: &[u8], open_pbn: Option<u64>) -> Result<(), String> {
+    pub fn audit(&self, counts: &[u8], open_pbns: &[u64]) -> Result<(), String> {
         let mut free = 0u64;
         for pbn in 0..self.data_blocks {
             let busy = self.is_busy(pbn);
@@ -171,7 +171,7 @@ impl Allocator {
                 free += 1;
             }
         }
-        if let Some(p) = open_pbn {
+        for &p in open_pbns {
             if !self.is_busy(p) {
                 return Err(format!("open packed block {p} is free in the allocator"));
             }

@@ -87,7 +87,11 @@ pub fn unpack(block: &[u8], slot: u8, out: &mut [u8]) -> Result<()> {
     decompress(codec, frag, out)
 }
 
-/// The block being filled.
+/// Blocks open at once: fragments go to the best-fitting one, so a large fragment does not
+/// close a block that a later small fragment could still fill (bin packing, as VDO's packer).
+pub const OPEN_BLOCKS_MAX: usize = 4;
+
+/// A block being filled.
 pub struct OpenBlock {
     /// Its physical block.
     pub pbn: u64,
@@ -96,69 +100,91 @@ pub struct OpenBlock {
     used: usize,
 }
 
-/// The packer: at most one open block.
+impl OpenBlock {
+    fn fits(&self, len: usize) -> bool {
+        self.count < PACKED_SLOTS_MAX && self.used + len <= BLOCK_SIZE && len > 0
+    }
+}
+
+/// The packer: up to `OPEN_BLOCKS_MAX` open blocks.
 pub struct Packer {
     codec: Compression,
-    open: Option<OpenBlock>,
+    open: Vec<OpenBlock>,
 }
 
 impl Packer {
     /// A packer writing fragments compressed with `codec`.
     pub fn new(codec: Compression) -> Self {
-        Packer { codec, open: None }
+        Packer { codec, open: Vec::new() }
     }
 
-    /// The open block's physical block, if any.
-    pub fn open_pbn(&self) -> Option<u64> {
-        self.open.as_ref().map(|o| o.pbn)
+    /// True when `pbn` is an open (unwritten) block.
+    pub fn is_open(&self, pbn: u64) -> bool {
+        self.open.iter().any(|o| o.pbn == pbn)
     }
 
-    /// True when the open block holds fragments.
+    /// The open blocks' physical blocks.
+    pub fn open_pbns(&self) -> Vec<u64> {
+        self.open.iter().map(|o| o.pbn).collect()
+    }
+
+    /// True when some open block holds fragments.
     pub fn has_fragments(&self) -> bool {
-        self.open.as_ref().is_some_and(|o| o.count > 0)
+        self.open.iter().any(|o| o.count > 0)
     }
 
-    /// Adds a fragment to the open block; None when there is no open block or it is full.
-    pub fn try_add(&mut self, frag: &[u8]) -> Option<u8> {
-        let o = self.open.as_mut()?;
-        if o.count >= PACKED_SLOTS_MAX || o.used + frag.len() > BLOCK_SIZE || frag.is_empty() {
-            return None;
-        }
+    /// True when another block may be opened.
+    pub fn can_open(&self) -> bool {
+        self.open.len() < OPEN_BLOCKS_MAX
+    }
+
+    /// Adds a fragment to the open block it fits best (least room left); returns the
+    /// block and slot, or None when it fits nowhere.
+    pub fn try_add(&mut self, frag: &[u8]) -> Option<(u64, u8)> {
+        let o = self.open.iter_mut().filter(|o| o.fits(frag.len())).min_by_key(|o| BLOCK_SIZE - o.used)?;
         let slot = o.count;
         o.buf.get_mut(o.used..o.used + frag.len())?.copy_from_slice(frag);
         put_u16(&mut o.buf, 12 + 4 * usize::from(slot), o.used as u16);
         put_u16(&mut o.buf, 14 + 4 * usize::from(slot), frag.len() as u16);
         o.used += frag.len();
         o.count += 1;
-        Some(slot)
+        Some((o.pbn, slot))
     }
 
-    /// Opens a new block at `pbn` (the previous one must have been sealed).
+    /// Opens a new block at `pbn` (the caller checks `can_open`).
     pub fn open(&mut self, pbn: u64) {
-        debug_assert!(self.open.is_none());
+        debug_assert!(self.can_open() && !self.is_open(pbn));
         let mut buf = vec![0u8; BLOCK_SIZE].into_boxed_slice();
         put_u32(&mut buf, 0, PACKED_MAGIC);
         if let Some(c) = buf.get_mut(9) {
             *c = self.codec.code();
         }
-        self.open = Some(OpenBlock { pbn, buf, count: 0, used: PACKED_HEADER_BYTES });
+        self.open.push(OpenBlock { pbn, buf, count: 0, used: PACKED_HEADER_BYTES });
     }
 
-    /// Closes the open block and returns it ready to write (None when nothing is open;
-    /// an open block without fragments is returned with `count == 0` so its pbn can be
-    /// unreserved).
-    pub fn seal(&mut self) -> Option<(u64, Box<[u8]>, u8)> {
-        let mut o = self.open.take()?;
+    fn finish(mut o: OpenBlock) -> (u64, Box<[u8]>, u8) {
         if let Some(c) = o.buf.get_mut(8) {
             *c = o.count;
         }
         seal_crc(&mut o.buf, CRC_OFFSET);
-        Some((o.pbn, o.buf, o.count))
+        (o.pbn, o.buf, o.count)
     }
 
-    /// Decodes a fragment of the open block (reads and verification of data not yet written).
+    /// Closes the fullest open block and returns it ready to write.
+    pub fn seal_fullest(&mut self) -> Option<(u64, Box<[u8]>, u8)> {
+        let i = self.open.iter().enumerate().max_by_key(|(_, o)| o.used).map(|(i, _)| i)?;
+        Some(Self::finish(self.open.swap_remove(i)))
+    }
+
+    /// Closes every open block (a commit needs their data durable). A block returned with
+    /// `count == 0` was never used and its pbn can be unreserved.
+    pub fn seal_all(&mut self) -> Vec<(u64, Box<[u8]>, u8)> {
+        std::mem::take(&mut self.open).into_iter().map(Self::finish).collect()
+    }
+
+    /// Decodes a fragment of an open block (reads and verification of data not yet written).
     pub fn unpack_open(&self, pbn: u64, slot: u8, out: &mut [u8]) -> Option<Result<()>> {
-        let o = self.open.as_ref().filter(|o| o.pbn == pbn)?;
+        let o = self.open.iter().find(|o| o.pbn == pbn)?;
         if slot >= o.count {
             return Some(Err(Error::Corrupt(format!("open packed block has no slot {slot}"))));
         }
@@ -182,12 +208,12 @@ mod tests {
         let blocks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; BLOCK_SIZE]).collect();
         for (i, b) in blocks.iter().enumerate() {
             let f = compress(Compression::Lz4, b).expect("compressible");
-            assert_eq!(p.try_add(&f), Some(i as u8));
+            assert_eq!(p.try_add(&f), Some((9, i as u8)));
         }
         let mut out = vec![0u8; BLOCK_SIZE];
         p.unpack_open(9, 3, &mut out).expect("open").expect("unpack");
         assert_eq!(out, blocks[3]);
-        let (pbn, buf, count) = p.seal().expect("sealed");
+        let (pbn, buf, count) = p.seal_all().pop().expect("sealed");
         assert_eq!((pbn, count), (9, 5));
         for (i, b) in blocks.iter().enumerate() {
             unpack(&buf, i as u8, &mut out).expect("unpack");
@@ -197,6 +223,19 @@ mod tests {
         let mut bad = buf.to_vec();
         bad[200] ^= 1;
         assert!(unpack(&bad, 0, &mut out).is_err());
+    }
+
+    #[test]
+    fn best_fit_fills_the_block_with_least_room() {
+        let mut p = Packer::new(Compression::Lz4);
+        p.open(1);
+        p.open(2);
+        assert_eq!(p.try_add(&[1u8; 3000]).map(|(b, _)| b), Some(1));
+        // 1000 bytes fit both blocks; block 1 has less room left, so it takes them.
+        assert_eq!(p.try_add(&[2u8; 1000]), Some((1, 1)));
+        assert_eq!(p.try_add(&[3u8; 2000]), Some((2, 0)));
+        assert_eq!(p.seal_fullest().map(|(b, _, c)| (b, c)), Some((1, 2)));
+        assert!(p.is_open(2) && !p.is_open(1));
     }
 
     #[test]

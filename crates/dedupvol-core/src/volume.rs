@@ -868,10 +868,15 @@ impl Volume {
         }
         let e = match frag.as_deref() {
             Some(f) => {
-                let slot = match st.packer.try_add(f) {
-                    Some(s) => s,
+                let (pbn, slot) = match st.packer.try_add(f) {
+                    Some(placed) => placed,
                     None => {
-                        self.seal_packer(st)?;
+                        if !st.packer.can_open() {
+                            if let Some((pbn, block, _)) = st.packer.seal_fullest() {
+                                self.stage(st, pbn, Block::from(block))?;
+                                st.red.packed_blocks_written += 1;
+                            }
+                        }
                         let pbn = self.alloc_block(st)?;
                         st.packer.open(pbn);
                         st.packer
@@ -880,7 +885,7 @@ impl Volume {
                     }
                 };
                 st.red.compressed_blocks += 1;
-                MapEntry::packed(st.packer.open_pbn().unwrap_or(0), slot, *crc)
+                MapEntry::packed(pbn, slot, *crc)
             }
             None => {
                 let pbn = self.alloc_block(st)?;
@@ -896,9 +901,9 @@ impl Volume {
         Ok(e)
     }
 
-    /// Writes the open packed block, if it holds fragments.
+    /// Writes every open packed block that holds fragments.
     fn seal_packer(&self, st: &mut State) -> Result<()> {
-        if let Some((pbn, block, count)) = st.packer.seal() {
+        for (pbn, block, count) in st.packer.seal_all() {
             if count == 0 {
                 st.alloc.unreserve(pbn);
             } else {
@@ -1154,7 +1159,7 @@ impl Volume {
     /// simulator. Returns a description of the first violation.
     pub fn audit_memory(&self) -> std::result::Result<(), String> {
         let mut st = self.state.lock();
-        st.alloc.audit(st.rc.counts(), st.packer.open_pbn())?;
+        st.alloc.audit(st.rc.counts(), &st.packer.open_pbns())?;
         // Every mapping's content, read from the device (or the open packed block), must
         // match its checksum: the cache must never hide a divergence.
         for lba in 0..self.geo.logical_blocks {
@@ -1179,8 +1184,8 @@ impl Volume {
             };
             if !ok || crc32c::crc32c(&out) != e.crc {
                 return Err(format!(
-                    "lba {lba} -> {e:?}: device content does not match (open packer {:?})",
-                    st.packer.open_pbn()
+                    "lba {lba} -> {e:?}: device content does not match (open packed blocks {:?})",
+                    st.packer.open_pbns()
                 ));
             }
         }
@@ -1245,7 +1250,7 @@ const STAGED_BLOCKS_MAX: usize = 64;
 /// Decodes the logical content `e` refers to when its physical block is not on the device
 /// yet (the open packed block, or a staged block). None: read it from the device.
 fn decode_unwritten(st: &State, e: &MapEntry, out: &mut [u8]) -> Option<bool> {
-    if st.packer.open_pbn() == Some(e.pbn) {
+    if st.packer.is_open(e.pbn) {
         // The open block is a packed block: a raw mapping to it is stale.
         return Some(e.slot().and_then(|slot| st.packer.unpack_open(e.pbn, slot, out)).is_some_and(|r| r.is_ok()));
     }
