@@ -1,5 +1,12 @@
 //! The engine under test, behind a small trait, so the driver and checker can be proven
 //! on a toy engine (including deliberately broken ones) as well as run on the real one.
+//!
+//! Invariants:
+//! - The driver reaches the engine only through this trait; the real engine's internals
+//!   are read only to learn where its data region is, which superblock copy is the older,
+//!   and which audit problems a persistent data fault can explain.
+//! - Those interpretations err towards failing a seed: a problem the parser does not
+//!   recognise is never excused.
 
 use dedupvol_core::{check_volume, CheckReport, Error, FormatOptions, OpenOptions, Result, Storage, Volume};
 use std::ops::Range;
