@@ -378,6 +378,9 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
             r.used_blocks,
             r.blocks_verified
         )?;
+        for n in &r.notes {
+            writeln!(o, "note: {n}")?;
+        }
         for p in &r.problems {
             writeln!(o, "PROBLEM: {p}")?;
         }

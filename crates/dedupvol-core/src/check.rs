@@ -29,6 +29,8 @@ pub struct CheckReport {
     pub problems: Vec<String>,
     /// Problems beyond `PROBLEMS_LISTED_MAX` (counted, not listed).
     pub problems_not_listed: u64,
+    /// Observations that are not problems (e.g. journal blocks torn by a crash).
+    pub notes: Vec<String>,
     /// What `repair` fixed.
     pub repaired: Vec<String>,
     /// What could not be repaired.
@@ -78,7 +80,10 @@ impl Volume {
     pub fn audit(&self, repair: bool) -> Result<CheckReport> {
         let mut report = CheckReport::default();
         for n in &self.open_notes {
-            report.problem(n.clone());
+            match n.strip_prefix("note: ") {
+                Some(note) => report.notes.push(note.to_string()),
+                None => report.problem(n.clone()),
+            }
         }
         let geo = self.geo;
         let nblocks = geo.data_blocks as usize;

@@ -80,7 +80,8 @@ pub struct Volume {
     pub(crate) read_only: bool,
     failed: AtomicBool,
     failure: Mutex<String>,
-    /// Problems noticed while opening (superblock copies, damaged pages), for `check`.
+    /// Problems noticed while opening (superblock copies), for `check`; entries starting
+    /// with "note: " are informational (torn writes a crash left behind).
     pub(crate) open_notes: Vec<String>,
 }
 
@@ -306,7 +307,7 @@ impl Volume {
         let mut journal = Journal::new(geo, sb.uuid, next_entry_seq, next_block_seq, counters);
         if replay.damaged_blocks > 0 {
             notes.push(format!(
-                "{} journal blocks failed their checksum (torn by a crash, or corrupt)",
+                "note: {} journal blocks outside the replayed run failed their checksum (writes torn by a crash; harmless)",
                 replay.damaged_blocks
             ));
         }
@@ -328,7 +329,7 @@ impl Volume {
         }
         if map.damaged_pages > 0 || rc.damaged_pages > 0 {
             notes.push(format!(
-                "{} block map and {} refcount pages had a damaged copy and no valid one (treated as never written)",
+                "note: {} block map and {} refcount pages had a damaged copy and no valid one (a first write torn by a crash, rebuilt from the journal; if not, the reference and checksum audit reports the damage)",
                 map.damaged_pages, rc.damaged_pages
             ));
         }
@@ -358,7 +359,7 @@ impl Volume {
                 Ok(bytes) => {
                     state.index.import(&bytes);
                 }
-                Err(e) => notes.push(format!("saved fingerprint index ignored: {e}")),
+                Err(e) => notes.push(format!("note: saved fingerprint index ignored (it is advisory): {e}")),
             }
         }
         let policy = opts.write_policy.unwrap_or(sb.write_policy);
