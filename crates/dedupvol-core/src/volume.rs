@@ -568,24 +568,11 @@ impl Volume {
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, data.len() as u64)?;
-        let mut pos = 0usize;
         let mut last_seq = 0u64;
-        while pos < data.len() {
-            let off = offset + pos as u64;
-            let lba = off / BLOCK_SIZE_U64;
-            let within = (off % BLOCK_SIZE_U64) as usize;
-            if within != 0 || data.len() - pos < BLOCK_SIZE {
-                let n = (BLOCK_SIZE - within).min(data.len() - pos);
-                let piece = data.get(pos..pos + n).ok_or_else(|| Error::InvalidArgument("range".into()))?;
-                last_seq = last_seq.max(self.rmw(lba, within, Some(piece))?);
-                pos += n;
-            } else {
-                let full = (data.len() - pos) / BLOCK_SIZE;
-                let chunk =
-                    data.get(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
-                last_seq = last_seq.max(self.write_blocks(lba, chunk)?);
-                pos += full * BLOCK_SIZE;
-            }
+        for seg in segments(offset, data.len() as u64, WRITE_BLOCKS_PER_BATCH) {
+            let src = data.get(seg.pos as usize..(seg.pos + seg.len) as usize).unwrap_or(&[]);
+            let seq = if seg.whole { self.write_blocks(seg.lba, src)? } else { self.rmw(seg.lba, seg.within, src)? };
+            last_seq = last_seq.max(seq);
         }
         self.after_write(fua, last_seq)
     }
@@ -609,18 +596,16 @@ impl Volume {
         }
     }
 
-    /// Read-modify-write of part of one block (`piece` None writes zeros).
-    fn rmw(&self, lba: u64, within: usize, piece: Option<&[u8]>) -> Result<u64> {
+    /// Read-modify-write of part of one block.
+    fn rmw(&self, lba: u64, within: usize, piece: &[u8]) -> Result<u64> {
         let stripe = self.rmw.get(lba as usize % RMW_STRIPES).ok_or_else(|| Error::InvalidArgument("stripe".into()))?;
         let _g = stripe.lock();
         let mut block = vec![0u8; BLOCK_SIZE];
         self.read_blocks(lba, 1, &mut block)?;
-        if let Some(p) = piece {
-            block
-                .get_mut(within..within + p.len())
-                .ok_or_else(|| Error::InvalidArgument("range".into()))?
-                .copy_from_slice(p)
-        }
+        block
+            .get_mut(within..within + piece.len())
+            .ok_or_else(|| Error::InvalidArgument("range".into()))?
+            .copy_from_slice(piece);
         self.write_blocks(lba, &block)
     }
 
@@ -987,26 +972,19 @@ impl Volume {
     fn unmap(&self, offset: u64, len: u64, to: MapEntry, fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
-        let end = offset + len;
-        let mut pos = offset;
         let mut last_seq = 0;
-        while pos < end {
-            let lba = pos / BLOCK_SIZE_U64;
-            let within = (pos % BLOCK_SIZE_U64) as usize;
-            if within != 0 || end - pos < BLOCK_SIZE_U64 {
-                let n = (BLOCK_SIZE_U64 - within as u64).min(end - pos);
-                let zeros = vec![0u8; n as usize];
-                last_seq = last_seq.max(self.rmw(lba, within, Some(&zeros))?);
-                pos += n;
+        for seg in segments(offset, len, UNMAP_BLOCKS_PER_LOCK) {
+            if !seg.whole {
+                let zeros = vec![0u8; seg.len as usize];
+                last_seq = last_seq.max(self.rmw(seg.lba, seg.within, &zeros)?);
                 continue;
             }
-            let blocks = ((end - pos) / BLOCK_SIZE_U64).min(UNMAP_BLOCKS_PER_LOCK);
             {
                 let mut st = self.state.lock();
-                for i in 0..blocks {
-                    let r = self.apply_entry(&mut st, lba + i, to);
-                    match r {
+                for i in 0..seg.len / BLOCK_SIZE_U64 {
+                    match self.apply_entry(&mut st, seg.lba + i, to) {
                         Ok(s) => last_seq = last_seq.max(s.unwrap_or(0)),
+                        // Nothing changed yet: a read error loading the first page is clean.
                         Err(e @ Error::Io { .. }) if i == 0 => return Err(e),
                         Err(e) => return self.fail(e),
                     }
@@ -1015,7 +993,6 @@ impl Volume {
                 let r = st.map.evict(durable);
                 self.guard(r)?;
             }
-            pos += blocks * BLOCK_SIZE_U64;
             self.after_write(false, last_seq)?;
         }
         self.after_write(fua, last_seq)
@@ -1028,26 +1005,17 @@ impl Volume {
     /// Reads `buf.len()` bytes at byte `offset`.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
-        let mut pos = 0usize;
-        while pos < buf.len() {
-            let off = offset + pos as u64;
-            let lba = off / BLOCK_SIZE_U64;
-            let within = (off % BLOCK_SIZE_U64) as usize;
-            if within != 0 || buf.len() - pos < BLOCK_SIZE {
-                let n = (BLOCK_SIZE - within).min(buf.len() - pos);
-                let mut block = vec![0u8; BLOCK_SIZE];
-                self.read_blocks(lba, 1, &mut block)?;
-                buf.get_mut(pos..pos + n)
-                    .ok_or_else(|| Error::InvalidArgument("range".into()))?
-                    .copy_from_slice(block.get(within..within + n).unwrap_or(&[]));
-                pos += n;
+        // Whole-block runs are bounded so one huge read does not pin the block map cache.
+        for seg in segments(offset, buf.len() as u64, READ_BLOCKS_PER_CALL) {
+            let dst = buf
+                .get_mut(seg.pos as usize..(seg.pos + seg.len) as usize)
+                .ok_or_else(|| Error::InvalidArgument("range".into()))?;
+            if seg.whole {
+                self.read_blocks(seg.lba, dst.len() / BLOCK_SIZE, dst)?;
             } else {
-                // Bounded per call so one huge read does not pin the block map cache.
-                let full = ((buf.len() - pos) / BLOCK_SIZE).min(1024);
-                let dst =
-                    buf.get_mut(pos..pos + full * BLOCK_SIZE).ok_or_else(|| Error::InvalidArgument("range".into()))?;
-                self.read_blocks(lba, full, dst)?;
-                pos += full * BLOCK_SIZE;
+                let mut block = vec![0u8; BLOCK_SIZE];
+                self.read_blocks(seg.lba, 1, &mut block)?;
+                dst.copy_from_slice(block.get(seg.within..seg.within + dst.len()).unwrap_or(&[]));
             }
         }
         Ok(())
@@ -1243,6 +1211,48 @@ impl Volume {
             io: self.io.snapshot(),
         }
     }
+}
+
+/// Blocks placed per state-lock hold by one write (4 MiB): bounds lock hold time and the
+/// memory of one batch's plans, whatever the request size.
+const WRITE_BLOCKS_PER_BATCH: u64 = 1024;
+/// Blocks read per call to `read_blocks` (4 MiB).
+const READ_BLOCKS_PER_CALL: u64 = 1024;
+
+/// A piece of a byte range: part of one block, or a run of whole blocks.
+struct Segment {
+    /// First logical block.
+    lba: u64,
+    /// Byte offset inside that block (0 for whole blocks).
+    within: usize,
+    /// Offset of the piece from the start of the range.
+    pos: u64,
+    /// Length of the piece in bytes.
+    len: u64,
+    /// True for a run of whole blocks.
+    whole: bool,
+}
+
+/// Splits `offset..offset+len` into partial-block pieces and whole-block runs of at most
+/// `max_blocks` blocks, in order.
+fn segments(offset: u64, len: u64, max_blocks: u64) -> impl Iterator<Item = Segment> {
+    let mut pos = 0u64;
+    std::iter::from_fn(move || {
+        if pos >= len {
+            return None;
+        }
+        let off = offset + pos;
+        let lba = off / BLOCK_SIZE_U64;
+        let within = (off % BLOCK_SIZE_U64) as usize;
+        let left = len - pos;
+        let seg = if within != 0 || left < BLOCK_SIZE_U64 {
+            Segment { lba, within, pos, len: (BLOCK_SIZE_U64 - within as u64).min(left), whole: false }
+        } else {
+            Segment { lba, within: 0, pos, len: (left / BLOCK_SIZE_U64).min(max_blocks) * BLOCK_SIZE_U64, whole: true }
+        };
+        pos += seg.len;
+        Some(seg)
+    })
 }
 
 /// Data blocks staged before they are written as one merged write (256 KiB).
