@@ -270,6 +270,7 @@ impl Superblock {
         let mut best: Option<Superblock> = None;
         let mut notes = Vec::new();
         let mut saw_magic = false;
+        let mut io_error: Option<Error> = None;
         if dev.len() < 2 * BLOCK_SIZE_U64 {
             return Err(Error::NotAVolume(format!("{} is too small to hold a volume", dev.name())));
         }
@@ -277,6 +278,7 @@ impl Superblock {
             let mut buf = vec![0u8; BLOCK_SIZE];
             if let Err(e) = dev.read(IoKind::Superblock, &mut buf, copy * BLOCK_SIZE_U64) {
                 notes.push(format!("superblock copy {copy} of {} unreadable: {e}", dev.name()));
+                io_error = Some(e);
                 continue;
             }
             match Superblock::decode(&buf, role) {
@@ -296,6 +298,9 @@ impl Superblock {
         }
         match best {
             Some(sb) => Ok((sb, notes)),
+            // A copy we could not read may hold a volume: never report "no volume" then,
+            // or a format without --force would destroy it.
+            None if io_error.is_some() && !saw_magic => Err(io_error.unwrap_or_else(|| Error::Corrupt("superblock".into()))),
             None if saw_magic => Err(Error::Corrupt(format!(
                 "both superblock copies of {} are corrupt: {}",
                 dev.name(),

@@ -152,6 +152,7 @@ impl Volume {
                 if dev.len() >= 2 * BLOCK_SIZE_U64 {
                     match Superblock::read(dev, role) {
                         Err(Error::NotAVolume(m)) if !m.contains("role") => {}
+                        Err(e @ Error::Io { .. }) => return Err(e),
                         _ => return Err(Error::AlreadyFormatted(dev.name())),
                     }
                 }

@@ -62,7 +62,7 @@ fn torn_stale_journal_block_does_not_fail_the_audit() {
 /// destruction of an existing volume. An unreadable superblock must be an I/O error (EIO),
 /// and format must refuse to proceed on one.
 #[test]
-#[ignore = "engine bug: format without force overwrites a volume whose superblocks are unreadable (see doc comment)"]
+
 fn format_without_force_refuses_when_the_superblocks_cannot_be_read() {
     use dedupvol_sim::{FaultConfig, SimMachine};
     let cfg = FaultConfig { read_errors: true, read_error_ppm: 1_000_000, ..FaultConfig::none() };
