@@ -10,8 +10,11 @@
 //!    [`PACKED_HEADER_BYTES`]-byte header describes at most [`PACKED_FRAGMENTS_MAX`]
 //!    fragments; otherwise the chunk is stored raw.
 //!
-//! Packing is modelled as the engine's packer does it: fragments fill one open block in
-//! arrival order; a fragment that does not fit (bytes or slots) closes it.
+//! Packing is modelled as the engine's packer does it: up to [`PACKED_OPEN_BLOCKS_MAX`]
+//! blocks are open; a fragment goes to the open block it fits best (least room left); when
+//! it fits none, a new block is opened, after sealing the fullest one if all are open. The
+//! engine also seals every open block at each group commit, which depends on timing, so
+//! the estimate can be slightly optimistic for workloads with frequent flushes.
 //!
 //! Chunks larger than 4 KiB model a hypothetical engine with bigger chunks: a compressed
 //! chunk that fits a fragment is packed; else it takes `ceil(compressed / 4096)` whole
@@ -41,6 +44,8 @@ pub const PACKED_HEADER_BYTES: u64 = 72;
 pub const PACKED_FRAGMENTS_MAX: u32 = 14;
 /// Largest compressed fragment the engine packs, in bytes (a block minus its header).
 pub const FRAGMENT_BYTES_MAX: u64 = PHYSICAL_BLOCK_BYTES - PACKED_HEADER_BYTES;
+/// Packed blocks the engine keeps open at once.
+pub const PACKED_OPEN_BLOCKS_MAX: usize = 4;
 /// Smallest and largest chunk sizes accepted, in bytes.
 pub const CHUNK_BYTES_MIN: usize = 4096;
 /// See [`CHUNK_BYTES_MIN`].
@@ -153,8 +158,8 @@ pub struct Estimator {
     opts: EstimateOptions,
     seen: HashSet<u128, BuildHasherDefault<PrefixHasher>>,
     report: EstimateReport,
-    open_block_used_bytes: u64,
-    open_block_fragments: u32,
+    /// Open packed blocks: (payload bytes used, fragments).
+    open_blocks: Vec<(u64, u32)>,
     started: Instant,
 }
 
@@ -170,8 +175,7 @@ impl Estimator {
             opts,
             seen: HashSet::default(),
             report,
-            open_block_used_bytes: 0,
-            open_block_fragments: 0,
+            open_blocks: Vec::with_capacity(PACKED_OPEN_BLOCKS_MAX),
             started: Instant::now(),
         })
     }
@@ -255,18 +259,35 @@ impl Estimator {
             r.compressed_chunks += 1;
             r.compressed_payload_bytes += compressed;
             r.compression_gross_bytes += c - compressed;
-            let fits = self.open_block_fragments > 0
-                && self.open_block_fragments < PACKED_FRAGMENTS_MAX
-                && self.open_block_used_bytes + compressed <= FRAGMENT_BYTES_MAX;
-            if !fits {
-                r.packed_blocks += 1;
-                r.physical_bytes += PHYSICAL_BLOCK_BYTES;
-                r.packing_overhead_bytes += PHYSICAL_BLOCK_BYTES;
-                self.open_block_used_bytes = 0;
-                self.open_block_fragments = 0;
+            let best = self
+                .open_blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, (used, n))| *n < PACKED_FRAGMENTS_MAX && used + compressed <= FRAGMENT_BYTES_MAX)
+                .min_by_key(|(_, (used, _))| FRAGMENT_BYTES_MAX - used)
+                .map(|(i, _)| i);
+            let i = match best {
+                Some(i) => i,
+                None => {
+                    if self.open_blocks.len() >= PACKED_OPEN_BLOCKS_MAX {
+                        // Seal the fullest, as the engine does.
+                        if let Some(full) =
+                            self.open_blocks.iter().enumerate().max_by_key(|(_, (used, _))| *used).map(|(i, _)| i)
+                        {
+                            self.open_blocks.swap_remove(full);
+                        }
+                    }
+                    r.packed_blocks += 1;
+                    r.physical_bytes += PHYSICAL_BLOCK_BYTES;
+                    r.packing_overhead_bytes += PHYSICAL_BLOCK_BYTES;
+                    self.open_blocks.push((0, 0));
+                    self.open_blocks.len() - 1
+                }
+            };
+            if let Some(b) = self.open_blocks.get_mut(i) {
+                b.0 += compressed;
+                b.1 += 1;
             }
-            self.open_block_used_bytes += compressed;
-            self.open_block_fragments += 1;
             r.packing_overhead_bytes -= compressed;
         } else {
             let blocks = compressed.div_ceil(PHYSICAL_BLOCK_BYTES);
@@ -374,6 +395,26 @@ mod tests {
         let r = e.finish();
         r.check_balance().expect("balance");
         assert_eq!(r.packed_blocks, 100);
+    }
+
+    #[test]
+    fn packing_is_best_fit_over_four_open_blocks() {
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
+        // One open block would need four blocks; best fit over several needs two.
+        for size in [3000, 3000, 1000, 1000] {
+            e.store_unique(size);
+        }
+        assert_eq!(e.report().packed_blocks, 2);
+        // Five large fragments: the fifth seals the fullest of four open blocks.
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
+        for size in [3900, 3800, 3700, 3600, 3500, 100] {
+            e.store_unique(size);
+        }
+        // 100 bytes fit best into the 3800-byte block (3900 was sealed when 3500 arrived).
+        assert_eq!(e.report().packed_blocks, 5);
+        let mut used: Vec<u64> = e.open_blocks.iter().map(|b| b.0).collect();
+        used.sort_unstable();
+        assert_eq!(used, vec![3500, 3600, 3700, 3900]);
     }
 
     #[test]
