@@ -334,6 +334,8 @@ struct MachineState {
     /// Reads bypass crash points, faults and the trace (diagnostic audits must not
     /// perturb the run they observe).
     passthrough: bool,
+    /// Print every traced I/O call (`DEDUPVOL_SIM_TRACE=1`), to find where two runs part.
+    dump_trace: bool,
 }
 
 /// Persistent faults remembered for failure reports.
@@ -360,6 +362,9 @@ impl MachineState {
         // structural trace (which call, where, how long: what every fault decision depends
         // on). The content trace also folds the written bytes; it differs between runs when
         // the engine stamps something time-dependent, like a volume UUID, into its blocks.
+        if self.dump_trace {
+            eprintln!("io {} kind={kind} disk={disk} off={offset} len={len}", self.ops);
+        }
         for v in [kind, disk as u64, offset, len] {
             self.trace = (self.trace ^ v).wrapping_mul(0x100_0000_01b3);
         }
@@ -491,6 +496,7 @@ impl SimMachine {
                 content_trace: 0xcbf2_9ce4_8422_2325,
                 fault_log: std::collections::VecDeque::new(),
                 passthrough: false,
+                dump_trace: std::env::var_os("DEDUPVOL_SIM_TRACE").is_some(),
             }),
         })
     }

@@ -84,3 +84,22 @@ fn format_without_force_refuses_when_the_superblocks_cannot_be_read() {
     vol.read(0, &mut buf).expect("read");
     assert_eq!(buf, vec![7u8; B], "the old volume's data survived");
 }
+
+/// Bug (`--check-determinism`, seeds 500 and 506 of sim 63d7025 + engine 261ac25): the same
+/// seed makes different I/O calls from run to run. The content cache rebuilds its eviction
+/// queue from `HashMap::keys()` (`cache.rs`, when the queue outgrows twice the capacity), and
+/// hash-map order is randomised per process, so which block is evicted — and so whether a
+/// later read or duplicate verification goes to the device — differs between runs. A seed
+/// then no longer replays its failure. Rebuilding the queue in a deterministic order (e.g.
+/// `order.retain(|p| map.contains_key(p))` plus dedup, or sorted keys) fixes it.
+#[test]
+#[ignore = "engine bug: content cache eviction order depends on HashMap iteration order (see doc comment)"]
+fn a_seed_makes_the_same_io_calls_every_run() {
+    use dedupvol_sim::{run_seed, SimOptions};
+    let opts = SimOptions::default();
+    let first = run_seed::<Volume>(500, &opts).map_err(|f| f.to_string()).expect("seed 500 passes");
+    for run in 1..8 {
+        let again = run_seed::<Volume>(500, &opts).map_err(|f| f.to_string()).expect("seed 500 passes");
+        assert_eq!(first.trace, again.trace, "seed 500: run {run} made different I/O calls than run 0");
+    }
+}
