@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 #[derive(Parser, Debug)]
 #[command(name = "dedupvol-sim", about = "Deterministic crash and fault simulation of the dedupvol engine")]
 struct Args {
-    /// Run exactly this seed, verbosely.
+    /// Run exactly this seed (add -v to see every operation).
     #[arg(long)]
     seed: Option<u64>,
     /// Run this many seeds (from --start).
@@ -21,7 +21,7 @@ struct Args {
     #[arg(long)]
     minutes: Option<f64>,
     /// Fault kinds: all, none, or a comma list of crash, cache-loss, torn, destage, lost,
-    /// misdirect, read-error, bitflip, read-flip.
+    /// misdirect, read-error, bitflip, read-flip, sb-copy, write-error.
     #[arg(long, default_value = "all")]
     faults: String,
     /// Workload operations per seed.
