@@ -96,7 +96,11 @@ impl ContentCache {
             }
         }
         if self.order.len() > 2 * self.capacity_blocks + 64 {
-            self.order = self.map.keys().copied().collect();
+            // Keep the surviving order (not HashMap order): eviction must be deterministic
+            // so one simulator seed replays the same I/O.
+            let map = &self.map;
+            let mut seen = std::collections::HashSet::new();
+            self.order.retain(|p| map.contains_key(p) && seen.insert(*p));
         }
     }
 

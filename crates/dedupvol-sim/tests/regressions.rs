@@ -93,7 +93,7 @@ fn format_without_force_refuses_when_the_superblocks_cannot_be_read() {
 /// then no longer replays its failure. Rebuilding the queue in a deterministic order (e.g.
 /// `order.retain(|p| map.contains_key(p))` plus dedup, or sorted keys) fixes it.
 #[test]
-#[ignore = "engine bug: content cache eviction order depends on HashMap iteration order (see doc comment)"]
+
 fn a_seed_makes_the_same_io_calls_every_run() {
     use dedupvol_sim::{run_seed, SimOptions};
     let opts = SimOptions::default();
