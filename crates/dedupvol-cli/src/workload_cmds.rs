@@ -273,7 +273,9 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let disk_seq_write = if a.no_disk { None } else { Some(bench::disk_seq(&dir).map_err(anyhow::Error::msg)?) };
     let mut results = Vec::new();
     if a.mode == BenchMode::Primitives {
-        results.push(bench::primitives_only(&format!("dup{}-comp{}", a.dup, a.compress), &spec).map_err(anyhow::Error::msg)?);
+        results.push(
+            bench::primitives_only(&format!("dup{}-comp{}", a.dup, a.compress), &spec).map_err(anyhow::Error::msg)?,
+        );
     }
     for (name, sc, target) in &scenarios {
         if !a.json {
@@ -339,13 +341,7 @@ fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
             serde_json::json!({"output": a.output, "bytes": size, "data": spec, "random_bytes_per_block": model.random_bytes(), "seconds": secs})
         );
     } else {
-        println!(
-            "wrote {} MiB to {} in {:.2} s: {}",
-            size >> 20,
-            a.output.display(),
-            secs,
-            spec.describe()
-        );
+        println!("wrote {} MiB to {} in {:.2} s: {}", size >> 20, a.output.display(), secs, spec.describe());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -365,7 +361,8 @@ struct EngineComparison {
 
 fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
     let chunk = size_arg("chunk-size", &a.chunk_size)? as usize;
-    let mut est = Estimator::new(EstimateOptions { chunk_bytes: chunk, ..Default::default() }).map_err(anyhow::Error::msg)?;
+    let mut est =
+        Estimator::new(EstimateOptions { chunk_bytes: chunk, ..Default::default() }).map_err(anyhow::Error::msg)?;
     for p in &a.paths {
         est.scan_path(p).map_err(anyhow::Error::msg)?;
     }
@@ -385,7 +382,11 @@ fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
         if let Some(c) = &cmp {
             let mut t = Table::new(&["", "estimate", "engine"]);
             let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
-            t.row(vec!["reduction ratio".into(), num(Some(report.reduction_ratio), 3), num(Some(c.reduction_ratio), 3)]);
+            t.row(vec![
+                "reduction ratio".into(),
+                num(Some(report.reduction_ratio), 3),
+                num(Some(c.reduction_ratio), 3),
+            ]);
             t.row(vec!["physical MiB".into(), mib(report.physical_bytes), mib(c.physical_data_bytes_used)]);
             t.row(vec!["zero saved MiB".into(), mib(report.savings_zero_bytes), mib(c.savings_zero_bytes)]);
             t.row(vec!["dedup saved MiB".into(), mib(report.savings_dedup_bytes), mib(c.savings_dedup_bytes)]);
@@ -432,7 +433,8 @@ fn compare_engine(paths: &[PathBuf], report: &EstimateReport, dir: Option<&Path>
         loop {
             let mut filled = 0;
             while filled < buf.len() {
-                let n = std::io::Read::read(&mut f, &mut buf[filled..]).with_context(|| format!("reading {}", p.display()))?;
+                let n = std::io::Read::read(&mut f, &mut buf[filled..])
+                    .with_context(|| format!("reading {}", p.display()))?;
                 if n == 0 {
                     break;
                 }

@@ -56,8 +56,19 @@ fn estimate_compare_engine_reports_both_sides() {
 fn bench_json_has_primitives_engine_baselines_and_io() {
     let dir = tempfile::tempdir().expect("tempdir");
     let v = ok_json(&[
-        "bench", "--mode", "seq", "--size", "8M", "--dup", "75", "--compress", "50", "--no-disk", "--dir",
-        p(dir.path()), "--json",
+        "bench",
+        "--mode",
+        "seq",
+        "--size",
+        "8M",
+        "--dup",
+        "75",
+        "--compress",
+        "50",
+        "--no-disk",
+        "--dir",
+        p(dir.path()),
+        "--json",
     ]);
     let s = &v["scenarios"][0];
     assert!(s["primitives"]["blake3_mb_s"].as_f64().expect("blake3") > 0.0);
@@ -74,8 +85,18 @@ fn bench_json_has_primitives_engine_baselines_and_io() {
 fn bench_overwrite_mode_reports_writes_per_second() {
     let dir = tempfile::tempdir().expect("tempdir");
     let v = ok_json(&[
-        "bench", "--mode", "overwrite", "--range", "16M", "--writes", "2000", "--no-disk", "--no-baseline", "--dir",
-        p(dir.path()), "--json",
+        "bench",
+        "--mode",
+        "overwrite",
+        "--range",
+        "16M",
+        "--writes",
+        "2000",
+        "--no-disk",
+        "--no-baseline",
+        "--dir",
+        p(dir.path()),
+        "--json",
     ]);
     let e = &v["scenarios"][0]["engine"];
     assert_eq!(e["ops"].as_u64(), Some(2000));

@@ -36,7 +36,12 @@ fn report_marks_missing_and_missed_targets() {
     let out = Command::new(py).arg(&script).arg(&rj).arg(dir.path()).output().expect("run report");
     assert!(out.status.success(), "report failed: {}", String::from_utf8_lossy(&out.stderr));
     let md = std::fs::read_to_string(dir.path().join("README.md")).expect("README.md");
-    assert!(md.contains("| write throughput (seq-write-1m), 90% reducible, async, vs nbdkit file | >= 1.0x | - | not measured |"), "{md}");
+    assert!(
+        md.contains(
+            "| write throughput (seq-write-1m), 90% reducible, async, vs nbdkit file | >= 1.0x | - | not measured |"
+        ),
+        "{md}"
+    );
     assert!(md.contains("| 2.50 | **not met** |"), "{md}");
     assert!(!md.contains("| met |"), "a target reads met without a measurement: {md}");
     assert!(md.contains("fio --name=x"));

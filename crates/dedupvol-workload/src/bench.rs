@@ -25,7 +25,9 @@ use crate::content::{ContentModel, DataSpec, BLOCK_BYTES, LANE_BLOCKS};
 use crate::estimate::{EstimateOptions, EstimateReport, Estimator};
 use crate::primitives::{measure_cpu, measure_disk_seq_write, CpuPrimitives, DiskFigure, RemoveOnDrop};
 use crate::rng::WyRand;
-use dedupvol_core::{Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume, WritePolicy};
+use dedupvol_core::{
+    Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume, WritePolicy,
+};
 use serde::Serialize;
 use std::fs::{File, OpenOptions as FsOpenOptions};
 use std::os::unix::fs::FileExt;
@@ -119,7 +121,14 @@ pub struct RunFigure {
 
 impl RunFigure {
     fn new(bytes: u64, ops: u64, seconds: f64, flush_seconds: f64) -> Self {
-        RunFigure { bytes, ops, seconds, flush_seconds, mb_s: bytes as f64 / seconds / 1e6, ops_s: ops as f64 / seconds }
+        RunFigure {
+            bytes,
+            ops,
+            seconds,
+            flush_seconds,
+            mb_s: bytes as f64 / seconds / 1e6,
+            ops_s: ops as f64 / seconds,
+        }
     }
 }
 
@@ -303,11 +312,13 @@ fn fresh_volume(path: &Path, temp: bool, logical: u64, physical: u64, fmt: &Form
         let _ = std::fs::remove_file(path);
     }
     let size = if is_block_device(path) { None } else { Some(physical) };
-    let dev: Arc<dyn Storage> = Arc::new(match size {
-        Some(_) => FileStorage::create(path, size),
-        None => FileStorage::open(path, false),
-    }
-    .map_err(|e| format!("creating {}: {e}", path.display()))?);
+    let dev: Arc<dyn Storage> = Arc::new(
+        match size {
+            Some(_) => FileStorage::create(path, size),
+            None => FileStorage::open(path, false),
+        }
+        .map_err(|e| format!("creating {}: {e}", path.display()))?,
+    );
     let mut opts = fmt.clone();
     opts.logical_size_bytes = logical;
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
@@ -358,7 +369,9 @@ fn timed_raw_writes(path: &Path, temp: bool, size: u64, source: &Source, threads
             .map(|t| {
                 let f = &f;
                 s.spawn(move || {
-                    source.for_each(t, threads, &mut |off, d| f.write_all_at(d, off).map_err(|e| format!("pwrite at {off}: {e}")))
+                    source.for_each(t, threads, &mut |off, d| {
+                        f.write_all_at(d, off).map_err(|e| format!("pwrite at {off}: {e}"))
+                    })
                 })
             })
             .collect();
@@ -404,7 +417,8 @@ pub fn run_scenario(
     let vol_path = opts.target_path.clone().unwrap_or_else(|| in_dir("vol"));
     let base_path = opts.target_path.clone().unwrap_or_else(|| in_dir("base"));
     let raw_path = opts.target_path.clone().unwrap_or_else(|| in_dir("raw"));
-    let _cleanup = temp.then(|| (RemoveOnDrop(vol_path.clone()), RemoveOnDrop(base_path.clone()), RemoveOnDrop(raw_path.clone())));
+    let _cleanup =
+        temp.then(|| (RemoveOnDrop(vol_path.clone()), RemoveOnDrop(base_path.clone()), RemoveOnDrop(raw_path.clone())));
     let remove = |p: &Path| {
         if temp {
             let _ = std::fs::remove_file(p);
@@ -465,7 +479,8 @@ pub fn run_scenario(
             }
             let report = est.finish();
             let ideal = ideal_bytes(&report).saturating_sub(before);
-            let sample = per_thread.first().map(|p| p.1[..p.1.len().min(PRIMITIVE_SAMPLE_BYTES)].to_vec()).unwrap_or_default();
+            let sample =
+                per_thread.first().map(|p| p.1[..p.1.len().min(PRIMITIVE_SAMPLE_BYTES)].to_vec()).unwrap_or_default();
             let desc = format!(
                 "{}; random 4 KiB overwrites of a {} MiB range (prefilled with the same data), {} writes, {threads} writers",
                 data.describe(),
@@ -505,7 +520,15 @@ pub fn run_scenario(
             );
             let report = est.finish();
             let ideal = ideal_bytes(&report);
-            (Source::Files { files, req: opts.request_bytes }, desc, base.max(BLOCK_BYTES as u64), None, report, ideal, sample)
+            (
+                Source::Files { files, req: opts.request_bytes },
+                desc,
+                base.max(BLOCK_BYTES as u64),
+                None,
+                report,
+                ideal,
+                sample,
+            )
         }
     };
     phase("data generated and estimated");

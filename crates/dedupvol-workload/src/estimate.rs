@@ -64,7 +64,10 @@ pub struct EstimateOptions {
 
 impl Default for EstimateOptions {
     fn default() -> Self {
-        EstimateOptions { chunk_bytes: 4096, threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) }
+        EstimateOptions {
+            chunk_bytes: 4096,
+            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        }
     }
 }
 

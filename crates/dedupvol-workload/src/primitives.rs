@@ -62,8 +62,7 @@ pub fn measure_cpu(data: &[u8]) -> CpuPrimitives {
     assert!(data.len() >= PRIMITIVE_CHUNK_BYTES, "need at least one chunk");
     let (blake3_mb_s, _) = time_chunks(data, |c| blake3::hash(c).as_bytes()[0] as usize);
     let (lz4_compress_mb_s, _) = time_chunks(data, |c| lz4_flex::block::compress(c).len());
-    let compressed: Vec<Vec<u8>> =
-        data.chunks_exact(PRIMITIVE_CHUNK_BYTES).map(lz4_flex::block::compress).collect();
+    let compressed: Vec<Vec<u8>> = data.chunks_exact(PRIMITIVE_CHUNK_BYTES).map(lz4_flex::block::compress).collect();
     let lz4_total: usize = compressed.iter().map(|c| c.len()).sum();
     let start = Instant::now();
     let mut out = vec![0u8; PRIMITIVE_CHUNK_BYTES];

@@ -150,9 +150,11 @@ pub fn render_bench(r: &BenchReport) -> String {
     ]);
     let disk = r.disk_seq_write.as_ref().map(|d| d.mb_s);
     for s in &r.scenarios {
-        let unit = s.target.as_ref().map(|t| t.unit.clone()).unwrap_or_else(|| {
-            if per_ops(s) { "writes/s" } else { "MB/s" }.into()
-        });
+        let unit = s
+            .target
+            .as_ref()
+            .map(|t| t.unit.clone())
+            .unwrap_or_else(|| if per_ops(s) { "writes/s" } else { "MB/s" }.into());
         let e = headline(s, s.engine.as_ref());
         let b = headline(s, s.no_reduction_volume.as_ref());
         let raw = headline(s, s.raw_file.as_ref());
@@ -261,7 +263,12 @@ pub fn render_estimate(r: &EstimateReport) -> String {
     let mut t = Table::new(&["", "chunks", "MiB", "% of scanned"]);
     let c = r.chunk_bytes;
     let row = |name: &str, chunks: u64, bytes: u64| {
-        vec![name.to_string(), chunks.to_string(), format!("{:.1}", mib(bytes)), format!("{:.1}", pct(bytes, r.scanned_bytes))]
+        vec![
+            name.to_string(),
+            chunks.to_string(),
+            format!("{:.1}", mib(bytes)),
+            format!("{:.1}", pct(bytes, r.scanned_bytes)),
+        ]
     };
     t.row(row("scanned", r.chunks, r.scanned_bytes));
     t.row(row("zero (saved)", r.zero_chunks, r.savings_zero_bytes));

@@ -207,7 +207,11 @@ impl Iterator for IoStream {
     type Item = IoOp;
     fn next(&mut self) -> Option<IoOp> {
         let read = self.rng.unit() < self.workload.read_fraction;
-        let len = if read { self.workload.read_sizes.pick(&mut self.rng) } else { self.workload.write_sizes.pick(&mut self.rng) };
+        let len = if read {
+            self.workload.read_sizes.pick(&mut self.rng)
+        } else {
+            self.workload.write_sizes.pick(&mut self.rng)
+        };
         let random = self.rng.unit() < self.workload.random_fraction;
         let slots = (self.range_bytes - len) / BLOCK_BYTES as u64 + 1;
         let offset = if random || self.cursor + len > self.range_bytes {
