@@ -112,13 +112,8 @@ fn nbdfuse_ext4_tree_survives_fsck_and_remount() {
     std::fs::create_dir_all(&loop_mnt).unwrap();
     let pidfile = dir.path().join("nbdfuse.pid");
     let disk = fuse_dir.join("disk");
-    let child = Command::new("nbdfuse")
-        .arg("-P")
-        .arg(&pidfile)
-        .arg(&disk)
-        .arg(&srv.uri)
-        .spawn()
-        .expect("spawn nbdfuse");
+    let child =
+        Command::new("nbdfuse").arg("-P").arg(&pidfile).arg(&disk).arg(&srv.uri).spawn().expect("spawn nbdfuse");
     let mut mounts = Mounts { loop_mnt: loop_mnt.clone(), fuse_dir: fuse_dir.clone(), nbdfuse: Some(child) };
     wait_for_file(&pidfile, Duration::from_secs(30));
 

@@ -300,7 +300,9 @@ impl Superblock {
             Some(sb) => Ok((sb, notes)),
             // A copy we could not read may hold a volume: never report "no volume" then,
             // or a format without --force would destroy it.
-            None if io_error.is_some() && !saw_magic => Err(io_error.unwrap_or_else(|| Error::Corrupt("superblock".into()))),
+            None if io_error.is_some() && !saw_magic => {
+                Err(io_error.unwrap_or_else(|| Error::Corrupt("superblock".into())))
+            }
             None if saw_magic => Err(Error::Corrupt(format!(
                 "both superblock copies of {} are corrupt: {}",
                 dev.name(),

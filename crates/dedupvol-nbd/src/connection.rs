@@ -364,7 +364,8 @@ fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLo
         log.log(format_args!("request {:#x} failed: {e}", job.cookie));
         proto::nbd_error_from_errno(e.errno)
     };
-    let status = |r: Result<(), crate::backend::BackendError>| writer.status(r.err().map_or(0, |e| report(&e)), job.cookie);
+    let status =
+        |r: Result<(), crate::backend::BackendError>| writer.status(r.err().map_or(0, |e| report(&e)), job.cookie);
     // Zero-length requests touch nothing; the engine need not define them.
     let fua_only = |fua: bool| if fua { backend.flush() } else { Ok(()) };
     match job.cmd {
@@ -418,13 +419,16 @@ fn transmission(
     let rx = Arc::new(Mutex::new(rx));
     let mut workers = Vec::with_capacity(limits.workers);
     for i in 0..limits.workers.max(1) {
-        let (rx, writer, budget, backend, log) = (rx.clone(), writer.clone(), budget.clone(), backend.clone(), log.clone());
+        let (rx, writer, budget, backend, log) =
+            (rx.clone(), writer.clone(), budget.clone(), backend.clone(), log.clone());
         let spawned = std::thread::Builder::new().name(format!("nbd-worker-{i}")).spawn(move || loop {
             // Hold the receiver lock only to take one job.
             let job = rx.lock().recv();
             let Ok(job) = job else { break };
             // An engine bug must cost one request (EIO), not the connection's accounting.
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(backend.as_ref(), &job, &writer, &log)));
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                execute(backend.as_ref(), &job, &writer, &log)
+            }));
             if ran.is_err() {
                 log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
                 match job.cmd {
@@ -468,7 +472,9 @@ fn transmission(
                 log.log(format_args!("rejecting request {:#x}: {reason}", req.cookie));
                 let skipped = io::copy(&mut (&mut reader).take(u64::from(skip)), &mut io::sink());
                 match skipped {
-                    Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => writer.read_err(req.cookie, error, &reason),
+                    Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => {
+                        writer.read_err(req.cookie, error, &reason)
+                    }
                     Ok(n) if n == u64::from(skip) => writer.status(error, req.cookie),
                     Ok(_) => break Outcome::Closed,
                     Err(e) => break Outcome::Dropped(format!("reading payload: {e}")),

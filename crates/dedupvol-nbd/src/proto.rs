@@ -280,9 +280,8 @@ pub fn parse_info_request(b: &[u8]) -> Result<InfoRequest, ParseError> {
         return Err(ParseError::Invalid(format!("export name of {name_len} bytes exceeds {NAME_BYTES_MAX}")));
     }
     let name_end = 4 + name_len;
-    let name_bytes = b
-        .get(4..name_end)
-        .ok_or_else(|| ParseError::Invalid(format!("name length {name_len} exceeds option data")))?;
+    let name_bytes =
+        b.get(4..name_end).ok_or_else(|| ParseError::Invalid(format!("name length {name_len} exceeds option data")))?;
     let name = parse_name(name_bytes)?;
     let count = be_u16(b, name_end).ok_or_else(|| ParseError::Invalid("INFO/GO data lacks request count".into()))?;
     let count = usize::from(count);
@@ -463,7 +462,12 @@ pub fn encode_hole_chunk(cookie: u64, offset: u64, len: u32) -> [u8; STRUCTURED_
 pub fn encode_data_chunk_prefix(cookie: u64, offset: u64, len: u32) -> [u8; STRUCTURED_REPLY_HEADER_BYTES + 8] {
     let mut out = [0u8; STRUCTURED_REPLY_HEADER_BYTES + 8];
     // len <= REQUEST_BYTES_MAX, so len + 8 cannot overflow.
-    out[..20].copy_from_slice(&encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, len.saturating_add(8)));
+    out[..20].copy_from_slice(&encode_chunk_header(
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_OFFSET_DATA,
+        cookie,
+        len.saturating_add(8),
+    ));
     out[20..28].copy_from_slice(&offset.to_be_bytes());
     out
 }
@@ -553,7 +557,11 @@ pub fn classify_request(r: &Request, export: &ExportLimits) -> Disposition {
                 return reject(NBD_EINVAL, 0, format!("read of {} bytes exceeds {REQUEST_BYTES_MAX}", r.len));
             }
             if !in_range {
-                return reject(NBD_EINVAL, 0, format!("read {}+{} beyond export size {}", r.offset, r.len, export.size));
+                return reject(
+                    NBD_EINVAL,
+                    0,
+                    format!("read {}+{} beyond export size {}", r.offset, r.len, export.size),
+                );
             }
             Disposition::Execute(Command::Read { offset: r.offset, len: r.len })
         }
@@ -570,7 +578,11 @@ pub fn classify_request(r: &Request, export: &ExportLimits) -> Disposition {
                 return reject(NBD_EPERM, r.len, "write to a read-only export".into());
             }
             if !in_range {
-                return reject(NBD_ENOSPC, r.len, format!("write {}+{} beyond export size {}", r.offset, r.len, export.size));
+                return reject(
+                    NBD_ENOSPC,
+                    r.len,
+                    format!("write {}+{} beyond export size {}", r.offset, r.len, export.size),
+                );
             }
             Disposition::Execute(Command::Write { offset: r.offset, len: r.len, fua })
         }
@@ -589,7 +601,11 @@ pub fn classify_request(r: &Request, export: &ExportLimits) -> Disposition {
                 return reject(NBD_EPERM, 0, "trim on a read-only export".into());
             }
             if !in_range {
-                return reject(NBD_EINVAL, 0, format!("trim {}+{} beyond export size {}", r.offset, r.len, export.size));
+                return reject(
+                    NBD_EINVAL,
+                    0,
+                    format!("trim {}+{} beyond export size {}", r.offset, r.len, export.size),
+                );
             }
             Disposition::Execute(Command::Trim { offset: r.offset, len: r.len, fua })
         }
@@ -601,7 +617,11 @@ pub fn classify_request(r: &Request, export: &ExportLimits) -> Disposition {
                 return reject(NBD_EPERM, 0, "write-zeroes on a read-only export".into());
             }
             if !in_range {
-                return reject(NBD_ENOSPC, 0, format!("write-zeroes {}+{} beyond export size {}", r.offset, r.len, export.size));
+                return reject(
+                    NBD_ENOSPC,
+                    0,
+                    format!("write-zeroes {}+{} beyond export size {}", r.offset, r.len, export.size),
+                );
             }
             // NO_HOLE asks for allocated zeros; the engine stores zero blocks as holes,
             // which read back identically, and the spec lets a server ignore allocation.
@@ -711,10 +731,7 @@ mod tests {
 
     #[test]
     fn client_flags_reject_unknown_bits() {
-        assert_eq!(
-            parse_client_flags(&3u32.to_be_bytes()),
-            Ok(ClientFlags { fixed_newstyle: true, no_zeroes: true })
-        );
+        assert_eq!(parse_client_flags(&3u32.to_be_bytes()), Ok(ClientFlags { fixed_newstyle: true, no_zeroes: true }));
         assert!(parse_client_flags(&4u32.to_be_bytes()).is_err());
     }
 

@@ -139,8 +139,13 @@ impl Server {
                 }
             };
             live.lock().insert(id, shutdown_handle);
-            let (backend, export, limits, stopping, live2) =
-                (backend.clone(), self.config.export.clone(), self.config.limits.clone(), stopping.clone(), live.clone());
+            let (backend, export, limits, stopping, live2) = (
+                backend.clone(),
+                self.config.export.clone(),
+                self.config.limits.clone(),
+                stopping.clone(),
+                live.clone(),
+            );
             let peer = stream.peer();
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
                 let outcome = serve_connection(stream, backend, &export, &limits, &stopping);

@@ -8,7 +8,10 @@ use dedupvol_nbd::proto::*;
 use dedupvol_nbd::{ConnectionLimits, ExportConfig, ListenAddr, Server, ServerConfig};
 use std::sync::Arc;
 
-fn serve(vol: Arc<Volume>, dir: &std::path::Path) -> (std::path::PathBuf, dedupvol_nbd::StopHandle, std::thread::JoinHandle<()>) {
+fn serve(
+    vol: Arc<Volume>,
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, dedupvol_nbd::StopHandle, std::thread::JoinHandle<()>) {
     let socket = dir.join("engine.sock");
     let config = ServerConfig {
         export: ExportConfig { name: "vol".into(), description: None, read_only: false },
@@ -46,7 +49,15 @@ fn engine_round_trip_through_the_server() {
     const LEN: usize = 3 * 4096 + 1000;
     for i in 0..N {
         let s = if i % 2 == 0 { &mut a } else { &mut b };
-        send_request(s, CMD_WRITE, if i % 7 == 0 { CMD_FLAG_FUA } else { 0 }, i, 7 + i * LEN as u64, LEN as u32, &content(i, LEN));
+        send_request(
+            s,
+            CMD_WRITE,
+            if i % 7 == 0 { CMD_FLAG_FUA } else { 0 },
+            i,
+            7 + i * LEN as u64,
+            LEN as u32,
+            &content(i, LEN),
+        );
     }
     for i in 0..N {
         let s = if i % 2 == 0 { &mut a } else { &mut b };

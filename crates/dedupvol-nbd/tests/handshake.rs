@@ -23,7 +23,14 @@ fn go_reports_size_flags_and_block_sizes() {
             INFO_EXPORT => {
                 assert_eq!(u64_at(&data, 2), 1 << 20);
                 let f = u16_at(&data, 10);
-                for bit in [TFLAG_HAS_FLAGS, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES, TFLAG_CAN_MULTI_CONN] {
+                for bit in [
+                    TFLAG_HAS_FLAGS,
+                    TFLAG_SEND_FLUSH,
+                    TFLAG_SEND_FUA,
+                    TFLAG_SEND_TRIM,
+                    TFLAG_SEND_WRITE_ZEROES,
+                    TFLAG_CAN_MULTI_CONN,
+                ] {
                     assert_ne!(f & bit, 0, "flag {bit:#x} missing from {f:#x}");
                 }
                 assert_eq!(f & TFLAG_READ_ONLY, 0);

@@ -27,8 +27,8 @@ fn pipelined_writes_then_reads_round_trip() {
     assert_eq!(go(&mut s, "vol").0, 8 << 20);
     const N: u64 = 64;
     const LEN: usize = 65536 + 123; // unaligned on purpose: minimum block size is 1
-    // Send every write before reading any reply: the server must keep up with a pipeline
-    // deeper than its queue (4) and its byte budget (1 MiB) without deadlocking.
+                                    // Send every write before reading any reply: the server must keep up with a pipeline
+                                    // deeper than its queue (4) and its byte budget (1 MiB) without deadlocking.
     let writer = {
         let mut w = s.try_clone().unwrap();
         std::thread::spawn(move || {
@@ -38,7 +38,13 @@ fn pipelined_writes_then_reads_round_trip() {
             }
         })
     };
-    let mut cookies: Vec<u64> = (0..N).map(|_| { let (e, c) = read_reply(&mut s); assert_eq!(e, 0); c }).collect();
+    let mut cookies: Vec<u64> = (0..N)
+        .map(|_| {
+            let (e, c) = read_reply(&mut s);
+            assert_eq!(e, 0);
+            c
+        })
+        .collect();
     writer.join().unwrap();
     cookies.sort();
     assert_eq!(cookies, (1000..1000 + N).collect::<Vec<_>>());

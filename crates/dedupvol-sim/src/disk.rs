@@ -202,7 +202,9 @@ enum PendingKind {
     /// Never stored; `offset` is where the engine wanted it.
     Lost,
     /// Stored at `offset`, intended for `from`.
-    Misdirected { from: u64 },
+    Misdirected {
+        from: u64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -803,7 +805,11 @@ impl dedupvol_core::Storage for SimDisk {
             PendingKind::Misdirected { from } => {
                 st.counts.misdirected_writes += 1;
                 st.persistent_this_cycle += 1;
-                let what = format!("write of {len} bytes for block {} misdirected to block {}", from / BLOCK_BYTES, store_at / BLOCK_BYTES);
+                let what = format!(
+                    "write of {len} bytes for block {} misdirected to block {}",
+                    from / BLOCK_BYTES,
+                    store_at / BLOCK_BYTES
+                );
                 st.log_fault(d, from, len, what.clone());
                 st.log_fault(d, store_at, len, what);
             }
@@ -879,7 +885,10 @@ mod tests {
             for s in c.chunks(512) {
                 assert!(s.iter().all(|&x| x == s[0]) && (s[0] == 0 || s[0] == 3), "seed {seed}");
             }
-            assert!(m.durable_image(0) == m.current_image(0), "seed {seed}: media differs from cache after power cycle");
+            assert!(
+                m.durable_image(0) == m.current_image(0),
+                "seed {seed}: media differs from cache after power cycle"
+            );
         }
     }
 

@@ -101,16 +101,52 @@ pub struct FaultKinds {
 }
 
 /// Names accepted by `--faults`.
-pub const FAULT_NAMES: &[&str] = &["crash", "cache-loss", "torn", "destage", "lost", "misdirect", "read-error", "bitflip", "read-flip", "sb-copy", "write-error"];
+pub const FAULT_NAMES: &[&str] = &[
+    "crash",
+    "cache-loss",
+    "torn",
+    "destage",
+    "lost",
+    "misdirect",
+    "read-error",
+    "bitflip",
+    "read-flip",
+    "sb-copy",
+    "write-error",
+];
 
 impl FaultKinds {
     /// Every kind.
     pub fn all() -> Self {
-        FaultKinds { crash: true, cache_loss: true, torn: true, destage: true, lost: true, misdirect: true, read_error: true, bitflip: true, read_flip: true, sb_copy: true, write_error: true }
+        FaultKinds {
+            crash: true,
+            cache_loss: true,
+            torn: true,
+            destage: true,
+            lost: true,
+            misdirect: true,
+            read_error: true,
+            bitflip: true,
+            read_flip: true,
+            sb_copy: true,
+            write_error: true,
+        }
     }
     /// No kind.
     pub fn none() -> Self {
-        FaultKinds { crash: false, cache_loss: false, torn: false, destage: false, lost: false, misdirect: false, read_error: false, bitflip: false, read_flip: false, sb_copy: false, write_error: false }
+        FaultKinds {
+            crash: false,
+            cache_loss: false,
+            torn: false,
+            destage: false,
+            lost: false,
+            misdirect: false,
+            read_error: false,
+            bitflip: false,
+            read_flip: false,
+            sb_copy: false,
+            write_error: false,
+        }
     }
     /// Parses a comma list of `FAULT_NAMES`, or `all` / `none`.
     pub fn parse(s: &str) -> Result<Self, String> {
@@ -141,7 +177,19 @@ impl FaultKinds {
         if *self == Self::all() {
             return "all".into();
         }
-        let flags = [self.crash, self.cache_loss, self.torn, self.destage, self.lost, self.misdirect, self.read_error, self.bitflip, self.read_flip, self.sb_copy, self.write_error];
+        let flags = [
+            self.crash,
+            self.cache_loss,
+            self.torn,
+            self.destage,
+            self.lost,
+            self.misdirect,
+            self.read_error,
+            self.bitflip,
+            self.read_flip,
+            self.sb_copy,
+            self.write_error,
+        ];
         let v: Vec<&str> = FAULT_NAMES.iter().zip(flags).filter(|(_, f)| *f).map(|(n, _)| *n).collect();
         if v.is_empty() {
             "none".into()
@@ -216,7 +264,11 @@ impl RunConfig {
         };
         let open = OpenOptions {
             read_only: false,
-            write_policy: if r.gen_bool(0.15) { Some(if write_policy == WritePolicy::Sync { WritePolicy::Async } else { WritePolicy::Sync }) } else { None },
+            write_policy: if r.gen_bool(0.15) {
+                Some(if write_policy == WritePolicy::Sync { WritePolicy::Async } else { WritePolicy::Sync })
+            } else {
+                None
+            },
             block_map_cache_bytes: pick(&mut r, &[16u64, 64, 64, 256]) << 10,
             content_cache_bytes: pick(&mut r, &[64u64, 256, 1024]) << 10,
             index_memory_bytes: None,
@@ -486,7 +538,10 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
             let pattern = pick(&mut rng, &[Pattern::Sequential, Pattern::Random, Pattern::Hot]);
             // Mixes: balanced, duplicate-heavy, compressible-heavy, zero-heavy, unique-heavy
             // (space pressure), and one duplicate block over and over (refcount cap).
-            let mix = pick(&mut rng, &[[10, 40, 30], [5, 70, 15], [10, 10, 60], [30, 20, 20], [5, 15, 20], [0, 0, 10], [0, 100, 0]]);
+            let mix = pick(
+                &mut rng,
+                &[[10, 40, 30], [5, 70, 15], [10, 10, 60], [30, 20, 20], [5, 15, 20], [0, 0, 10], [0, 100, 0]],
+            );
             let dup_pool = if mix == [0, 100, 0] { 2 } else { content::DUPLICATE_POOL_SIZE };
             Writer { start, len, cursor: 0, pattern, mix, dup_pool }
         })
@@ -494,7 +549,14 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
     if cfg.data_bytes <= SPACE_PRESSURE_DATA_BYTES {
         // A small device gets a streaming writer of unique data over the whole volume, so
         // the data region fills up (NoSpace, reuse of freed blocks).
-        writers.push(Writer { start: 0, len: logical_blocks, cursor: 0, pattern: Pattern::Sequential, mix: [0, 0, 0], dup_pool: 1 });
+        writers.push(Writer {
+            start: 0,
+            len: logical_blocks,
+            cursor: 0,
+            pattern: Pattern::Sequential,
+            mix: [0, 0, 0],
+            dup_pool: 1,
+        });
     }
     let sync_policy = cfg.open.write_policy.unwrap_or(cfg.format.write_policy) == WritePolicy::Sync;
     let mut run = Run::<E> {
@@ -738,7 +800,11 @@ impl<E: SimEngine> Run<'_, E> {
             buf[at..at + take].copy_from_slice(&tmp[within..within + take]);
             let sectors = within / content::SECTOR..(within + take) / content::SECTOR;
             blocks.push((l, self.model.written(l, id, sectors.clone())));
-            names.push(if take == BLOCK { format!("{id:x}") } else { format!("{id:x}@{}..{}", sectors.start, sectors.end) });
+            names.push(if take == BLOCK {
+                format!("{id:x}")
+            } else {
+                format!("{id:x}@{}..{}", sectors.start, sectors.end)
+            });
             pos += take as u64;
         }
         let before = self.machine.evidence();
@@ -826,7 +892,11 @@ impl<E: SimEngine> Run<'_, E> {
                                     describe_sectors(got),
                                     allowed.iter().map(content::version_name).collect::<Vec<_>>().join(", "),
                                     if after_recovery { " (verification after recovery)" } else { "" },
-                                    if corrupt_seen { "; a block hit by an injected persistent fault was read during this call: corruption was returned as data" } else { "" }
+                                    if corrupt_seen {
+                                        "; a block hit by an injected persistent fault was read during this call: corruption was returned as data"
+                                    } else {
+                                        ""
+                                    }
                                 ));
                             }
                         }
@@ -836,27 +906,32 @@ impl<E: SimEngine> Run<'_, E> {
                     }
                     return Ok(true);
                 }
-                Err(e) => match self.cause(&e, &before) {
-                    Cause::Transient if attempt < READ_RETRIES_MAX => continue,
-                    Cause::Crash => {
-                        self.note(format!("read lba {lba}+{n} -> crash"));
-                        return Ok(false);
+                Err(e) => {
+                    match self.cause(&e, &before) {
+                        Cause::Transient if attempt < READ_RETRIES_MAX => continue,
+                        Cause::Crash => {
+                            self.note(format!("read lba {lba}+{n} -> crash"));
+                            return Ok(false);
+                        }
+                        Cause::Corruption => {
+                            self.note(format!("read lba {lba}+{n} -> detected corruption: {}", short(&e)));
+                            self.stats.corruption_detected += 1;
+                            return Ok(false);
+                        }
+                        Cause::FaultEarlier => {
+                            self.note(format!(
+                                "read lba {lba}+{n} -> volume failed after an earlier fault; restart: {}",
+                                short(&e)
+                            ));
+                            self.stats.restarts += 1;
+                            self.machine.crash_now();
+                            return Ok(false);
+                        }
+                        c => {
+                            return Err(format!("read of lba {lba}+{n} failed ({c:?}, attempt {attempt}) with no fault to explain it: {}", short(&e)));
+                        }
                     }
-                    Cause::Corruption => {
-                        self.note(format!("read lba {lba}+{n} -> detected corruption: {}", short(&e)));
-                        self.stats.corruption_detected += 1;
-                        return Ok(false);
-                    }
-                    Cause::FaultEarlier => {
-                        self.note(format!("read lba {lba}+{n} -> volume failed after an earlier fault; restart: {}", short(&e)));
-                        self.stats.restarts += 1;
-                        self.machine.crash_now();
-                        return Ok(false);
-                    }
-                    c => {
-                        return Err(format!("read of lba {lba}+{n} failed ({c:?}, attempt {attempt}) with no fault to explain it: {}", short(&e)));
-                    }
-                },
+                }
             }
         }
         Err(format!("read of lba {lba}+{n} failed {READ_RETRIES_MAX} times on transient faults"))
@@ -880,13 +955,19 @@ impl<E: SimEngine> Run<'_, E> {
             if let Some(&ro) = ro_seen.get(&lba) {
                 // Only that content is allowed now: the read-only replay showed it.
                 if !self.model.allowed_now(lba).contains(&ro) {
-                    return Err(format!("internal: read-only observation {} of lba {lba} not in the model", content::version_name(&ro)));
+                    return Err(format!(
+                        "internal: read-only observation {} of lba {lba} not in the model",
+                        content::version_name(&ro)
+                    ));
                 }
                 self.model.observed(lba, ro, false);
             }
             let ok = self.read_check(lba, 1, true).map_err(|e| {
                 if ro_seen.contains_key(&lba) {
-                    format!("{e} (a read-only recovery of the same media had shown {})", content::version_name(&ro_seen[&lba]))
+                    format!(
+                        "{e} (a read-only recovery of the same media had shown {})",
+                        content::version_name(&ro_seen[&lba])
+                    )
                 } else {
                     e
                 }
@@ -985,7 +1066,10 @@ impl<E: SimEngine> Run<'_, E> {
                 }
                 Err(e) => {
                     if self.cause(&e, &before) == Cause::Unexplained {
-                        return Err(format!("read-only recovery: read of lba {lba} failed with no fault to explain it: {}", short(&e)));
+                        return Err(format!(
+                            "read-only recovery: read of lba {lba} failed with no fault to explain it: {}",
+                            short(&e)
+                        ));
                     }
                 }
             }
@@ -1003,7 +1087,8 @@ impl<E: SimEngine> Run<'_, E> {
 
     fn recover(&mut self) -> Result<(), String> {
         for attempt in 0..OPEN_ATTEMPTS_MAX {
-            let crash_here = attempt + 2 < OPEN_ATTEMPTS_MAX && self.rng.gen_range(0..100) < self.cfg.crash_in_recovery_pct;
+            let crash_here =
+                attempt + 2 < OPEN_ATTEMPTS_MAX && self.rng.gen_range(0..100) < self.cfg.crash_in_recovery_pct;
             if crash_here {
                 let after = self.rng.gen_range(0..self.open_io_calls.max(1));
                 self.note(format!("open: arm crash after {after} I/O calls"));
@@ -1111,8 +1196,9 @@ impl<E: SimEngine> Run<'_, E> {
                 // Detected corruption of a data block the simulator corrupted is the audit
                 // doing its job; every other problem is a bug.
                 let (expected, unexpected): (Vec<&String>, Vec<&String>) = r.problems.iter().partition(|p| {
-                    E::corrupt_data_block(p)
-                        .is_some_and(|pbn| self.machine.is_bad_on_media(self.data.index(), self.data_region_start_block + pbn))
+                    E::corrupt_data_block(p).is_some_and(|pbn| {
+                        self.machine.is_bad_on_media(self.data.index(), self.data_region_start_block + pbn)
+                    })
                 });
                 self.stats.corruption_detected += expected.len() as u64;
                 for p in &expected {
@@ -1123,7 +1209,10 @@ impl<E: SimEngine> Run<'_, E> {
                         // Rare and worth seeing in a soak log: a stale-dedup consequence of a
                         // persistent fault (docs/simulator.md).
                         self.stats.stale_dedup_after_fault += 1;
-                        eprintln!("seed {}: accepted audit problem {p:?} on a faulted block; faults there: {faults:?}", self.cfg.seed);
+                        eprintln!(
+                            "seed {}: accepted audit problem {p:?} on a faulted block; faults there: {faults:?}",
+                            self.cfg.seed
+                        );
                     }
                 }
                 if !unexpected.is_empty() {

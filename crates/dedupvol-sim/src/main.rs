@@ -82,7 +82,13 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let opts = SimOptions { faults, ops: args.ops, verbose: args.verbose, audit_every_op: args.audit_every_op, partial_writes: !args.no_partial_writes };
+    let opts = SimOptions {
+        faults,
+        ops: args.ops,
+        verbose: args.verbose,
+        audit_every_op: args.audit_every_op,
+        partial_writes: !args.no_partial_writes,
+    };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };
         match run_one(&args.engine, seed, &opts) {
@@ -135,10 +141,21 @@ fn main() {
         }
         if last_report.elapsed() > Duration::from_secs(60) {
             last_report = Instant::now();
-            println!("[{:.0}s] seeds {seeds_run} failures {} — {}", started.elapsed().as_secs_f64(), failures.len(), figures(&total));
+            println!(
+                "[{:.0}s] seeds {seeds_run} failures {} — {}",
+                started.elapsed().as_secs_f64(),
+                failures.len(),
+                figures(&total)
+            );
         }
     }
-    println!("seeds run: {seeds_run} (from {}) in {:.1}s, engine {}, faults {}", args.start, started.elapsed().as_secs_f64(), args.engine, faults.to_arg());
+    println!(
+        "seeds run: {seeds_run} (from {}) in {:.1}s, engine {}, faults {}",
+        args.start,
+        started.elapsed().as_secs_f64(),
+        args.engine,
+        faults.to_arg()
+    );
     println!("passed: {}  failed: {}", seeds_run - failures.len() as u64, failures.len());
     println!("{}", figures(&total));
     println!("faults injected: {}", total.faults.summary());

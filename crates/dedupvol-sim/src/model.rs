@@ -47,7 +47,10 @@ struct BlockState {
 fn add(set: &mut Vec<Version>, id: Version) {
     if !set.contains(&id) {
         set.push(id);
-        assert!(set.len() <= ALLOWED_CONTENTS_MAX, "model: more than {ALLOWED_CONTENTS_MAX} contents allowed for one block");
+        assert!(
+            set.len() <= ALLOWED_CONTENTS_MAX,
+            "model: more than {ALLOWED_CONTENTS_MAX} contents allowed for one block"
+        );
     }
 }
 
@@ -64,7 +67,9 @@ impl Model {
     }
 
     fn state(&mut self, lba: u64) -> &mut BlockState {
-        self.blocks.entry(lba).or_insert_with(|| BlockState { now: vec![ZERO_VERSION], after_crash: vec![ZERO_VERSION] })
+        self.blocks
+            .entry(lba)
+            .or_insert_with(|| BlockState { now: vec![ZERO_VERSION], after_crash: vec![ZERO_VERSION] })
     }
 
     /// The versions a write of content `id` to sectors `sectors` of `lba` produces: one per

@@ -233,7 +233,13 @@ impl SimEngine for ToyVolume {
             policy,
             read_only: opts.read_only,
             bug: *TOY_BUG.lock(),
-            inner: Mutex::new(Inner { map: HashMap::new(), next_pos: 0, epoch: epoch + 1, unsaved: Vec::new(), failed: false }),
+            inner: Mutex::new(Inner {
+                map: HashMap::new(),
+                next_pos: 0,
+                epoch: epoch + 1,
+                unsaved: Vec::new(),
+                failed: false,
+            }),
         };
         let mut last_epoch = 0;
         let mut pos = 0;
@@ -262,7 +268,8 @@ impl SimEngine for ToyVolume {
             return Ok(vol);
         }
         let new_epoch = epoch + 1;
-        data.write_at(&sb_block(new_epoch, logical_blocks, sync), (new_epoch % 2) * B).map_err(|e| io("write superblock", e))?;
+        data.write_at(&sb_block(new_epoch, logical_blocks, sync), (new_epoch % 2) * B)
+            .map_err(|e| io("write superblock", e))?;
         data.sync().map_err(|e| io("sync superblock", e))?;
         Ok(vol)
     }

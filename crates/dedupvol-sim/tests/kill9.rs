@@ -28,7 +28,8 @@ fn run_rounds(lie: bool) -> Result<Vec<String>, String> {
         if lie {
             cmd.arg("--child-lie");
         }
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("spawn: {e}"))?;
+        let mut child =
+            cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("spawn: {e}"))?;
         let stdout = child.stdout.take().ok_or("no child stdout")?;
         let mut last_flushed: Option<u64> = None;
         let mut seen = 0u64;
@@ -69,7 +70,8 @@ fn run_rounds(lie: bool) -> Result<Vec<String>, String> {
             .map_err(|e| format!("round {round}: volume did not recover after SIGKILL at flush {k_last}: {e}"))?;
         let mut buf = vec![0u8; BLOCK];
         for lba in 0..CHILD_LOGICAL_BLOCKS {
-            vol.read(lba * BLOCK as u64, &mut buf).map_err(|e| format!("round {round}: read of lba {lba} failed after recovery: {e}"))?;
+            vol.read(lba * BLOCK as u64, &mut buf)
+                .map_err(|e| format!("round {round}: read of lba {lba} failed after recovery: {e}"))?;
             match content::identify(&buf, &allowed[lba as usize]) {
                 Some(id) => durable[lba as usize] = id,
                 None => {
@@ -86,7 +88,9 @@ fn run_rounds(lie: bool) -> Result<Vec<String>, String> {
         if !report.is_clean() {
             return Err(format!("round {round}: check found problems after SIGKILL recovery: {:?}", report.problems));
         }
-        notes.push(format!("round {round}: killed after flush {k_last}; {CHILD_LOGICAL_BLOCKS} blocks verified; check clean"));
+        notes.push(format!(
+            "round {round}: killed after flush {k_last}; {CHILD_LOGICAL_BLOCKS} blocks verified; check clean"
+        ));
         start = k_last + ITERATIONS_IN_FLIGHT_MAX + 1;
     }
     Ok(notes)

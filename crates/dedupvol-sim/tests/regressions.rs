@@ -26,7 +26,13 @@ const B: usize = 4096;
 fn torn_stale_journal_block_does_not_fail_the_audit() {
     let dev = Arc::new(MemStorage::new(16 << 20));
     let data: Arc<dyn Storage> = dev.clone();
-    let opts = FormatOptions { logical_size_bytes: 4 << 20, slab_size_bytes: 1 << 20, journal_size_bytes: Some(256 << 10), index_memory_bytes: 64 << 10, ..FormatOptions::default() };
+    let opts = FormatOptions {
+        logical_size_bytes: 4 << 20,
+        slab_size_bytes: 1 << 20,
+        journal_size_bytes: Some(256 << 10),
+        index_memory_bytes: 64 << 10,
+        ..FormatOptions::default()
+    };
     Volume::format(data.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(data.clone(), None, &OpenOptions::default()).expect("open");
     vol.write(0, &vec![7u8; B], false).expect("write");
@@ -51,7 +57,11 @@ fn torn_stale_journal_block_does_not_fail_the_audit() {
     dev.write_at(&torn, (geo.journal_start + slot) * B as u64).expect("write torn block");
 
     let report = check_volume(data, None, false).expect("check");
-    assert!(report.is_clean(), "a torn, never-acknowledged journal block fails the audit of a healthy volume: {:?}", report.problems);
+    assert!(
+        report.is_clean(),
+        "a torn, never-acknowledged journal block fails the audit of a healthy volume: {:?}",
+        report.problems
+    );
 }
 
 /// Bug (found reading the simulator's crash-during-open log: "open -> not a dedupvol
@@ -69,7 +79,13 @@ fn format_without_force_refuses_when_the_superblocks_cannot_be_read() {
     let machine = SimMachine::new(1, cfg);
     let disk = machine.add_disk("flaky", 16 << 20);
     let data: Arc<dyn Storage> = disk.clone();
-    let opts = FormatOptions { logical_size_bytes: 4 << 20, slab_size_bytes: 1 << 20, journal_size_bytes: Some(256 << 10), index_memory_bytes: 64 << 10, ..FormatOptions::default() };
+    let opts = FormatOptions {
+        logical_size_bytes: 4 << 20,
+        slab_size_bytes: 1 << 20,
+        journal_size_bytes: Some(256 << 10),
+        index_memory_bytes: 64 << 10,
+        ..FormatOptions::default()
+    };
     Volume::format(data.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(data.clone(), None, &OpenOptions::default()).expect("open");
     vol.write(0, &vec![7u8; B], true).expect("write");

@@ -40,7 +40,10 @@ fn simulator_seeds_pass() {
     assert!(total.crashes_in_recovery > 0, "no crash landed inside recovery");
     assert!(total.clean_checks >= CI_SEEDS, "too few audited clean closes: {}", total.clean_checks);
     assert!(total.faults.torn > 0 && total.faults.unsynced_lost > 0, "no torn or lost unsynced writes");
-    assert!(total.faults.lost_writes + total.faults.misdirected_writes + total.faults.bit_flips > 0, "no persistent data faults");
+    assert!(
+        total.faults.lost_writes + total.faults.misdirected_writes + total.faults.bit_flips > 0,
+        "no persistent data faults"
+    );
     assert!(total.faults.read_errors > 0, "no transient read errors");
 }
 

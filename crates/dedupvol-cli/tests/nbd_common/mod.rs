@@ -61,10 +61,12 @@ pub fn run(cmd: &mut Command) -> String {
 pub fn format_volume(dir: &Path, logical: &str, physical: &str) -> PathBuf {
     let path = dir.join("vol.img");
     if !in_memory() {
-        run(Command::new(dedupvol())
-            .arg("format")
-            .arg(&path)
-            .args(["--logical-size", logical, "--physical-size", physical]));
+        run(Command::new(dedupvol()).arg("format").arg(&path).args([
+            "--logical-size",
+            logical,
+            "--physical-size",
+            physical,
+        ]));
     }
     path
 }

@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 use dedupvol_nbd::proto::*;
-use dedupvol_nbd::{ConnectionLimits, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig, StopHandle};
+use dedupvol_nbd::{
+    ConnectionLimits, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig, StopHandle,
+};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -22,7 +24,12 @@ impl TestServer {
         Self::start_with(size, read_only, connections_max, std::time::Duration::from_secs(30))
     }
 
-    pub fn start_with(size: u64, read_only: bool, connections_max: usize, handshake_timeout: std::time::Duration) -> TestServer {
+    pub fn start_with(
+        size: u64,
+        read_only: bool,
+        connections_max: usize,
+        handshake_timeout: std::time::Duration,
+    ) -> TestServer {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("nbd.sock");
         let config = ServerConfig {
