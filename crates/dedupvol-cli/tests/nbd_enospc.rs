@@ -23,11 +23,7 @@ fn incompressible(len: usize, seed: u64) -> Vec<u8> {
 #[test]
 fn full_volume_reports_enospc_and_stays_consistent() {
     let test = "full_volume_reports_enospc_and_stays_consistent";
-    if !require(test, &["nbdcopy"]) {
-        return;
-    }
-    if in_memory() {
-        eprintln!("SKIPPED: {test}: needs the engine (in-memory mode) — this test did NOT run");
+    if !require_engine(test, &["nbdcopy"]) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -40,11 +40,7 @@ fn flushed_job(dir: &std::path::Path, uri: &str, verify_only: bool) -> Command {
 #[test]
 fn kill9_after_flush_keeps_flushed_data() {
     let test = "kill9_after_flush_keeps_flushed_data";
-    if !require(test, &["fio"]) {
-        return;
-    }
-    if in_memory() {
-        eprintln!("SKIPPED: {test}: needs the engine (in-memory mode) — this test did NOT run");
+    if !require_engine(test, &["fio"]) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -32,11 +32,7 @@ fn job(dir: &std::path::Path, uri: &str, verify_only: bool) -> Command {
 #[test]
 fn sigterm_during_writes_closes_cleanly() {
     let test = "sigterm_during_writes_closes_cleanly";
-    if !require(test, &["fio"]) {
-        return;
-    }
-    if in_memory() {
-        eprintln!("SKIPPED: {test}: needs the engine (in-memory mode) — this test did NOT run");
+    if !require_engine(test, &["fio"]) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

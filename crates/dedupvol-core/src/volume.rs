@@ -721,17 +721,7 @@ impl Volume {
                 b
             }
         };
-        let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
-        if e.state == STATE_RAW {
-            return &block[..] == chunk;
-        }
-        match e.slot() {
-            Some(slot) => {
-                let mut out = vec![0u8; BLOCK_SIZE];
-                packer::unpack(&block, slot, &mut out).is_ok() && out == chunk
-            }
-            None => false,
-        }
+        content_matches(&block, loc.state, chunk)
     }
 
     fn alloc_block(&self, st: &mut State) -> Result<u64> {

@@ -27,6 +27,18 @@ pub fn in_memory() -> bool {
 
 /// Checks that every tool is on PATH (where the tests will run it from); prints a loud
 /// skip line when one is absent.
+/// Like `require`, and also skips loudly in in-memory mode, for tests that need the engine.
+pub fn require_engine(test: &str, tools: &[&str]) -> bool {
+    if !require(test, tools) {
+        return false;
+    }
+    if in_memory() {
+        eprintln!("SKIPPED: {test}: needs the engine (in-memory mode) — this test did NOT run");
+        return false;
+    }
+    true
+}
+
 pub fn require(test: &str, tools: &[&str]) -> bool {
     for t in tools {
         if which(t).is_none() {
