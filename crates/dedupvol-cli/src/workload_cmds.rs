@@ -97,6 +97,9 @@ pub struct BenchArgs {
     /// Fingerprint index memory of the engine volume.
     #[arg(long, default_value = "256M")]
     index_memory: String,
+    /// Duplicate verification of the engine volume (bytes or hash; default: the engine's).
+    #[arg(long)]
+    verify: Option<String>,
     /// Skip the no-reduction volume and raw-file baselines.
     #[arg(long)]
     no_baseline: bool,
@@ -225,6 +228,10 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         write_policy,
         baselines: !a.no_baseline,
         index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
+        verify: match &a.verify {
+            Some(v) => v.parse().with_context(|| "--verify")?,
+            None => FormatOptions::default().verify,
+        },
         verbose: !a.json,
     };
     let mb = |v: f64| Some(Target { min: v, unit: "MB/s".into() });

@@ -10,6 +10,7 @@
 //!   slow reader cannot overwrite newer content with older.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 /// A cached 4 KiB physical block.
@@ -17,7 +18,7 @@ pub type Block = Arc<[u8]>;
 
 /// The content cache.
 pub struct ContentCache {
-    map: HashMap<u64, (Block, bool)>,
+    map: HashMap<u64, (Block, bool), BuildHasherDefault<PbnHasher>>,
     order: VecDeque<u64>,
     capacity_blocks: usize,
     /// Hits since open.
@@ -26,11 +27,31 @@ pub struct ContentCache {
     pub misses: u64,
 }
 
+/// Hashes a pbn key with one multiply (SipHash costs more than the lookup it serves;
+/// keys are block numbers, not attacker-chosen strings, and the order of the map is never
+/// used, so the cache stays deterministic).
+#[derive(Default)]
+pub struct PbnHasher(u64);
+
+impl Hasher for PbnHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(26);
+    }
+}
+
 impl ContentCache {
     /// A cache of `capacity_bytes` (0 disables it).
     pub fn new(capacity_bytes: u64) -> Self {
         ContentCache {
-            map: HashMap::new(),
+            map: HashMap::default(),
             order: VecDeque::new(),
             capacity_blocks: (capacity_bytes / crate::config::BLOCK_SIZE_U64) as usize,
             hits: 0,

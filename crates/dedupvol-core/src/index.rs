@@ -2,7 +2,9 @@
 //! location of a stored copy.
 //!
 //! Layout: `capacity` entries in buckets of 8; an entry is 16 bytes (8-byte fingerprint tag
-//! + 8-byte location word: pbn 40 bits | state 8 bits | reuse stamp 16 bits). In `hash`
+//! + 8-byte location word: pbn 40 bits | state 8 bits | reuse stamp 16 bits). A bucket is
+//! 128 contiguous bytes, its 8 tags then its 8 location words, so a lookup touches one
+//! page and two cache lines; the table asks for huge pages (`hugemem`). In `hash`
 //! verification mode each entry also keeps the remaining 24 bytes of the fingerprint so
 //! a hit can be trusted on full 256-bit equality (40 bytes per entry).
 //!
@@ -40,8 +42,11 @@ impl Location {
 
 /// The index.
 pub struct Index {
-    tags: Vec<u64>,
-    locs: Vec<u64>,
+    /// Populates `words` and `rest` in the background; declared first so it is dropped
+    /// (joined) before them.
+    _prefault: Vec<crate::hugemem::Prefault>,
+    /// Per bucket: 8 tags, then 8 location words (tag 0 = empty slot).
+    words: Vec<u64>,
     rest: Option<Vec<[u8; 24]>>,
     buckets: usize,
     entries: u64,
@@ -72,10 +77,14 @@ impl Index {
         let per = if full_hash { ENTRY_BYTES_FULL_HASH } else { ENTRY_BYTES };
         let buckets = ((memory_bytes / per) as usize / BUCKET_ENTRIES).max(1);
         let cap = buckets * BUCKET_ENTRIES;
+        let words: Vec<u64> = crate::hugemem::zeroed(2 * cap);
+        let rest: Option<Vec<[u8; 24]>> = full_hash.then(|| crate::hugemem::zeroed(cap));
+        let mut prefault = vec![crate::hugemem::Prefault::start(&words)];
+        prefault.extend(rest.as_deref().map(crate::hugemem::Prefault::start));
         Index {
-            tags: vec![0; cap],
-            locs: vec![0; cap],
-            rest: full_hash.then(|| vec![[0u8; 24]; cap]),
+            _prefault: prefault,
+            words,
+            rest,
             buckets,
             entries: 0,
         }
@@ -83,7 +92,30 @@ impl Index {
 
     /// Entries the index can hold.
     pub fn capacity(&self) -> u64 {
-        self.tags.len() as u64
+        (self.words.len() / 2) as u64
+    }
+
+    /// Word position of entry `i`'s tag; its location word is `BUCKET_ENTRIES` further.
+    fn tag_pos(i: usize) -> usize {
+        (i / BUCKET_ENTRIES) * 2 * BUCKET_ENTRIES + i % BUCKET_ENTRIES
+    }
+
+    fn tag(&self, i: usize) -> Option<u64> {
+        self.words.get(Self::tag_pos(i)).copied()
+    }
+
+    fn loc(&self, i: usize) -> Option<u64> {
+        self.words.get(Self::tag_pos(i) + BUCKET_ENTRIES).copied()
+    }
+
+    fn set(&mut self, i: usize, tag: u64, loc: u64) {
+        let t = Self::tag_pos(i);
+        if let Some(w) = self.words.get_mut(t) {
+            *w = tag;
+        }
+        if let Some(w) = self.words.get_mut(t + BUCKET_ENTRIES) {
+            *w = loc;
+        }
     }
 
     /// Entries held now.
@@ -123,7 +155,7 @@ impl Index {
         let tag = tag_of(h);
         let rest = self.rest.as_ref().map(|_| rest_of(h));
         self.range(h).find(|&i| {
-            self.tags.get(i) == Some(&tag)
+            self.tag(i) == Some(tag)
                 && match (&self.rest, &rest) {
                     (Some(r), Some(want)) => r.get(i) == Some(want),
                     _ => true,
@@ -133,7 +165,7 @@ impl Index {
 
     /// The candidate location for fingerprint `h`.
     pub fn lookup(&self, h: &[u8; 32]) -> Option<Location> {
-        self.find(h).and_then(|i| self.locs.get(i)).map(|&w| Location::unpack(w))
+        self.find(h).and_then(|i| self.loc(i)).map(Location::unpack)
     }
 
     /// Records `h` at `loc`, replacing a same-fingerprint entry, an empty one, or a victim.
@@ -142,7 +174,7 @@ impl Index {
             Some(i) => i,
             None => {
                 let r = self.range(h);
-                match r.clone().find(|&i| self.tags.get(i) == Some(&0)) {
+                match r.clone().find(|&i| self.tag(i) == Some(0)) {
                     Some(i) => {
                         self.entries += 1;
                         i
@@ -152,10 +184,7 @@ impl Index {
                 }
             }
         };
-        if let (Some(t), Some(l)) = (self.tags.get_mut(i), self.locs.get_mut(i)) {
-            *t = tag_of(h);
-            *l = loc.pack();
-        }
+        self.set(i, tag_of(h), loc.pack());
         if let Some(r) = self.rest.as_mut().and_then(|r| r.get_mut(i)) {
             *r = rest_of(h);
         }
@@ -168,7 +197,8 @@ impl Index {
         let per = self.bytes_per_entry() as usize;
         let mut out = Vec::with_capacity(self.entries as usize * per);
         let mut n = 0;
-        for (i, (&tag, &loc)) in self.tags.iter().zip(&self.locs).enumerate() {
+        for i in 0..self.capacity() as usize {
+            let (Some(tag), Some(loc)) = (self.tag(i), self.loc(i)) else { continue };
             if tag == 0 {
                 continue;
             }
@@ -194,13 +224,10 @@ impl Index {
                 continue;
             }
             let r = self.range_of_tag(tag);
-            let Some(i) = r.clone().find(|&i| self.tags.get(i) == Some(&0)) else {
+            let Some(i) = r.clone().find(|&i| self.tag(i) == Some(0)) else {
                 continue;
             };
-            if let (Some(t), Some(l)) = (self.tags.get_mut(i), self.locs.get_mut(i)) {
-                *t = tag;
-                *l = loc;
-            }
+            self.set(i, tag, loc);
             if let (Some(rest), Some(src)) = (self.rest.as_mut().and_then(|r| r.get_mut(i)), e.get(16..40)) {
                 rest.copy_from_slice(src);
             }
@@ -213,11 +240,9 @@ impl Index {
     /// Forgets `h` if it still points at `loc` (after a failed verification).
     pub fn remove(&mut self, h: &[u8; 32], loc: Location) {
         if let Some(i) = self.find(h) {
-            if self.locs.get(i).map(|&w| Location::unpack(w)) == Some(loc) {
-                if let Some(t) = self.tags.get_mut(i) {
-                    *t = 0;
-                    self.entries -= 1;
-                }
+            if self.loc(i).map(Location::unpack) == Some(loc) {
+                self.set(i, 0, 0);
+                self.entries -= 1;
             }
         }
     }

@@ -18,6 +18,7 @@ pub mod check;
 pub mod codec;
 pub mod config;
 pub mod error;
+pub mod hugemem;
 pub mod index;
 pub mod journal;
 pub mod layout;

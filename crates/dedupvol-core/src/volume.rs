@@ -10,10 +10,12 @@
 //!    and apply every mapping change (block map + refcounts).
 //!
 //! Invariants:
-//! - Data is on the device (written, not necessarily synced) before any mapping that
-//!   references it is visible; a commit syncs data before writing journal blocks, and
-//!   syncs the journal before reporting durability (DESIGN.md §4).
-//! - Lock order: `commit_lock` before `state`; `cache` is taken alone.
+//! - Data a visible mapping references is on the device (written, not necessarily synced)
+//!   or held in memory by `staged` / `writing`, which answer reads and verifications for
+//!   it; a commit writes the staged data, waits for every earlier write in flight, syncs
+//!   data, then writes the journal blocks, and syncs them before reporting durability
+//!   (DESIGN.md §4).
+//! - Lock order: `commit_lock` before `state` before `inflight`; `cache` is taken alone.
 //! - After a failed device write or sync the volume is "failed": it refuses writes, since
 //!   what reached the device is unknown (a failed fsync is never retried and assumed good).
 //! - The content a block map entry points to always hashes (crc32c) to the entry's crc; a
@@ -32,7 +34,7 @@ use crate::refcount::{Refcounts, REFCOUNT_MAX};
 use crate::stats::{ReductionCounters, Savings, Stats};
 use crate::storage::{Dev, FileStorage, IoCounters, IoKind, Storage};
 use crate::superblock::Superblock;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -61,6 +63,17 @@ pub(crate) struct State {
     /// Data blocks placed but not yet written: merged into large writes when the buffer
     /// fills or before a commit syncs data. They are the authority for their pbns.
     pub(crate) staged: Vec<(u64, Block)>,
+    /// Staged batches being written outside the state lock, by ticket, oldest first. They
+    /// stay the authority for their pbns until pruned after their write completes; a pbn
+    /// found in several batches is answered by the newest.
+    pub(crate) writing: Vec<(u64, Vec<(u64, Block)>)>,
+}
+
+/// Data writes issued outside the state lock and not yet complete (see `Volume::inflight`).
+#[derive(Default)]
+struct Inflight {
+    next_ticket: u64,
+    active: std::collections::BTreeSet<u64>,
 }
 
 /// An open volume. Share it between threads with `Arc`; every method takes `&self`.
@@ -71,6 +84,11 @@ pub struct Volume {
     pub(crate) sb: Mutex<Superblock>,
     pub(crate) state: Mutex<State>,
     commit_lock: Mutex<()>,
+    /// Tickets of data writes in flight outside the state lock. A commit waits for every
+    /// ticket issued before it took its journal batch, so the data sync covers them.
+    /// Lock order: `state` before `inflight`; a writer finishing takes `inflight` alone.
+    inflight: Mutex<Inflight>,
+    inflight_done: Condvar,
     cache: Mutex<ContentCache>,
     rmw: Vec<Mutex<()>>,
     io: Arc<IoCounters>,
@@ -343,11 +361,12 @@ impl Volume {
             journal,
             packer: Packer::new(sb.compression),
             index: Index::new(index_memory, full_hash),
-            stamps: full_hash.then(|| vec![0u16; geo.data_blocks as usize]),
+            stamps: full_hash.then(|| crate::hugemem::zeroed(geo.data_blocks as usize)),
             reuse_gen: 0,
             counters,
             red: ReductionCounters::default(),
             staged: Vec::new(),
+            writing: Vec::new(),
             rc,
         };
         // The saved index is from the last clean close. With byte verification a stale
@@ -372,6 +391,8 @@ impl Volume {
             sb: Mutex::new(sb),
             state: Mutex::new(state),
             commit_lock: Mutex::new(()),
+            inflight: Mutex::new(Inflight::default()),
+            inflight_done: Condvar::new(),
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             io,
@@ -387,6 +408,7 @@ impl Volume {
 
     /// Makes everything durable, writes all metadata and marks the volume clean.
     pub fn close(self) -> Result<()> {
+        eprintln!("PROF {}", prof_report());
         if self.read_only {
             return Ok(());
         }
@@ -475,18 +497,37 @@ impl Volume {
     // commit and checkpoint
     // ----------------------------------------------------------------------------------
 
-    /// Seals the packer and encodes pending journal entries (state lock held).
-    fn take_commit(&self, st: &mut State) -> Result<CommitBatch> {
+    /// Seals the packer, writes the staged data and encodes pending journal entries (state
+    /// lock held). Returns the batch and the first ticket its data sync need not wait for:
+    /// every entry in the batch refers to data written already, written here, or in a
+    /// write with an earlier ticket.
+    fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64)> {
         self.seal_packer(st)?;
-        self.write_staged(st)?;
-        st.journal.take_batch()
+        let staged = std::mem::take(&mut st.staged);
+        self.write_merged(staged)?;
+        let ticket = {
+            let g = self.inflight.lock();
+            st.writing.retain(|(t, _)| g.active.contains(t));
+            g.next_ticket
+        };
+        Ok((st.journal.take_batch()?, ticket))
     }
 
-    /// Syncs data, writes the journal blocks and syncs them (no lock needed).
-    fn write_commit(&self, batch: &CommitBatch) -> Result<()> {
+    /// Waits for the data writes in flight outside the state lock with a ticket below
+    /// `ticket`, then syncs data, writes the journal blocks and syncs them. Needs no state
+    /// lock (and may hold it: finishing writers never take it).
+    fn write_commit(&self, batch: &CommitBatch, ticket: u64) -> Result<()> {
         if batch.blocks.is_empty() {
             return Ok(());
         }
+        {
+            let mut g = self.inflight.lock();
+            while g.active.first().is_some_and(|&t| t < ticket) {
+                self.inflight_done.wait(&mut g);
+            }
+        }
+        // A failed in-flight write leaves the device state unknown: no journal for it.
+        self.check_not_failed()?;
         self.data.sync()?;
         journal::write_batch(&self.meta, batch)?;
         self.meta.sync()
@@ -520,7 +561,8 @@ impl Volume {
             let r = self.take_commit(&mut st);
             self.guard(r)?
         };
-        let r = self.write_commit(&batch);
+        let (batch, ticket) = batch;
+        let r = self.write_commit(&batch, ticket);
         self.guard(r)?;
         let mut st = self.state.lock();
         self.finish_commit(&mut st, &batch);
@@ -536,8 +578,8 @@ impl Volume {
     /// Commits everything, writes every dirty page, syncs, and reclaims journal space.
     /// Caller holds the commit lock and the state lock.
     fn checkpoint(&self, st: &mut State) -> Result<()> {
-        let batch = self.take_commit(st)?;
-        self.write_commit(&batch)?;
+        let (batch, ticket) = self.take_commit(st)?;
+        self.write_commit(&batch, ticket)?;
         self.finish_commit(st, &batch);
         let durable = st.journal.durable_seq;
         st.map.write_dirty(durable)?;
@@ -645,8 +687,12 @@ impl Volume {
         // Phase 2: index lookups (state lock).
         let gen_at_lookup;
         let hash_mode;
+        let t_wait = std::time::Instant::now();
         {
             let st = self.state.lock();
+            let t_in = std::time::Instant::now();
+            PROF[0].fetch_add((t_in - t_wait).as_nanos() as u64, Ordering::Relaxed);
+            let _pp = ProfGuard(t_in, 1);
             gen_at_lookup = st.reuse_gen;
             hash_mode = st.stamps.is_some();
             if sb_dedup {
@@ -662,7 +708,7 @@ impl Volume {
                                 // A block not on the device yet (the device may still hold its
                                 // previous life) is decided here, from memory.
                                 let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
-                                let mut out = vec![0u8; BLOCK_SIZE];
+                                let mut out = [0u8; BLOCK_SIZE];
                                 let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
                                 if let Some(ok) = decode_unwritten(&st, &e, &mut out) {
                                     *verified = ok && out == chunk;
@@ -689,13 +735,25 @@ impl Volume {
             }
         });
         // Phase 4: place, write and journal (state lock).
+        let t_wait = std::time::Instant::now();
         let mut st = self.state.lock();
+        let t_in = std::time::Instant::now();
+        PROF[2].fetch_add((t_in - t_wait).as_nanos() as u64, Ordering::Relaxed);
+        let _pp = ProfGuard(t_in, 3);
         let r = self.apply_plans(&mut st, lba0, n, buf, &mut plans, gen_at_lookup, compression);
         match r {
             Ok(seq) => {
                 let durable = st.journal.durable_seq;
                 let r = st.map.evict(durable);
                 self.guard(r)?;
+                // A full staging buffer is written by this thread after it lets go of the
+                // lock, so writers copy into the page cache / device in parallel.
+                let pending = (st.staged.len() >= STAGED_BLOCKS_MAX).then(|| self.begin_write(&mut st));
+                drop(st);
+                drop(_pp);
+                if let Some((ticket, blocks)) = pending {
+                    self.finish_write(ticket, blocks)?;
+                }
                 Ok(seq)
             }
             Err(e @ (Error::NoSpace(_) | Error::OutOfRange { .. })) => Err(e),
@@ -712,11 +770,11 @@ impl Volume {
         let block = match cached {
             Some(b) => b,
             None => {
-                let mut b = vec![0u8; BLOCK_SIZE];
-                if self.data.read(IoKind::Verify, &mut b, self.geo.data_offset(loc.pbn)).is_err() {
+                let mut b = new_block();
+                let Some(buf) = Arc::get_mut(&mut b) else { return false };
+                if self.data.read(IoKind::Verify, buf, self.geo.data_offset(loc.pbn)).is_err() {
                     return false;
                 }
-                let b = Block::from(b);
                 self.cache.lock().fill(loc.pbn, b.clone());
                 b
             }
@@ -822,7 +880,7 @@ impl Volume {
                         stamp_ok(st, &loc)
                     } else if let Some(ok) = {
                         let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
-                        let mut out = vec![0u8; BLOCK_SIZE];
+                        let mut out = [0u8; BLOCK_SIZE];
                         decode_unwritten(st, &e, &mut out).map(|ok| ok && out == chunk)
                     } {
                         ok
@@ -891,19 +949,46 @@ impl Volume {
         Ok(())
     }
 
-    /// Queues a placed data block for writing (and caches it).
+    /// Queues a placed data block for writing (and caches it). The writer that fills the
+    /// buffer writes it outside the lock; a buffer past its hard bound (one huge request)
+    /// is written here.
     fn stage(&self, st: &mut State, pbn: u64, block: Block) -> Result<()> {
         self.cache.lock().put(pbn, block.clone());
         st.staged.push((pbn, block));
-        if st.staged.len() >= STAGED_BLOCKS_MAX {
-            self.write_staged(st)?;
+        if st.staged.len() >= STAGED_BLOCKS_HARD_MAX {
+            let staged = std::mem::take(&mut st.staged);
+            self.write_merged(staged)?;
         }
         Ok(())
     }
 
-    /// Writes every staged block, merging blocks adjacent on the device into one write.
-    fn write_staged(&self, st: &mut State) -> Result<()> {
-        let mut staged = std::mem::take(&mut st.staged);
+    /// Moves the staged blocks to `writing` under a new ticket (state lock held), and
+    /// forgets batches whose writes have completed.
+    fn begin_write(&self, st: &mut State) -> (u64, Vec<(u64, Block)>) {
+        let blocks = std::mem::take(&mut st.staged);
+        let mut g = self.inflight.lock();
+        st.writing.retain(|(t, _)| g.active.contains(t));
+        let ticket = g.next_ticket;
+        g.next_ticket += 1;
+        g.active.insert(ticket);
+        drop(g);
+        st.writing.push((ticket, blocks.clone()));
+        (ticket, blocks)
+    }
+
+    /// Writes a batch from `begin_write` (no lock held) and retires its ticket, failed or not.
+    fn finish_write(&self, ticket: u64, blocks: Vec<(u64, Block)>) -> Result<()> {
+        let r = self.write_merged(blocks);
+        {
+            let mut g = self.inflight.lock();
+            g.active.remove(&ticket);
+        }
+        self.inflight_done.notify_all();
+        self.guard(r)
+    }
+
+    /// Writes blocks, merging blocks adjacent on the device into one write.
+    fn write_merged(&self, mut staged: Vec<(u64, Block)>) -> Result<()> {
         staged.sort_unstable_by_key(|(p, _)| *p);
         let mut k = 0;
         while let Some((start, first)) = staged.get(k) {
@@ -1094,9 +1179,9 @@ impl Volume {
         if let Some(b) = self.cache.lock().get(pbn) {
             return Ok(b);
         }
-        let mut b = vec![0u8; BLOCK_SIZE];
-        self.data.read(IoKind::Data, &mut b, self.geo.data_offset(pbn))?;
-        let b = Block::from(b);
+        let mut b = new_block();
+        let buf = Arc::get_mut(&mut b).ok_or_else(|| Error::InvalidArgument("fresh block is shared".into()))?;
+        self.data.read(IoKind::Data, buf, self.geo.data_offset(pbn))?;
         self.cache.lock().fill(pbn, b.clone());
         Ok(b)
     }
@@ -1248,6 +1333,9 @@ fn segments(offset: u64, len: u64, max_blocks: u64) -> impl Iterator<Item = Segm
 
 /// Data blocks staged before they are written as one merged write (256 KiB).
 const STAGED_BLOCKS_MAX: usize = 64;
+/// Staged blocks past which `stage` writes under the lock (a request is at most
+/// `WRITE_BLOCKS_PER_BATCH` blocks, so this bounds the buffer at 8 MiB).
+const STAGED_BLOCKS_HARD_MAX: usize = 2048;
 
 /// Decodes the logical content `e` refers to when its physical block is not on the device
 /// yet (the open packed block, or a staged block). None: read it from the device.
@@ -1256,7 +1344,13 @@ fn decode_unwritten(st: &State, e: &MapEntry, out: &mut [u8]) -> Option<bool> {
         // The open block is a packed block: a raw mapping to it is stale.
         return Some(e.slot().and_then(|slot| st.packer.unpack_open(e.pbn, slot, out)).is_some_and(|r| r.is_ok()));
     }
-    let (_, block) = st.staged.iter().rev().find(|(p, _)| *p == e.pbn)?;
+    // Newest first: a pbn freed and reused may still sit in an older, completed batch.
+    let (_, block) = st
+        .staged
+        .iter()
+        .rev()
+        .chain(st.writing.iter().rev().flat_map(|(_, b)| b.iter().rev()))
+        .find(|(p, _)| *p == e.pbn)?;
     Some(match e.slot() {
         None => {
             if out.len() == block.len() {
@@ -1278,7 +1372,10 @@ const PARALLEL_THREADS_MAX: usize = 8;
 /// Runs `f` on every element, splitting large slices across scoped threads (one request
 /// from a single-threaded client, such as an import, still uses every core).
 fn par_for_each<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_THREADS_MAX);
+    // Asked once: the answer reads cgroup files, which cost more than hashing a request.
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads = *THREADS
+        .get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_THREADS_MAX));
     if items.len() < PARALLEL_CHUNKS_MIN || threads < 2 {
         for (i, t) in items.iter_mut().enumerate() {
             f(i, t);
@@ -1298,6 +1395,11 @@ fn par_for_each<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
     });
 }
 
+/// A zeroed, unshared block, allocated once (`Arc::from(Vec)` would copy it).
+fn new_block() -> Block {
+    std::iter::repeat_n(0u8, BLOCK_SIZE).collect()
+}
+
 /// True when `block` (raw or packed, per `state`) holds `chunk`.
 fn content_matches(block: &[u8], state: u8, chunk: &[u8]) -> bool {
     let e = MapEntry { pbn: 0, state, crc: 0 };
@@ -1306,7 +1408,7 @@ fn content_matches(block: &[u8], state: u8, chunk: &[u8]) -> bool {
     }
     match e.slot() {
         Some(slot) => {
-            let mut out = vec![0u8; BLOCK_SIZE];
+            let mut out = [0u8; BLOCK_SIZE];
             packer::unpack(block, slot, &mut out).is_ok() && out == chunk
         }
         None => false,
@@ -1378,4 +1480,15 @@ fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
         dev.sync()?;
     }
     Ok(())
+}
+
+pub static PROF: [std::sync::atomic::AtomicU64; 4] = [const { std::sync::atomic::AtomicU64::new(0) }; 4];
+struct ProfGuard(std::time::Instant, usize);
+impl Drop for ProfGuard {
+    fn drop(&mut self) {
+        PROF[self.1].fetch_add(self.0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+pub fn prof_report() -> String {
+    format!("wait2 {:.3}s hold2 {:.3}s wait4 {:.3}s hold4 {:.3}s", PROF[0].load(Ordering::Relaxed) as f64/1e9, PROF[1].load(Ordering::Relaxed) as f64/1e9, PROF[2].load(Ordering::Relaxed) as f64/1e9, PROF[3].load(Ordering::Relaxed) as f64/1e9)
 }

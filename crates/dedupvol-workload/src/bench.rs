@@ -26,6 +26,7 @@ use crate::estimate::{EstimateOptions, EstimateReport, Estimator};
 use crate::primitives::{measure_cpu, measure_disk_seq_write, CpuPrimitives, DiskFigure, RemoveOnDrop};
 use crate::rng::WyRand;
 use dedupvol_core::{
+    config::DedupVerify,
     Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume, WritePolicy,
 };
 use serde::Serialize;
@@ -98,6 +99,8 @@ pub struct BenchOptions {
     pub baselines: bool,
     /// Index memory of the engine volume, in bytes.
     pub index_memory_bytes: u64,
+    /// Duplicate verification of the engine volume.
+    pub verify: DedupVerify,
     /// Print phase timings to stderr.
     pub verbose: bool,
 }
@@ -539,6 +542,7 @@ pub fn run_scenario(
         compression: opts.compression,
         write_policy: opts.write_policy,
         index_memory_bytes: opts.index_memory_bytes,
+        verify: opts.verify,
         ..FormatOptions::default()
     };
     let mut result = ScenarioResult {
