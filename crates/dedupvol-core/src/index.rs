@@ -81,13 +81,7 @@ impl Index {
         let rest: Option<Vec<[u8; 24]>> = full_hash.then(|| crate::hugemem::zeroed(cap));
         let mut prefault = vec![crate::hugemem::Prefault::start(&words)];
         prefault.extend(rest.as_deref().map(crate::hugemem::Prefault::start));
-        Index {
-            _prefault: prefault,
-            words,
-            rest,
-            buckets,
-            entries: 0,
-        }
+        Index { _prefault: prefault, words, rest, buckets, entries: 0 }
     }
 
     /// Entries the index can hold.

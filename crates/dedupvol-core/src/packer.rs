@@ -95,7 +95,9 @@ pub const OPEN_BLOCKS_MAX: usize = 4;
 pub struct OpenBlock {
     /// Its physical block.
     pub pbn: u64,
-    buf: Box<[u8]>,
+    /// Unshared while open (written through `Arc::make_mut`, which then never copies), so sealing hands the block to
+    /// the write path and the content cache without a copy.
+    buf: crate::cache::Block,
     count: u8,
     used: usize,
 }
@@ -143,9 +145,10 @@ impl Packer {
     pub fn try_add(&mut self, frag: &[u8]) -> Option<(u64, u8)> {
         let o = self.open.iter_mut().filter(|o| o.fits(frag.len())).min_by_key(|o| BLOCK_SIZE - o.used)?;
         let slot = o.count;
-        o.buf.get_mut(o.used..o.used + frag.len())?.copy_from_slice(frag);
-        put_u16(&mut o.buf, 12 + 4 * usize::from(slot), o.used as u16);
-        put_u16(&mut o.buf, 14 + 4 * usize::from(slot), frag.len() as u16);
+        let buf = std::sync::Arc::make_mut(&mut o.buf);
+        buf.get_mut(o.used..o.used + frag.len())?.copy_from_slice(frag);
+        put_u16(buf, 12 + 4 * usize::from(slot), o.used as u16);
+        put_u16(buf, 14 + 4 * usize::from(slot), frag.len() as u16);
         o.used += frag.len();
         o.count += 1;
         Some((o.pbn, slot))
@@ -154,31 +157,34 @@ impl Packer {
     /// Opens a new block at `pbn` (the caller checks `can_open`).
     pub fn open(&mut self, pbn: u64) {
         debug_assert!(self.can_open() && !self.is_open(pbn));
-        let mut buf = vec![0u8; BLOCK_SIZE].into_boxed_slice();
-        put_u32(&mut buf, 0, PACKED_MAGIC);
-        if let Some(c) = buf.get_mut(9) {
+        let mut buf: crate::cache::Block = std::iter::repeat_n(0u8, BLOCK_SIZE).collect();
+        let b = std::sync::Arc::make_mut(&mut buf);
+        put_u32(b, 0, PACKED_MAGIC);
+        if let Some(c) = b.get_mut(9) {
             *c = self.codec.code();
         }
         self.open.push(OpenBlock { pbn, buf, count: 0, used: PACKED_HEADER_BYTES });
     }
 
-    fn finish(mut o: OpenBlock) -> (u64, Box<[u8]>, u8) {
-        if let Some(c) = o.buf.get_mut(8) {
+    fn finish(mut o: OpenBlock) -> (u64, crate::cache::Block, u8) {
+        // make_mut copies only if the block was shared, which the packer never does.
+        let b = std::sync::Arc::make_mut(&mut o.buf);
+        if let Some(c) = b.get_mut(8) {
             *c = o.count;
         }
-        seal_crc(&mut o.buf, CRC_OFFSET);
+        seal_crc(b, CRC_OFFSET);
         (o.pbn, o.buf, o.count)
     }
 
     /// Closes the fullest open block and returns it ready to write.
-    pub fn seal_fullest(&mut self) -> Option<(u64, Box<[u8]>, u8)> {
+    pub fn seal_fullest(&mut self) -> Option<(u64, crate::cache::Block, u8)> {
         let i = self.open.iter().enumerate().max_by_key(|(_, o)| o.used).map(|(i, _)| i)?;
         Some(Self::finish(self.open.swap_remove(i)))
     }
 
     /// Closes every open block (a commit needs their data durable). A block returned with
     /// `count == 0` was never used and its pbn can be unreserved.
-    pub fn seal_all(&mut self) -> Vec<(u64, Box<[u8]>, u8)> {
+    pub fn seal_all(&mut self) -> Vec<(u64, crate::cache::Block, u8)> {
         std::mem::take(&mut self.open).into_iter().map(Self::finish).collect()
     }
 

@@ -25,6 +25,9 @@ pub trait Storage: Send + Sync {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// Makes every write that completed before this call durable.
     fn sync(&self) -> io::Result<()>;
+    /// Hint: start writing `[offset, offset + len)` back to stable storage now, without
+    /// waiting, so the next `sync` has less to do. Guarantees nothing; errors surface at `sync`.
+    fn start_writeback(&self, _offset: u64, _len: u64) {}
     /// Size of the device in bytes.
     fn len(&self) -> u64;
     /// True when the device has no bytes.
@@ -134,6 +137,14 @@ impl Storage for FileStorage {
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
     }
+    fn start_writeback(&self, offset: u64, len: u64) {
+        let (Ok(off), Ok(n)) = (i64::try_from(offset), i64::try_from(len)) else { return };
+        // SAFETY: plain syscall on an fd this struct owns; no memory is passed. The result is
+        // ignored: this is only a hint, and a write error is reported by the next fdatasync.
+        unsafe {
+            libc::sync_file_range(std::os::fd::AsRawFd::as_raw_fd(&self.file), off, n, libc::SYNC_FILE_RANGE_WRITE);
+        }
+    }
     fn len(&self) -> u64 {
         self.len
     }
@@ -224,6 +235,9 @@ impl<T: Storage + ?Sized> Storage for Arc<T> {
     }
     fn sync(&self) -> io::Result<()> {
         (**self).sync()
+    }
+    fn start_writeback(&self, offset: u64, len: u64) {
+        (**self).start_writeback(offset, len)
     }
     fn len(&self) -> u64 {
         (**self).len()
@@ -409,6 +423,10 @@ impl Dev {
         self.inner.write_at(buf, offset).map_err(|e| {
             Error::io(format!("writing {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
         })
+    }
+    /// Starts writeback of a range just written (a hint; see `Storage::start_writeback`).
+    pub fn start_writeback(&self, offset: u64, len: u64) {
+        self.inner.start_writeback(offset, len);
     }
     /// Durability barrier.
     pub fn sync(&self) -> Result<()> {

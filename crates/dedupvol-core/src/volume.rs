@@ -408,7 +408,6 @@ impl Volume {
 
     /// Makes everything durable, writes all metadata and marks the volume clean.
     pub fn close(self) -> Result<()> {
-        eprintln!("PROF {}", prof_report());
         if self.read_only {
             return Ok(());
         }
@@ -504,7 +503,7 @@ impl Volume {
     fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64)> {
         self.seal_packer(st)?;
         let staged = std::mem::take(&mut st.staged);
-        self.write_merged(staged)?;
+        self.write_merged(staged, false)?;
         let ticket = {
             let g = self.inflight.lock();
             st.writing.retain(|(t, _)| g.active.contains(t));
@@ -687,12 +686,8 @@ impl Volume {
         // Phase 2: index lookups (state lock).
         let gen_at_lookup;
         let hash_mode;
-        let t_wait = std::time::Instant::now();
         {
             let st = self.state.lock();
-            let t_in = std::time::Instant::now();
-            PROF[0].fetch_add((t_in - t_wait).as_nanos() as u64, Ordering::Relaxed);
-            let _pp = ProfGuard(t_in, 1);
             gen_at_lookup = st.reuse_gen;
             hash_mode = st.stamps.is_some();
             if sb_dedup {
@@ -735,11 +730,7 @@ impl Volume {
             }
         });
         // Phase 4: place, write and journal (state lock).
-        let t_wait = std::time::Instant::now();
         let mut st = self.state.lock();
-        let t_in = std::time::Instant::now();
-        PROF[2].fetch_add((t_in - t_wait).as_nanos() as u64, Ordering::Relaxed);
-        let _pp = ProfGuard(t_in, 3);
         let r = self.apply_plans(&mut st, lba0, n, buf, &mut plans, gen_at_lookup, compression);
         match r {
             Ok(seq) => {
@@ -750,7 +741,6 @@ impl Volume {
                 // lock, so writers copy into the page cache / device in parallel.
                 let pending = (st.staged.len() >= STAGED_BLOCKS_MAX).then(|| self.begin_write(&mut st));
                 drop(st);
-                drop(_pp);
                 if let Some((ticket, blocks)) = pending {
                     self.finish_write(ticket, blocks)?;
                 }
@@ -957,7 +947,7 @@ impl Volume {
         st.staged.push((pbn, block));
         if st.staged.len() >= STAGED_BLOCKS_HARD_MAX {
             let staged = std::mem::take(&mut st.staged);
-            self.write_merged(staged)?;
+            self.write_merged(staged, false)?;
         }
         Ok(())
     }
@@ -978,7 +968,7 @@ impl Volume {
 
     /// Writes a batch from `begin_write` (no lock held) and retires its ticket, failed or not.
     fn finish_write(&self, ticket: u64, blocks: Vec<(u64, Block)>) -> Result<()> {
-        let r = self.write_merged(blocks);
+        let r = self.write_merged(blocks, true);
         {
             let mut g = self.inflight.lock();
             g.active.remove(&ticket);
@@ -987,8 +977,10 @@ impl Volume {
         self.guard(r)
     }
 
-    /// Writes blocks, merging blocks adjacent on the device into one write.
-    fn write_merged(&self, mut staged: Vec<(u64, Block)>) -> Result<()> {
+    /// Writes blocks, merging blocks adjacent on the device into one write. With
+    /// `writeback`, also starts their writeback (the data region is written sequentially,
+    /// so the device streams it while the commit that will sync it is still filling).
+    fn write_merged(&self, mut staged: Vec<(u64, Block)>, writeback: bool) -> Result<()> {
         staged.sort_unstable_by_key(|(p, _)| *p);
         let mut k = 0;
         while let Some((start, first)) = staged.get(k) {
@@ -1004,6 +996,9 @@ impl Volume {
                     joined.extend_from_slice(b);
                 }
                 self.data.write(IoKind::Data, &joined, self.geo.data_offset(*start))?;
+            }
+            if writeback {
+                self.data.start_writeback(self.geo.data_offset(*start), (run * BLOCK_SIZE) as u64);
             }
             k += run;
         }
@@ -1374,8 +1369,8 @@ const PARALLEL_THREADS_MAX: usize = 8;
 fn par_for_each<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
     // Asked once: the answer reads cgroup files, which cost more than hashing a request.
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let threads = *THREADS
-        .get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_THREADS_MAX));
+    let threads =
+        *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_THREADS_MAX));
     if items.len() < PARALLEL_CHUNKS_MIN || threads < 2 {
         for (i, t) in items.iter_mut().enumerate() {
             f(i, t);
@@ -1480,15 +1475,4 @@ fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
         dev.sync()?;
     }
     Ok(())
-}
-
-pub static PROF: [std::sync::atomic::AtomicU64; 4] = [const { std::sync::atomic::AtomicU64::new(0) }; 4];
-struct ProfGuard(std::time::Instant, usize);
-impl Drop for ProfGuard {
-    fn drop(&mut self) {
-        PROF[self.1].fetch_add(self.0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
-}
-pub fn prof_report() -> String {
-    format!("wait2 {:.3}s hold2 {:.3}s wait4 {:.3}s hold4 {:.3}s", PROF[0].load(Ordering::Relaxed) as f64/1e9, PROF[1].load(Ordering::Relaxed) as f64/1e9, PROF[2].load(Ordering::Relaxed) as f64/1e9, PROF[3].load(Ordering::Relaxed) as f64/1e9)
 }

@@ -26,8 +26,8 @@ use crate::estimate::{EstimateOptions, EstimateReport, Estimator};
 use crate::primitives::{measure_cpu, measure_disk_seq_write, CpuPrimitives, DiskFigure, RemoveOnDrop};
 use crate::rng::WyRand;
 use dedupvol_core::{
-    config::DedupVerify,
-    Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume, WritePolicy,
+    config::DedupVerify, Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume,
+    WritePolicy,
 };
 use serde::Serialize;
 use std::fs::{File, OpenOptions as FsOpenOptions};
