@@ -85,12 +85,19 @@ impl Prefault {
     }
 }
 
-impl Drop for Prefault {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+impl Prefault {
+    /// Waits until every page is populated (or population gave up).
+    pub fn wait(&mut self) {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+impl Drop for Prefault {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.wait();
     }
 }
 

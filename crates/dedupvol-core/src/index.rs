@@ -84,6 +84,11 @@ impl Index {
         Index { _prefault: prefault, words, rest, buckets, entries: 0 }
     }
 
+    /// Waits for the background population of the table's memory to finish.
+    pub fn wait_prefault(&mut self) {
+        self._prefault.iter_mut().for_each(crate::hugemem::Prefault::wait);
+    }
+
     /// Entries the index can hold.
     pub fn capacity(&self) -> u64 {
         (self.words.len() / 2) as u64

@@ -327,7 +327,11 @@ fn fresh_volume(path: &Path, temp: bool, logical: u64, physical: u64, fmt: &Form
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
     let dev: Arc<dyn Storage> =
         Arc::new(FileStorage::open(path, false).map_err(|e| format!("opening {}: {e}", path.display()))?);
-    Volume::open(dev, None, &OpenOptions::default()).map_err(|e| format!("opening volume {}: {e}", path.display()))
+    let vol = Volume::open(dev, None, &OpenOptions::default())
+        .map_err(|e| format!("opening volume {}: {e}", path.display()))?;
+    // The clock measures steady state: the index's memory is populated before it starts.
+    vol.wait_ready();
+    Ok(vol)
 }
 
 /// Writes `source` with `threads` writers into `vol`; returns (seconds, flush seconds).

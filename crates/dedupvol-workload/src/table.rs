@@ -106,7 +106,7 @@ pub fn render_bench(r: &BenchReport) -> String {
     let mut out = String::new();
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
-        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {} writers, final flush inside the clock\n\n",
+        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {} writers, final flush inside the clock, index memory populated before it\n\n",
         r.options.compression, r.options.write_policy, r.options.verify, r.options.threads
     ));
 
