@@ -236,6 +236,22 @@ impl Index {
         n
     }
 
+    /// Forgets every entry pointing at physical block `pbn`; returns how many. A full scan:
+    /// only called when the block's 16-bit reuse stamp wraps, after which a stale entry
+    /// could otherwise carry a matching stamp (hash verification).
+    pub fn remove_pbn(&mut self, pbn: u64) -> u64 {
+        let mut n = 0;
+        for i in 0..self.capacity() as usize {
+            let (Some(tag), Some(loc)) = (self.tag(i), self.loc(i)) else { continue };
+            if tag != 0 && Location::unpack(loc).pbn == pbn {
+                self.set(i, 0, 0);
+                n += 1;
+            }
+        }
+        self.entries -= n;
+        n
+    }
+
     /// Forgets `h` if it still points at `loc` (after a failed verification).
     pub fn remove(&mut self, h: &[u8; 32], loc: Location) {
         if let Some(i) = self.find(h) {
@@ -261,6 +277,14 @@ mod tests {
         assert_eq!(ix.lookup(&h), Some(loc));
         ix.remove(&h, loc);
         assert_eq!(ix.lookup(&h), None);
+        let other = Location { pbn: 6, ..loc };
+        ix.insert(&h, loc);
+        ix.insert(blake3::hash(b"c").as_bytes(), other);
+        assert_eq!(ix.remove_pbn(5), 1);
+        assert_eq!(ix.lookup(&h), None);
+        assert_eq!(ix.lookup(blake3::hash(b"c").as_bytes()), Some(other));
+        assert_eq!(ix.len(), 1);
+        ix.remove(blake3::hash(b"c").as_bytes(), other);
         for i in 0..100_000u32 {
             ix.insert(blake3::hash(&i.to_le_bytes()).as_bytes(), loc);
         }

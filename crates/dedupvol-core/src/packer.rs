@@ -28,18 +28,30 @@ const _: () = assert!(12 + 4 * PACKED_SLOTS_MAX as usize <= PACKED_HEADER_BYTES)
 
 /// Compresses a 4 KiB block; None when the result would not fit in a packed block.
 pub fn compress(codec: Compression, src: &[u8]) -> Option<Vec<u8>> {
-    // lz4_flex wants room for its worst case; anything over FRAGMENT_BYTES_MAX is dropped below.
-    let mut out = vec![0u8; lz4_flex::block::get_maximum_output_size(src.len()).max(FRAGMENT_BYTES_MAX)];
-    let n = match codec {
-        Compression::None => return None,
-        Compression::Lz4 => lz4_flex::block::compress_into(src, &mut out).ok()?,
-        Compression::Zstd => zstd::bulk::compress_to_buffer(src, out.get_mut(..FRAGMENT_BYTES_MAX)?, 1).ok()?,
-    };
-    if n == 0 || n > FRAGMENT_BYTES_MAX {
+    if codec == Compression::None {
         return None;
     }
-    out.truncate(n);
-    Some(out)
+    // Compress into a per-thread scratch buffer (sized for lz4_flex's worst case) and copy
+    // out only the fragment: no zeroed 4 KiB allocation per chunk.
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|cell| {
+        let mut out = cell.borrow_mut();
+        let want = lz4_flex::block::get_maximum_output_size(src.len()).max(FRAGMENT_BYTES_MAX);
+        if out.len() < want {
+            out.resize(want, 0);
+        }
+        let n = match codec {
+            Compression::None => return None,
+            Compression::Lz4 => lz4_flex::block::compress_into(src, &mut out).ok()?,
+            Compression::Zstd => zstd::bulk::compress_to_buffer(src, out.get_mut(..FRAGMENT_BYTES_MAX)?, 1).ok()?,
+        };
+        if n == 0 || n > FRAGMENT_BYTES_MAX {
+            return None;
+        }
+        out.get(..n).map(<[u8]>::to_vec)
+    })
 }
 
 /// Decompresses a fragment into exactly 4096 bytes.

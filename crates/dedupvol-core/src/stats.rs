@@ -50,6 +50,8 @@ pub struct ReductionCounters {
     pub block_map_cache_hits: u64,
     /// Block map cache misses (page reads).
     pub block_map_cache_misses: u64,
+    /// Full index scans after a block's reuse stamp wrapped (hash verification).
+    pub stamp_wrap_scans: u64,
 }
 
 /// A full statistics snapshot.

@@ -97,6 +97,10 @@ pub struct Volume {
     compression: Compression,
     pub(crate) read_only: bool,
     failed: AtomicBool,
+    /// Set under the state lock whenever entries are appended or a batch is taken: the
+    /// pending journal entries have reached the point where a writer should commit. Lets
+    /// `after_write` decide without taking the state lock again.
+    journal_pressure: AtomicBool,
     failure: Mutex<String>,
     /// Problems noticed while opening (superblock copies), for `check`; entries starting
     /// with "note: " are informational (torn writes a crash left behind).
@@ -401,6 +405,7 @@ impl Volume {
             compression,
             read_only: opts.read_only,
             failed: AtomicBool::new(false),
+            journal_pressure: AtomicBool::new(false),
             failure: Mutex::new(String::new()),
             open_notes: notes,
         })
@@ -516,7 +521,15 @@ impl Volume {
             st.writing.retain(|(t, _)| g.active.contains(t));
             g.next_ticket
         };
-        Ok((st.journal.take_batch()?, ticket))
+        let batch = st.journal.take_batch()?;
+        self.note_pressure(st);
+        Ok((batch, ticket))
+    }
+
+    /// Records whether pending journal entries call for a commit (state lock held).
+    fn note_pressure(&self, st: &State) {
+        let full = st.journal.pending_len() >= st.journal.pending_entries_max();
+        self.journal_pressure.store(full, Ordering::Release);
     }
 
     /// Waits for the data writes in flight outside the state lock with a ticket below
@@ -628,10 +641,7 @@ impl Volume {
 
     fn after_write(&self, fua: bool, last_seq: u64) -> Result<()> {
         let must = fua || self.policy == WritePolicy::Sync;
-        let pressure = {
-            let st = self.state.lock();
-            st.journal.pending_len() >= st.journal.pending_entries_max()
-        };
+        let pressure = self.journal_pressure.load(Ordering::Acquire);
         if must {
             // A FUA write must also cover an earlier identical write it was found equal to,
             // so commit everything pending rather than only this request's entries.
@@ -741,6 +751,7 @@ impl Volume {
         let r = self.apply_plans(&mut st, lba0, n, buf, &mut plans, gen_at_lookup, compression);
         match r {
             Ok(seq) => {
+                self.note_pressure(&st);
                 let durable = st.journal.durable_seq;
                 let r = st.map.evict(durable);
                 self.guard(r)?;
@@ -1025,8 +1036,14 @@ impl Volume {
         }
         if old.is_data() && st.rc.dec(&old, seq)? {
             st.alloc.free_later(old.pbn, seq);
-            if let Some(s) = st.stamps.as_mut().and_then(|s| s.get_mut(old.pbn as usize)) {
+            let wrapped = st.stamps.as_mut().and_then(|s| s.get_mut(old.pbn as usize)).is_some_and(|s| {
                 *s = s.wrapping_add(1);
+                *s == 0
+            });
+            if wrapped {
+                // A stale entry made 65536 reuses ago would match the stamp again.
+                st.index.remove_pbn(old.pbn);
+                st.red.stamp_wrap_scans += 1;
             }
         }
         st.counters.apply(&old, &new);
@@ -1067,6 +1084,7 @@ impl Volume {
                         Err(e) => return self.fail(e),
                     }
                 }
+                self.note_pressure(&st);
                 let durable = st.journal.durable_seq;
                 let r = st.map.evict(durable);
                 self.guard(r)?;
@@ -1482,4 +1500,48 @@ fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
         dev.sync()?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DedupVerify;
+    use crate::storage::MemStorage;
+
+    /// With hash verification, a block whose 16-bit reuse stamp wraps must lose every index
+    /// entry pointing at it: an entry made 65536 reuses ago would match the stamp again and
+    /// share the block's new, different content.
+    #[test]
+    fn reuse_stamp_wrap_purges_the_index() {
+        let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+        let opts = FormatOptions {
+            logical_size_bytes: 16 << 20,
+            index_memory_bytes: 1 << 20,
+            slab_size_bytes: 1 << 20,
+            verify: DedupVerify::Hash,
+            ..FormatOptions::default()
+        };
+        Volume::format(dev.clone(), None, &opts, false).expect("format");
+        let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
+        let a: Vec<u8> = (0..BLOCK_SIZE).map(|i| (i * 7 % 251) as u8).collect();
+        let b: Vec<u8> = (0..BLOCK_SIZE).map(|i| (i * 13 % 241) as u8).collect();
+        vol.write(0, &a, false).expect("write a");
+        vol.flush().expect("flush");
+        let ha = *blake3::hash(&a).as_bytes();
+        let pbn = {
+            let mut st = vol.state.lock();
+            let pbn = st.map.get(0).expect("map").pbn;
+            assert_eq!(st.index.lookup(&ha).map(|l| (l.pbn, l.stamp)), Some((pbn, 0)));
+            // As if the block had been freed and reused 65535 times since.
+            if let Some(s) = st.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)) {
+                *s = u16::MAX;
+            }
+            pbn
+        };
+        vol.write(0, &b, false).expect("overwrite frees the block");
+        let st = vol.state.lock();
+        assert_eq!(st.stamps.as_ref().and_then(|s| s.get(pbn as usize)).copied(), Some(0));
+        assert_eq!(st.index.lookup(&ha), None, "stale entry survived the stamp wrap");
+        assert_eq!(st.red.stamp_wrap_scans, 1);
+    }
 }
