@@ -267,25 +267,40 @@ fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let pb = progress(len, "import");
-    let mut buf = vec![0u8; COPY_CHUNK_BYTES];
-    let mut pos = a.offset;
     let start = std::time::Instant::now();
-    loop {
-        let mut n = 0;
-        while n < buf.len() {
-            let r = f.read(&mut buf[n..]).with_context(|| format!("reading {}", a.file.display()))?;
-            if r == 0 {
+    let pos = if std::fs::metadata(&a.file).map(|m| m.is_file()).unwrap_or(false) {
+        // A regular file: several copy streams, so one stream's hashing overlaps another's
+        // placement under the volume's lock.
+        let base = a.offset;
+        for_each_chunk(len, |off, buf| {
+            f.read_exact_at(buf, off).with_context(|| format!("reading {} at {off}", a.file.display()))?;
+            vol.write(base + off, buf, false).with_context(|| format!("writing at volume offset {}", base + off))?;
+            pb.inc(buf.len() as u64);
+            Ok(())
+        })?;
+        base + len
+    } else {
+        // A device or a pipe: one stream until end of file.
+        let mut buf = vec![0u8; COPY_CHUNK_BYTES];
+        let mut pos = a.offset;
+        loop {
+            let mut n = 0;
+            while n < buf.len() {
+                let r = f.read(&mut buf[n..]).with_context(|| format!("reading {}", a.file.display()))?;
+                if r == 0 {
+                    break;
+                }
+                n += r;
+            }
+            if n == 0 {
                 break;
             }
-            n += r;
+            vol.write(pos, &buf[..n], false).with_context(|| format!("writing at volume offset {pos}"))?;
+            pos += n as u64;
+            pb.inc(n as u64);
         }
-        if n == 0 {
-            break;
-        }
-        vol.write(pos, &buf[..n], false).with_context(|| format!("writing at volume offset {pos}"))?;
-        pos += n as u64;
-        pb.inc(n as u64);
-    }
+        pos
+    };
     vol.flush().context("flushing")?;
     pb.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
@@ -308,24 +323,54 @@ fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
     let out = File::create(&a.file).with_context(|| format!("creating {}", a.file.display()))?;
     let size = vol.logical_size();
     let pb = progress(size, "export");
-    let mut buf = vec![0u8; COPY_CHUNK_BYTES];
-    let mut pos = 0u64;
-    while pos < size {
-        let n = (size - pos).min(buf.len() as u64) as usize;
-        vol.read(pos, &mut buf[..n]).with_context(|| format!("reading volume offset {pos}"))?;
-        if buf[..n].iter().all(|&b| b == 0) {
-            // Leave holes for zeros: the export is as sparse as the volume.
-            out.set_len(pos + n as u64).context("extending output")?;
-        } else {
-            out.write_all_at(&buf[..n], pos).with_context(|| format!("writing {}", a.file.display()))?;
+    // Zero chunks are left as holes, so the export is as sparse as the volume.
+    out.set_len(size).context("sizing output")?;
+    for_each_chunk(size, |pos, buf| {
+        vol.read(pos, buf).with_context(|| format!("reading volume offset {pos}"))?;
+        if buf.iter().any(|&b| b != 0) {
+            out.write_all_at(buf, pos).with_context(|| format!("writing {}", a.file.display()))?;
         }
-        pos += n as u64;
-        pb.inc(n as u64);
-    }
+        pb.inc(buf.len() as u64);
+        Ok(())
+    })?;
     pb.finish_and_clear();
     out.sync_all().ok();
     println!("exported {} to {}", human(size), a.file.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// Copy streams used by import and export (each a `COPY_CHUNK_BYTES` request at a time).
+const COPY_STREAMS_MAX: usize = 4;
+
+/// Calls `f(offset, buffer)` for every `COPY_CHUNK_BYTES` chunk of `[0, len)` (the last may
+/// be shorter) from several threads; stops at the first error and returns it.
+fn for_each_chunk(len: u64, f: impl Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync) -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let streams = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, COPY_STREAMS_MAX);
+    let next = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..streams)
+            .map(|_| {
+                s.spawn(|| -> anyhow::Result<()> {
+                    let mut buf = vec![0u8; COPY_CHUNK_BYTES];
+                    while !stop.load(Ordering::Relaxed) {
+                        let off = next.fetch_add(COPY_CHUNK_BYTES as u64, Ordering::Relaxed);
+                        if off >= len {
+                            break;
+                        }
+                        let n = (len - off).min(COPY_CHUNK_BYTES as u64) as usize;
+                        if let Err(e) = f(off, &mut buf[..n]) {
+                            stop.store(true, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| w.join().map_err(|_| anyhow::anyhow!("copy thread panicked"))?)
+    })
 }
 
 fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {

@@ -1147,7 +1147,9 @@ impl Volume {
                 st.map.evict(durable)?;
             }
             let mut retry = Vec::new();
-            // Device reads of consecutive physical blocks are merged.
+            // One physical block at a time through the content cache, so the fragments of a
+            // packed block cost one device read. (Merging reads of consecutive raw blocks
+            // into one request is not done yet.)
             let mut k = 0;
             while let Some(&(i, e, done)) = lookups.get(k) {
                 let dst_range = i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE;
