@@ -1,8 +1,8 @@
 //! The fingerprint index: a bounded, advisory map from BLAKE3 fingerprint to the physical
 //! location of a stored copy.
 //!
-//! Layout: `capacity` entries in buckets of 8; an entry is 16 bytes (8-byte fingerprint tag
-//! + 8-byte location word: pbn 40 bits | state 8 bits | reuse stamp 16 bits). A bucket is
+//! Layout: `capacity` entries in buckets of 8; an entry is 16 bytes (an 8-byte fingerprint
+//! tag and an 8-byte location word: pbn 40 bits | state 8 bits | reuse stamp 16 bits). A bucket is
 //! 128 contiguous bytes, its 8 tags then its 8 location words, so a lookup touches one
 //! page and two cache lines; the table asks for huge pages (`hugemem`). In `hash`
 //! verification mode each entry also keeps the remaining 24 bytes of the fingerprint so

@@ -1475,7 +1475,7 @@ impl Volume {
         let room = (self.geo.index_blocks - 1) * BLOCK_SIZE_U64 / per;
         let (n, mut bytes) = st.index.export(|l| {
             let valid =
-                st.rc.get(l.pbn) > 0 && st.stamps.as_ref().map_or(true, |s| s.get(l.pbn as usize) == Some(&l.stamp));
+                st.rc.get(l.pbn) > 0 && st.stamps.as_ref().is_none_or(|s| s.get(l.pbn as usize) == Some(&l.stamp));
             valid.then_some(Location { stamp: 0, ..l })
         });
         let n = n.min(room);
