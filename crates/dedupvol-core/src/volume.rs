@@ -1009,11 +1009,8 @@ impl Volume {
             if run == 1 {
                 self.data.write(IoKind::Data, first, self.geo.data_offset(*start))?;
             } else {
-                let mut joined = Vec::with_capacity(run * BLOCK_SIZE);
-                for (_, b) in staged.get(k..k + run).unwrap_or(&[]) {
-                    joined.extend_from_slice(b);
-                }
-                self.data.write(IoKind::Data, &joined, self.geo.data_offset(*start))?;
+                let bufs: Vec<&[u8]> = staged.get(k..k + run).unwrap_or(&[]).iter().map(|(_, b)| &b[..]).collect();
+                self.data.write_vectored(IoKind::Data, &bufs, self.geo.data_offset(*start))?;
             }
             if writeback {
                 self.data.start_writeback(self.geo.data_offset(*start), (run * BLOCK_SIZE) as u64);
