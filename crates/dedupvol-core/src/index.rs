@@ -72,16 +72,25 @@ fn rest_of(h: &[u8; 32]) -> [u8; 24] {
 }
 
 impl Index {
-    /// An index using at most `memory_bytes`.
+    /// An index using at most `memory_bytes`, its memory populated in the background.
     pub fn new(memory_bytes: u64, full_hash: bool) -> Self {
+        Self::with_prefault(memory_bytes, full_hash, true)
+    }
+
+    /// An index using at most `memory_bytes`; with `prefault`, a background thread
+    /// populates its memory (a read-only volume never inserts, so it skips that).
+    pub fn with_prefault(memory_bytes: u64, full_hash: bool, prefault: bool) -> Self {
         let per = if full_hash { ENTRY_BYTES_FULL_HASH } else { ENTRY_BYTES };
         let buckets = ((memory_bytes / per) as usize / BUCKET_ENTRIES).max(1);
         let cap = buckets * BUCKET_ENTRIES;
         let words: Vec<u64> = crate::hugemem::zeroed(2 * cap);
         let rest: Option<Vec<[u8; 24]>> = full_hash.then(|| crate::hugemem::zeroed(cap));
-        let mut prefault = vec![crate::hugemem::Prefault::start(&words)];
-        prefault.extend(rest.as_deref().map(crate::hugemem::Prefault::start));
-        Index { _prefault: prefault, words, rest, buckets, entries: 0 }
+        let mut threads = Vec::new();
+        if prefault {
+            threads.push(crate::hugemem::Prefault::start(&words));
+            threads.extend(rest.as_deref().map(crate::hugemem::Prefault::start));
+        }
+        Index { _prefault: threads, words, rest, buckets, entries: 0 }
     }
 
     /// Waits for the background population of the table's memory to finish.

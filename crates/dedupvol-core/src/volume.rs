@@ -364,7 +364,7 @@ impl Volume {
             alloc,
             journal,
             packer: Packer::new(sb.compression),
-            index: Index::new(index_memory, full_hash),
+            index: Index::with_prefault(index_memory, full_hash, !opts.read_only),
             stamps: full_hash.then(|| crate::hugemem::zeroed(geo.data_blocks as usize)),
             reuse_gen: 0,
             counters,
