@@ -74,6 +74,11 @@ impl ContentCache {
         }
     }
 
+    /// True when `pbn` is cached (not counted as a hit or a miss).
+    pub fn contains(&self, pbn: u64) -> bool {
+        self.map.contains_key(&pbn)
+    }
+
     /// Stores freshly written content (replaces any entry).
     pub fn put(&mut self, pbn: u64, block: Block) {
         if self.capacity_blocks == 0 {
