@@ -67,6 +67,20 @@ pub fn is_zero(buf: &[u8]) -> bool {
     pre.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && post.iter().all(|&b| b == 0)
 }
 
+/// Incompressible pseudo-random bytes (xorshift64) for unit tests.
+#[cfg(test)]
+pub(crate) fn test_random_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,7 +44,7 @@ impl Location {
 pub struct Index {
     /// Populates `words` and `rest` in the background; declared first so it is dropped
     /// (joined) before them.
-    _prefault: Vec<crate::hugemem::Prefault>,
+    prefault: Vec<crate::hugemem::Prefault>,
     /// Per bucket: 8 tags, then 8 location words (tag 0 = empty slot).
     words: Vec<u64>,
     rest: Option<Vec<[u8; 24]>>,
@@ -90,12 +90,12 @@ impl Index {
             threads.push(crate::hugemem::Prefault::start(&words));
             threads.extend(rest.as_deref().map(crate::hugemem::Prefault::start));
         }
-        Index { _prefault: threads, words, rest, buckets, entries: 0 }
+        Index { prefault: threads, words, rest, buckets, entries: 0 }
     }
 
     /// Waits for the background population of the table's memory to finish.
     pub fn wait_prefault(&mut self) {
-        self._prefault.iter_mut().for_each(crate::hugemem::Prefault::wait);
+        self.prefault.iter_mut().for_each(crate::hugemem::Prefault::wait);
     }
 
     /// Entries the index can hold.

@@ -267,15 +267,7 @@ mod tests {
 
     #[test]
     fn random_data_does_not_compress() {
-        let mut x = 0x1234_5678_9abc_def0u64;
-        let data: Vec<u8> = (0..BLOCK_SIZE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let data = crate::codec::test_random_bytes(0x1234_5678_9abc_def0, BLOCK_SIZE);
         assert!(compress(Compression::Lz4, &data).is_none());
     }
 }

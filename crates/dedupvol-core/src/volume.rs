@@ -71,6 +71,11 @@ pub(crate) struct State {
     pub(crate) writing: Vec<(u64, Vec<(u64, Block)>)>,
 }
 
+/// Forgets the `writing` batches whose writes have completed.
+fn prune_writing(st: &mut State, inflight: &Inflight) {
+    st.writing.retain(|(t, _)| inflight.active.contains(t));
+}
+
 /// Data writes issued outside the state lock and not yet complete (see `Volume::inflight`).
 #[derive(Default)]
 struct Inflight {
@@ -520,7 +525,7 @@ impl Volume {
         self.write_merged(staged, false)?;
         let ticket = {
             let g = self.inflight.lock();
-            st.writing.retain(|(t, _)| g.active.contains(t));
+            prune_writing(st, &g);
             g.next_ticket
         };
         let batch = st.journal.take_batch()?;
@@ -977,7 +982,7 @@ impl Volume {
     fn begin_write(&self, st: &mut State) -> (u64, Vec<(u64, Block)>) {
         let blocks = std::mem::take(&mut st.staged);
         let mut g = self.inflight.lock();
-        st.writing.retain(|(t, _)| g.active.contains(t));
+        prune_writing(st, &g);
         let ticket = g.next_ticket;
         g.next_ticket += 1;
         g.active.insert(ticket);
@@ -1170,6 +1175,7 @@ impl Volume {
                 let mut run = 0usize;
                 if let (None, None) = (&cached, e.slot()) {
                     run = 1;
+                    let cache = self.cache.lock();
                     while run < READ_RUN_BLOCKS_MAX {
                         match lookups.get(k + run) {
                             Some(&(i2, e2, false))
@@ -1178,7 +1184,7 @@ impl Volume {
                                     && e2.slot().is_none()
                                     && e2.pbn == e.pbn + run as u64
                                     && e2.pbn < self.geo.data_blocks
-                                    && !self.cache.lock().contains(e2.pbn) =>
+                                    && !cache.contains(e2.pbn) =>
                             {
                                 run += 1
                             }
@@ -1614,15 +1620,7 @@ mod tests {
         Volume::format(dev.clone(), None, &opts, false).expect("format");
         let small = OpenOptions { content_cache_bytes: 64 << 10, ..OpenOptions::default() };
         let vol = Volume::open(dev.clone(), None, &small).expect("open");
-        let mut x = 0x1234_5678_9abc_def1u64;
-        let data: Vec<u8> = (0..200 * BLOCK_SIZE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let data = crate::codec::test_random_bytes(0x1234_5678_9abc_def1, 200 * BLOCK_SIZE);
         vol.write(0, &data, false).expect("write");
         vol.flush().expect("flush");
         let mut back = vec![0u8; data.len()];

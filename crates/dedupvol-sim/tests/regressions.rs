@@ -9,6 +9,17 @@ use std::sync::Arc;
 
 const B: usize = 4096;
 
+/// A small volume's settings: 4 MiB logical, 256 KiB journal.
+fn small_opts() -> FormatOptions {
+    FormatOptions {
+        logical_size_bytes: 4 << 20,
+        slab_size_bytes: 1 << 20,
+        journal_size_bytes: Some(256 << 10),
+        index_memory_bytes: 64 << 10,
+        ..FormatOptions::default()
+    }
+}
+
 /// Bug (simulator soak, seed 201061 of sim ccab429 + engine 87d8331): a journal block torn
 /// by a crash stays in the journal region after recovery, outside the live journal, until
 /// that slot is reused. `journal::scan` counts every block of the region whose magic and
@@ -26,13 +37,7 @@ const B: usize = 4096;
 fn torn_stale_journal_block_does_not_fail_the_audit() {
     let dev = Arc::new(MemStorage::new(16 << 20));
     let data: Arc<dyn Storage> = dev.clone();
-    let opts = FormatOptions {
-        logical_size_bytes: 4 << 20,
-        slab_size_bytes: 1 << 20,
-        journal_size_bytes: Some(256 << 10),
-        index_memory_bytes: 64 << 10,
-        ..FormatOptions::default()
-    };
+    let opts = small_opts();
     Volume::format(data.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(data.clone(), None, &OpenOptions::default()).expect("open");
     vol.write(0, &vec![7u8; B], false).expect("write");
@@ -79,13 +84,7 @@ fn format_without_force_refuses_when_the_superblocks_cannot_be_read() {
     let machine = SimMachine::new(1, cfg);
     let disk = machine.add_disk("flaky", 16 << 20);
     let data: Arc<dyn Storage> = disk.clone();
-    let opts = FormatOptions {
-        logical_size_bytes: 4 << 20,
-        slab_size_bytes: 1 << 20,
-        journal_size_bytes: Some(256 << 10),
-        index_memory_bytes: 64 << 10,
-        ..FormatOptions::default()
-    };
+    let opts = small_opts();
     Volume::format(data.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(data.clone(), None, &OpenOptions::default()).expect("open");
     vol.write(0, &vec![7u8; B], true).expect("write");
@@ -109,7 +108,6 @@ fn format_without_force_refuses_when_the_superblocks_cannot_be_read() {
 /// then no longer replays its failure. Rebuilding the queue in a deterministic order (e.g.
 /// `order.retain(|p| map.contains_key(p))` plus dedup, or sorted keys) fixes it.
 #[test]
-
 fn a_seed_makes_the_same_io_calls_every_run() {
     use dedupvol_sim::{run_seed, SimOptions};
     let opts = SimOptions::default();
