@@ -51,7 +51,7 @@ pub struct FormatArgs {
     /// Deduplicate: on or off.
     #[arg(long, default_value = "on")]
     dedup: String,
-    /// Memory for the fingerprint index (16 bytes per entry; 40 with --verify hash).
+    /// Memory for the fingerprint index (40 bytes per entry; 16 with --verify bytes).
     #[arg(long, value_parser = size, default_value = "64M")]
     index_memory: u64,
     /// sync: durable before acknowledgement; async: durable at flush/FUA.
@@ -60,8 +60,9 @@ pub struct FormatArgs {
     /// Data slab size (power of two, 1M..32G).
     #[arg(long, value_parser = size, default_value = "32M")]
     slab_size: u64,
-    /// Duplicate verification: bytes (compare contents, default) or hash (trust BLAKE3-256).
-    #[arg(long, default_value = "bytes")]
+    /// Duplicate verification: hash (trust BLAKE3-256, default) or bytes (read and compare
+    /// the candidate).
+    #[arg(long, default_value = "hash")]
     verify: String,
     /// Journal size (default: 1/64 of the device, 256K..32M).
     #[arg(long, value_parser = size)]

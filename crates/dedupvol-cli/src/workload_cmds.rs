@@ -100,6 +100,10 @@ pub struct BenchArgs {
     /// Duplicate verification of the engine volume (bytes or hash; default: the engine's).
     #[arg(long)]
     verify: Option<String>,
+    /// How the engine and no-reduction volumes do I/O: direct (O_DIRECT, the engine's
+    /// default) or buffered (through the page cache).
+    #[arg(long, default_value = "direct")]
+    io: String,
     /// Skip the no-reduction volume and raw-file baselines.
     #[arg(long)]
     no_baseline: bool,
@@ -232,6 +236,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             Some(v) => v.parse().with_context(|| "--verify")?,
             None => FormatOptions::default().verify,
         },
+        io_mode: a.io.parse().with_context(|| "--io")?,
         verbose: !a.json,
     };
     let mb = |v: f64| Some(Target { min: v, unit: "MB/s".into() });

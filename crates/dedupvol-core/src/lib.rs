@@ -11,6 +11,7 @@
 //!
 //! The crate has no network dependencies; the NBD server and the CLI build on it.
 
+pub mod aligned;
 pub mod allocator;
 pub mod block_map;
 pub mod cache;
@@ -33,5 +34,5 @@ pub use check::{check_volume, CheckReport};
 pub use config::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE};
 pub use error::{Error, Result};
 pub use stats::Stats;
-pub use storage::{FileStorage, IoKind, IoStats, MemStorage, Storage};
+pub use storage::{FileStorage, IoKind, IoMode, IoStats, MemStorage, Storage};
 pub use volume::Volume;

@@ -240,7 +240,7 @@ impl Volume {
     /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
     /// `meta_device` overrides it.
     pub fn open_path(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Volume> {
-        let data: Arc<dyn Storage> = Arc::new(FileStorage::open(path, opts.read_only)?);
+        let data: Arc<dyn Storage> = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
         let meta_path = match meta_device {
             Some(m) => Some(m.to_path_buf()),
             None => {
@@ -261,7 +261,7 @@ impl Volume {
             }
         };
         let meta: Option<Arc<dyn Storage>> = match meta_path {
-            Some(m) => Some(Arc::new(FileStorage::open(&m, opts.read_only)?)),
+            Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, opts.io_mode)?)),
             None => None,
         };
         Self::open(data, meta, opts)

@@ -271,7 +271,7 @@ impl RunConfig {
             },
             block_map_cache_bytes: pick(&mut r, &[16u64, 64, 64, 256]) << 10,
             content_cache_bytes: pick(&mut r, &[64u64, 256, 1024]) << 10,
-            index_memory_bytes: None,
+            ..OpenOptions::default()
         };
         let mut f = FaultConfig::none();
         f.crash_loss = k.cache_loss;

@@ -26,7 +26,7 @@ use crate::estimate::{EstimateOptions, EstimateReport, Estimator};
 use crate::primitives::{measure_cpu, measure_disk_seq_write, CpuPrimitives, DiskFigure, RemoveOnDrop};
 use crate::rng::WyRand;
 use dedupvol_core::{
-    config::DedupVerify, Compression, FileStorage, FormatOptions, IoStats, OpenOptions, Stats, Storage, Volume,
+    config::DedupVerify, Compression, FileStorage, FormatOptions, IoMode, IoStats, OpenOptions, Stats, Storage, Volume,
     WritePolicy,
 };
 use serde::Serialize;
@@ -101,6 +101,8 @@ pub struct BenchOptions {
     pub index_memory_bytes: u64,
     /// Duplicate verification of the engine volume.
     pub verify: DedupVerify,
+    /// How the engine and no-reduction volumes open their file or device.
+    pub io_mode: IoMode,
     /// Print phase timings to stderr.
     pub verbose: bool,
 }
@@ -310,15 +312,22 @@ fn is_block_device(path: &Path) -> bool {
 
 /// Formats a volume at `path` and opens it. A temp file is recreated; a user-given file is
 /// extended when needed, a block device used as it is.
-fn fresh_volume(path: &Path, temp: bool, logical: u64, physical: u64, fmt: &FormatOptions) -> Result<Volume, String> {
+fn fresh_volume(
+    path: &Path,
+    temp: bool,
+    logical: u64,
+    physical: u64,
+    fmt: &FormatOptions,
+    io_mode: IoMode,
+) -> Result<Volume, String> {
     if temp {
         let _ = std::fs::remove_file(path);
     }
     let size = if is_block_device(path) { None } else { Some(physical) };
     let dev: Arc<dyn Storage> = Arc::new(
         match size {
-            Some(_) => FileStorage::create(path, size),
-            None => FileStorage::open(path, false),
+            Some(_) => FileStorage::create_with(path, size, io_mode),
+            None => FileStorage::open_with(path, false, io_mode),
         }
         .map_err(|e| format!("creating {}: {e}", path.display()))?,
     );
@@ -326,7 +335,7 @@ fn fresh_volume(path: &Path, temp: bool, logical: u64, physical: u64, fmt: &Form
     opts.logical_size_bytes = logical;
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
     let dev: Arc<dyn Storage> =
-        Arc::new(FileStorage::open(path, false).map_err(|e| format!("opening {}: {e}", path.display()))?);
+        Arc::new(FileStorage::open_with(path, false, io_mode).map_err(|e| format!("opening {}: {e}", path.display()))?);
     let vol = Volume::open(dev, None, &OpenOptions::default())
         .map_err(|e| format!("opening volume {}: {e}", path.display()))?;
     // The clock measures steady state: the index's memory is populated before it starts.
@@ -570,7 +579,7 @@ pub fn run_scenario(
     phase("primitives measured");
     let is_overwrite = matches!(scenario, Scenario::Overwrite { .. });
     let engine = (|| -> Result<(RunFigure, Stats, IoBreakdown), String> {
-        let vol = Arc::new(fresh_volume(&vol_path, temp, logical, physical, &fmt)?);
+        let vol = Arc::new(fresh_volume(&vol_path, temp, logical, physical, &fmt, opts.io_mode)?);
         phase("engine volume formatted");
         if let (true, Some(m)) = (is_overwrite, &model) {
             prefill(&vol, m, logical)?;
@@ -603,7 +612,7 @@ pub fn run_scenario(
     if opts.baselines {
         let base_fmt = FormatOptions { compression: Compression::None, dedup: false, ..fmt.clone() };
         let base = (|| -> Result<RunFigure, String> {
-            let vol = Arc::new(fresh_volume(&base_path, temp, logical, physical, &base_fmt)?);
+            let vol = Arc::new(fresh_volume(&base_path, temp, logical, physical, &base_fmt, opts.io_mode)?);
             if let (true, Some(m)) = (is_overwrite, &model) {
                 prefill(&vol, m, logical)?;
             }

@@ -106,8 +106,8 @@ pub fn render_bench(r: &BenchReport) -> String {
     let mut out = String::new();
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
-        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {} writers, final flush inside the clock, index memory populated before it\n\n",
-        r.options.compression, r.options.write_policy, r.options.verify, r.options.threads
+        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {:?} I/O, {} writers, final flush inside the clock, index memory populated before it\n\n",
+        r.options.compression, r.options.write_policy, r.options.verify, r.options.io_mode, r.options.threads
     ));
 
     let mut p = Table::new(&["primitive (1 core, 4 KiB chunks of the scenario data)", "scenario", "MB/s"]);

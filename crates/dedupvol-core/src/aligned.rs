@@ -1,0 +1,110 @@
+//! Page-aligned buffers for direct I/O, and one bounce buffer per thread.
+//!
+//! Direct I/O (`O_DIRECT`) needs the memory, the offset and the length aligned to the
+//! device's logical block size. The engine's blocks live in ordinary heap memory, so data
+//! written or read directly passes through a bounce buffer: a user-space copy between warm
+//! buffers, far cheaper than the kernel's copy into freshly allocated page-cache pages it
+//! replaces.
+//!
+//! Invariants:
+//! - An `AlignedBuf` is `ALIGN`-aligned, a whole number of `ALIGN` units long, zeroed when
+//!   made, and never reallocated; it is freed with the layout it was allocated with.
+//! - A thread's bounce buffer is `BOUNCE_BYTES` long and borrowed by one call at a time
+//!   (`with_bounce` is not re-entered: storage calls never nest).
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::ptr::NonNull;
+
+/// Alignment of direct I/O memory, offsets and lengths: covers 512 B and 4 KiB sectors.
+pub const ALIGN: usize = 4096;
+/// Size of each thread's bounce buffer; larger transfers go through it in pieces.
+pub const BOUNCE_BYTES: usize = 1 << 20;
+
+/// A zeroed, `ALIGN`-aligned heap buffer of fixed length.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is uniquely owned heap memory, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A buffer of `len` bytes rounded up to `ALIGN` (at least one unit); None when the
+    /// allocation fails.
+    pub fn new(len: usize) -> Option<Self> {
+        let len = len.max(1).checked_next_multiple_of(ALIGN)?;
+        let layout = Layout::from_size_align(len, ALIGN).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        Some(AlignedBuf { ptr: NonNull::new(p)?, len })
+    }
+
+    /// The whole buffer.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by self,
+        // and the &mut borrow of self makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = Layout::from_size_align(self.len, ALIGN) {
+            // SAFETY: allocated in `new` with exactly this layout, and freed only here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+thread_local! {
+    static BOUNCE: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's bounce buffer (`BOUNCE_BYTES`, allocated on first use and
+/// kept for the thread's life, so its pages stay warm). None when it cannot be allocated
+/// or is already borrowed.
+pub fn with_bounce<R>(f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+    BOUNCE.with(|cell| {
+        let mut slot = cell.try_borrow_mut().ok()?;
+        if slot.is_none() {
+            *slot = Some(AlignedBuf::new(BOUNCE_BYTES)?);
+        }
+        let buf = slot.as_mut()?;
+        debug_assert_eq!(buf.as_mut_slice().as_ptr() as usize % ALIGN, 0);
+        Some(f(buf.as_mut_slice()))
+    })
+}
+
+/// True when `offset` and `len` are whole `ALIGN` units.
+pub fn is_aligned(offset: u64, len: usize) -> bool {
+    offset % ALIGN as u64 == 0 && len % ALIGN == 0
+}
+
+/// True when memory at `p` may be handed to direct I/O as it is.
+pub fn is_aligned_ptr(p: *const u8) -> bool {
+    (p as usize) % ALIGN == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_aligned_and_rounded() {
+        let mut b = AlignedBuf::new(5000).expect("alloc");
+        let s = b.as_mut_slice();
+        assert_eq!(s.len(), 8192);
+        assert!(is_aligned_ptr(s.as_ptr()));
+        assert!(s.iter().all(|&x| x == 0));
+        let n = with_bounce(|b| {
+            assert!(is_aligned_ptr(b.as_ptr()));
+            // Not re-entrant: a nested borrow is refused rather than aliased.
+            assert!(with_bounce(|_| ()).is_none());
+            b.len()
+        });
+        assert_eq!(n, Some(BOUNCE_BYTES));
+        assert!(is_aligned(8192, 4096) && !is_aligned(512, 4096) && !is_aligned(4096, 100));
+    }
+}
