@@ -9,7 +9,7 @@
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use dedupvol_core::{OpenOptions, Volume, WritePolicy};
+use dedupvol_core::{IoMode, OpenOptions, Volume, WritePolicy};
 use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig};
 use std::io::Write;
 use std::path::PathBuf;
@@ -48,6 +48,10 @@ pub enum ServeCommand {
         /// Override the volume's write policy: sync (durable before ack) or async.
         #[arg(long)]
         write_policy: Option<WritePolicy>,
+        /// Device I/O: direct (O_DIRECT where supported; the engine's content cache is the
+        /// only data cache) or buffered (through the kernel page cache).
+        #[arg(long, default_value = "direct")]
+        io: IoMode,
         /// Worker threads per connection (requests executed concurrently per client).
         #[arg(long, default_value_t = 4)]
         workers_per_connection: usize,
@@ -69,6 +73,7 @@ impl ServeCommand {
             connections_max,
             meta_device,
             write_policy,
+            io,
             workers_per_connection,
             in_memory,
         } = self;
@@ -92,7 +97,7 @@ impl ServeCommand {
             None => {
                 // The engine's FileStorage holds an flock (exclusive read-write, shared
                 // read-only) for as long as the volume is open.
-                let opts = OpenOptions { read_only, write_policy, ..Default::default() };
+                let opts = OpenOptions { read_only, write_policy, io_mode: io, ..Default::default() };
                 // open_path finds a separate metadata device from the superblock unless
                 // --meta-device overrides it, and replays the journal after a crash.
                 let v = Volume::open_path(&path, meta_device.as_deref(), &opts)

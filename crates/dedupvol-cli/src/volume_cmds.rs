@@ -3,7 +3,7 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use dedupvol_core::{
-    parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, Volume, WritePolicy, BLOCK_SIZE,
+    parse_size, Compression, DedupVerify, FormatOptions, IoMode, OpenOptions, Volume, WritePolicy, BLOCK_SIZE,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
@@ -79,6 +79,9 @@ pub struct OpenArgs {
     /// Metadata device (default: the path recorded at format).
     #[arg(long)]
     meta_device: Option<PathBuf>,
+    /// Device I/O: direct (O_DIRECT where supported) or buffered (page cache).
+    #[arg(long, default_value = "direct")]
+    io: IoMode,
 }
 
 #[derive(Args)]
@@ -134,7 +137,7 @@ fn on_off(s: &str) -> anyhow::Result<bool> {
 }
 
 fn open(a: &OpenArgs, read_only: bool) -> anyhow::Result<Volume> {
-    let opts = OpenOptions { read_only, ..OpenOptions::default() };
+    let opts = OpenOptions { read_only, io_mode: a.io, ..OpenOptions::default() };
     Volume::open_path(&a.path, a.meta_device.as_deref(), &opts)
         .with_context(|| format!("opening volume {}", a.path.display()))
 }
@@ -196,7 +199,7 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     }
     Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
         .with_context(|| format!("formatting {}", a.path.display()))?;
-    let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone() }, true)?;
+    let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone(), io: IoMode::Direct }, true)?;
     let s = vol.stats();
     println!(
         "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",

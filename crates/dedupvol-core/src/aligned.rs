@@ -79,12 +79,12 @@ pub fn with_bounce<R>(f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
 
 /// True when `offset` and `len` are whole `ALIGN` units.
 pub fn is_aligned(offset: u64, len: usize) -> bool {
-    offset % ALIGN as u64 == 0 && len % ALIGN == 0
+    offset.is_multiple_of(ALIGN as u64) && len.is_multiple_of(ALIGN)
 }
 
 /// True when memory at `p` may be handed to direct I/O as it is.
 pub fn is_aligned_ptr(p: *const u8) -> bool {
-    (p as usize) % ALIGN == 0
+    (p as usize).is_multiple_of(ALIGN)
 }
 
 #[cfg(test)]

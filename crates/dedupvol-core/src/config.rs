@@ -197,6 +197,10 @@ pub struct OpenOptions {
     pub index_memory_bytes: Option<u64>,
     /// How `Volume::open_path` opens its devices (direct I/O by default).
     pub io_mode: crate::storage::IoMode,
+    /// Write full staging batches from a background thread (default). Off, the writer
+    /// that fills a batch writes it: slower, but every device call happens on a caller's
+    /// thread in a reproducible order (the simulator needs that).
+    pub background_writes: bool,
 }
 
 impl Default for OpenOptions {
@@ -208,6 +212,7 @@ impl Default for OpenOptions {
             content_cache_bytes: 64 << 20,
             index_memory_bytes: None,
             io_mode: crate::storage::IoMode::Direct,
+            background_writes: true,
         }
     }
 }

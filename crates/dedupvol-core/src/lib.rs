@@ -18,6 +18,7 @@ pub mod cache;
 pub mod check;
 pub mod codec;
 pub mod config;
+mod data_writer;
 pub mod error;
 pub mod hugemem;
 pub mod index;

@@ -15,7 +15,9 @@
 //!   it; a commit writes the staged data, waits for every earlier write in flight, syncs
 //!   data, then writes the journal blocks, and syncs them before reporting durability
 //!   (DESIGN.md §4).
-//! - Lock order: `commit_lock` before `state` before `inflight`; `cache` is taken alone.
+//! - Lock order: `commit_lock` before `state`; `tickets` and `cache` are taken alone
+//!   (innermost). Full staging batches are written by the data-writer thread
+//!   (`data_writer`), which takes no volume lock.
 //! - After a failed device write or sync the volume is "failed": it refuses writes, since
 //!   what reached the device is unknown (a failed fsync is never retried and assumed good).
 //! - The content a block map entry points to always hashes (crc32c) to the entry's crc; a
@@ -25,6 +27,7 @@ use crate::allocator::Allocator;
 use crate::block_map::{BlockMap, MapEntry, STATE_RAW};
 use crate::cache::{Block, ContentCache};
 use crate::config::{Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::data_writer::{write_merged, DataWriter, Health, Tickets};
 use crate::error::{Error, Result};
 use crate::index::{Index, Location};
 use crate::journal::{self, CommitBatch, Counters, Journal};
@@ -34,7 +37,7 @@ use crate::refcount::{Refcounts, REFCOUNT_MAX};
 use crate::stats::{ReductionCounters, Savings, Stats};
 use crate::storage::{Dev, FileStorage, IoCounters, IoKind, Storage};
 use crate::superblock::Superblock;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -71,18 +74,6 @@ pub(crate) struct State {
     pub(crate) writing: Vec<(u64, Vec<(u64, Block)>)>,
 }
 
-/// Forgets the `writing` batches whose writes have completed.
-fn prune_writing(st: &mut State, inflight: &Inflight) {
-    st.writing.retain(|(t, _)| inflight.active.contains(t));
-}
-
-/// Data writes issued outside the state lock and not yet complete (see `Volume::inflight`).
-#[derive(Default)]
-struct Inflight {
-    next_ticket: u64,
-    active: std::collections::BTreeSet<u64>,
-}
-
 /// An open volume. Share it between threads with `Arc`; every method takes `&self`.
 pub struct Volume {
     pub(crate) data: Dev,
@@ -93,9 +84,9 @@ pub struct Volume {
     commit_lock: Mutex<()>,
     /// Tickets of data writes in flight outside the state lock. A commit waits for every
     /// ticket issued before it took its journal batch, so the data sync covers them.
-    /// Lock order: `state` before `inflight`; a writer finishing takes `inflight` alone.
-    inflight: Mutex<Inflight>,
-    inflight_done: Condvar,
+    tickets: Arc<Tickets>,
+    /// Writes full staging batches in the background (None: read-only, or inline writes).
+    writer: Option<DataWriter>,
     cache: Mutex<ContentCache>,
     rmw: Vec<Mutex<()>>,
     io: Arc<IoCounters>,
@@ -103,12 +94,11 @@ pub struct Volume {
     dedup: bool,
     compression: Compression,
     pub(crate) read_only: bool,
-    failed: AtomicBool,
+    health: Arc<Health>,
     /// Set under the state lock whenever entries are appended or a batch is taken: the
     /// pending journal entries have reached the point where a writer should commit. Lets
     /// `after_write` decide without taking the state lock again.
     journal_pressure: AtomicBool,
-    failure: Mutex<String>,
     /// Problems noticed while opening (superblock copies), for `check`; entries starting
     /// with "note: " are informational (torn writes a crash left behind).
     pub(crate) open_notes: Vec<String>,
@@ -394,6 +384,11 @@ impl Volume {
             }
         }
         let policy = opts.write_policy.unwrap_or(sb.write_policy);
+        let tickets = Arc::new(Tickets::default());
+        let health = Arc::new(Health::default());
+        let writer = (!opts.read_only && opts.background_writes)
+            .then(|| DataWriter::start(data.clone(), geo, tickets.clone(), health.clone()))
+            .flatten();
         let (dedup, compression) = (sb.dedup, sb.compression);
         Ok(Volume {
             data,
@@ -402,8 +397,8 @@ impl Volume {
             sb: Mutex::new(sb),
             state: Mutex::new(state),
             commit_lock: Mutex::new(()),
-            inflight: Mutex::new(Inflight::default()),
-            inflight_done: Condvar::new(),
+            tickets,
+            writer,
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             io,
@@ -411,9 +406,8 @@ impl Volume {
             dedup,
             compression,
             read_only: opts.read_only,
-            failed: AtomicBool::new(false),
+            health,
             journal_pressure: AtomicBool::new(false),
-            failure: Mutex::new(String::new()),
             open_notes: notes,
         })
     }
@@ -483,10 +477,7 @@ impl Volume {
     }
 
     fn check_not_failed(&self) -> Result<()> {
-        if self.failed.load(Ordering::Acquire) {
-            return Err(Error::Failed(self.failure.lock().clone()));
-        }
-        Ok(())
+        self.health.check()
     }
 
     fn check_writable(&self) -> Result<()> {
@@ -498,9 +489,7 @@ impl Volume {
 
     /// Marks the volume failed after an error that may have left device state unknown.
     fn fail<T>(&self, e: Error) -> Result<T> {
-        if !self.failed.swap(true, Ordering::AcqRel) {
-            *self.failure.lock() = e.to_string();
-        }
+        self.health.fail(&e);
         Err(e)
     }
 
@@ -522,12 +511,9 @@ impl Volume {
     fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64)> {
         self.seal_packer(st)?;
         let staged = std::mem::take(&mut st.staged);
-        self.write_merged(staged, false)?;
-        let ticket = {
-            let g = self.inflight.lock();
-            prune_writing(st, &g);
-            g.next_ticket
-        };
+        write_merged(&self.data, &self.geo, staged, false)?;
+        self.tickets.retain_active(&mut st.writing);
+        let ticket = self.tickets.next();
         let batch = st.journal.take_batch()?;
         self.note_pressure(st);
         Ok((batch, ticket))
@@ -546,12 +532,7 @@ impl Volume {
         if batch.blocks.is_empty() {
             return Ok(());
         }
-        {
-            let mut g = self.inflight.lock();
-            while g.active.first().is_some_and(|&t| t < ticket) {
-                self.inflight_done.wait(&mut g);
-            }
-        }
+        self.tickets.wait_below(ticket);
         // A failed in-flight write leaves the device state unknown: no journal for it.
         self.check_not_failed()?;
         self.data.sync()?;
@@ -762,12 +743,19 @@ impl Volume {
                 let durable = st.journal.durable_seq;
                 let r = st.map.evict(durable);
                 self.guard(r)?;
-                // A full staging buffer is written by this thread after it lets go of the
-                // lock, so writers copy into the page cache / device in parallel.
+                // A full staging buffer is written after the lock is let go: by the
+                // data-writer thread (this writer goes on hashing and compressing), else here.
                 let pending = (st.staged.len() >= STAGED_BLOCKS_MAX).then(|| self.begin_write(&mut st));
                 drop(st);
                 if let Some((ticket, blocks)) = pending {
-                    self.finish_write(ticket, blocks)?;
+                    let queued = match &self.writer {
+                        Some(w) => w.submit(ticket, blocks),
+                        None => Err((ticket, blocks)),
+                    };
+                    match queued {
+                        Ok(()) => self.check_not_failed()?,
+                        Err((ticket, blocks)) => self.finish_write(ticket, blocks)?,
+                    }
                 }
                 Ok(seq)
             }
@@ -972,7 +960,7 @@ impl Volume {
         st.staged.push((pbn, block));
         if st.staged.len() >= STAGED_BLOCKS_HARD_MAX {
             let staged = std::mem::take(&mut st.staged);
-            self.write_merged(staged, false)?;
+            write_merged(&self.data, &self.geo, staged, false)?;
         }
         Ok(())
     }
@@ -981,50 +969,22 @@ impl Volume {
     /// forgets batches whose writes have completed.
     fn begin_write(&self, st: &mut State) -> (u64, Vec<(u64, Block)>) {
         let blocks = std::mem::take(&mut st.staged);
-        let mut g = self.inflight.lock();
-        prune_writing(st, &g);
-        let ticket = g.next_ticket;
-        g.next_ticket += 1;
-        g.active.insert(ticket);
-        drop(g);
+        self.tickets.retain_active(&mut st.writing);
+        let ticket = self.tickets.issue();
         st.writing.push((ticket, blocks.clone()));
         (ticket, blocks)
     }
 
-    /// Writes a batch from `begin_write` (no lock held) and retires its ticket, failed or not.
+    /// Writes a batch from `begin_write` here (no lock held) and retires its ticket,
+    /// failed or not.
     fn finish_write(&self, ticket: u64, blocks: Vec<(u64, Block)>) -> Result<()> {
-        let r = self.write_merged(blocks, true);
-        {
-            let mut g = self.inflight.lock();
-            g.active.remove(&ticket);
+        let r = write_merged(&self.data, &self.geo, blocks, true);
+        if let Err(e) = &r {
+            // Before the ticket retires, so a commit waiting for it sees the failure.
+            self.health.fail(e);
         }
-        self.inflight_done.notify_all();
-        self.guard(r)
-    }
-
-    /// Writes blocks, merging blocks adjacent on the device into one write. With
-    /// `writeback`, also starts their writeback (the data region is written sequentially,
-    /// so the device streams it while the commit that will sync it is still filling).
-    fn write_merged(&self, mut staged: Vec<(u64, Block)>, writeback: bool) -> Result<()> {
-        staged.sort_unstable_by_key(|(p, _)| *p);
-        let mut k = 0;
-        while let Some((start, first)) = staged.get(k) {
-            let mut run = 1usize;
-            while staged.get(k + run).is_some_and(|(p, _)| *p == start + run as u64) {
-                run += 1;
-            }
-            if run == 1 {
-                self.data.write(IoKind::Data, first, self.geo.data_offset(*start))?;
-            } else {
-                let bufs: Vec<&[u8]> = staged.get(k..k + run).unwrap_or(&[]).iter().map(|(_, b)| &b[..]).collect();
-                self.data.write_vectored(IoKind::Data, &bufs, self.geo.data_offset(*start))?;
-            }
-            if writeback {
-                self.data.start_writeback(self.geo.data_offset(*start), (run * BLOCK_SIZE) as u64);
-            }
-            k += run;
-        }
-        Ok(())
+        self.tickets.retire(&[ticket]);
+        r
     }
 
     /// Journals and applies one mapping change; None when it changes nothing.

@@ -65,11 +65,22 @@ pub struct SimOptions {
     /// Issue sector-aligned partial writes (the draw is made either way, so switching this
     /// off changes nothing else in the run).
     pub partial_writes: bool,
+    /// Let the engine write full data batches from its background thread, as in
+    /// production. The device calls of that thread interleave with the driver's by
+    /// scheduling, so such a run is not reproducible call for call; off by default.
+    pub background_writes: bool,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
-        SimOptions { faults: FaultKinds::all(), ops: 400, verbose: false, audit_every_op: false, partial_writes: true }
+        SimOptions {
+            faults: FaultKinds::all(),
+            ops: 400,
+            verbose: false,
+            audit_every_op: false,
+            partial_writes: true,
+            background_writes: false,
+        }
     }
 }
 
@@ -271,6 +282,7 @@ impl RunConfig {
             },
             block_map_cache_bytes: pick(&mut r, &[16u64, 64, 64, 256]) << 10,
             content_cache_bytes: pick(&mut r, &[64u64, 256, 1024]) << 10,
+            background_writes: opts.background_writes,
             ..OpenOptions::default()
         };
         let mut f = FaultConfig::none();
@@ -443,6 +455,9 @@ pub fn replay_command(seed: u64, opts: &SimOptions, engine: &str) -> String {
     }
     if !opts.partial_writes {
         s += " --no-partial-writes";
+    }
+    if opts.background_writes {
+        s += " --background-writes";
     }
     if engine != "dedupvol" {
         s += &format!(" --engine {engine}");

@@ -39,6 +39,10 @@ struct Args {
     /// Only block-aligned writes.
     #[arg(long)]
     no_partial_writes: bool,
+    /// Let the engine write data batches from its background thread, as in production
+    /// (runs are then not reproducible call for call).
+    #[arg(long)]
+    background_writes: bool,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -88,6 +92,7 @@ fn main() {
         verbose: args.verbose,
         audit_every_op: args.audit_every_op,
         partial_writes: !args.no_partial_writes,
+        background_writes: args.background_writes,
     };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };

@@ -47,6 +47,27 @@ fn simulator_seeds_pass() {
     assert!(total.faults.read_errors > 0, "no transient read errors");
 }
 
+/// Seeds run in CI with the engine's background data writer on (production's setting).
+const CI_BACKGROUND_SEEDS: u64 = 80;
+
+#[test]
+fn simulator_seeds_pass_with_background_writes() {
+    let opts = SimOptions { background_writes: true, ..SimOptions::default() };
+    let mut total = RunStats::default();
+    let mut failures = Vec::new();
+    for seed in 10_000..10_000 + CI_BACKGROUND_SEEDS {
+        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
+            Ok(s) => total.add(&s),
+            Err(f) => {
+                failures.push(format!("seed {}: {}\n    replay (may not reproduce): {}", f.seed, f.message, f.replay))
+            }
+        }
+    }
+    eprintln!("{CI_BACKGROUND_SEEDS} seeds with background writes: {} crashes", total.crashes);
+    assert!(failures.is_empty(), "{} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(total.crashes >= CI_BACKGROUND_SEEDS, "too few crashes: {}", total.crashes);
+}
+
 #[test]
 fn same_seed_same_io_sequence() {
     let opts = SimOptions::default();
