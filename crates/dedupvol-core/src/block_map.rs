@@ -13,12 +13,12 @@
 //! - The cache holds at most `capacity_pages` pages except transiently, when every page
 //!   is dirty with entries not yet durable (bounded by the journal's pending-entry bound).
 
+use crate::cache::{PbnMap, PbnSet};
 use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::layout::{Geometry, BM_ENTRIES_PER_PAGE};
 use crate::storage::{Dev, IoKind};
-use std::collections::{HashMap, HashSet};
 
 /// Page header bytes (magic, crc, page index, applied seq, uuid low half).
 pub const PAGE_HEADER_BYTES: usize = 32;
@@ -158,10 +158,10 @@ pub struct BlockMap {
     geo: Geometry,
     uuid_lo: u64,
     meta: Dev,
-    pages: HashMap<u64, CachedPage>,
+    pages: PbnMap<CachedPage>,
     capacity_pages: usize,
     tick: u64,
-    written_unsynced: HashSet<u64>,
+    written_unsynced: PbnSet,
     /// Cache hits since open.
     pub hits: u64,
     /// Cache misses since open.
@@ -178,10 +178,10 @@ impl BlockMap {
             geo,
             uuid_lo,
             meta,
-            pages: HashMap::new(),
+            pages: PbnMap::default(),
             capacity_pages,
             tick: 0,
-            written_unsynced: HashSet::new(),
+            written_unsynced: PbnSet::default(),
             hits: 0,
             misses: 0,
             damaged_pages: 0,

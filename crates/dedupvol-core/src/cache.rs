@@ -18,7 +18,7 @@ pub type Block = Arc<[u8]>;
 
 /// The content cache.
 pub struct ContentCache {
-    map: HashMap<u64, (Block, bool), BuildHasherDefault<PbnHasher>>,
+    map: PbnMap<(Block, bool)>,
     order: VecDeque<u64>,
     capacity_blocks: usize,
     /// Hits since open.
@@ -26,6 +26,11 @@ pub struct ContentCache {
     /// Misses since open.
     pub misses: u64,
 }
+
+/// A map keyed by block or page number, hashed with `PbnHasher`.
+pub type PbnMap<V> = HashMap<u64, V, BuildHasherDefault<PbnHasher>>;
+/// A set of block or page numbers, hashed with `PbnHasher`.
+pub type PbnSet = std::collections::HashSet<u64, BuildHasherDefault<PbnHasher>>;
 
 /// Hashes a pbn key with one multiply (SipHash costs more than the lookup it serves;
 /// keys are block numbers, not attacker-chosen strings, and the order of the map is never

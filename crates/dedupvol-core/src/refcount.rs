@@ -10,11 +10,11 @@
 //!   and two slots never both unsynced.
 
 use crate::block_map::{pick_slot, seal_page, MapEntry, PAGE_HEADER_BYTES};
+use crate::cache::PbnSet;
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::layout::{Geometry, RC_ENTRIES_PER_PAGE};
 use crate::storage::{Dev, IoKind};
-use std::collections::HashSet;
 
 /// Largest reference count; a duplicate of a block at the cap is stored as a new copy.
 pub const REFCOUNT_MAX: u8 = 254;
@@ -35,7 +35,7 @@ pub struct Refcounts {
     page_seq: Vec<u64>,
     page_dirty: Vec<bool>,
     latest_slot: Vec<Option<u8>>,
-    written_unsynced: HashSet<u64>,
+    written_unsynced: PbnSet,
     used_blocks: u64,
     fragments: u64,
     /// Pages found with a damaged slot and no valid copy.
@@ -56,7 +56,7 @@ impl Refcounts {
             page_seq: vec![0; pages as usize],
             page_dirty: vec![false; pages as usize],
             latest_slot: vec![None; pages as usize],
-            written_unsynced: HashSet::new(),
+            written_unsynced: PbnSet::default(),
             used_blocks: 0,
             fragments: 0,
             damaged_pages: 0,

@@ -83,9 +83,16 @@ pub struct FileStorage {
     file: File,
     /// `O_DIRECT` descriptor on the same file, when asked for and supported.
     direct: Option<File>,
+    /// Regular file in direct mode: one bit per `PREALLOC_REGION_BYTES` region already
+    /// allocated with `fallocate` (see `preallocate`).
+    prealloc: Option<Vec<AtomicU64>>,
     len: u64,
     name: String,
 }
+
+/// Granularity at which a regular file's regions are allocated before their first direct
+/// write.
+const PREALLOC_REGION_BYTES: u64 = 64 << 20;
 
 impl FileStorage {
     /// Opens an existing file or block device (direct I/O where supported).
@@ -144,7 +151,37 @@ impl FileStorage {
             IoMode::Direct => open_direct(&file, path, read_only, len),
             IoMode::Buffered => None,
         };
-        Ok(FileStorage { file, direct, len, name: path.display().to_string() })
+        let regular = file.metadata().map(|m| m.file_type().is_file()).unwrap_or(false);
+        let prealloc = (direct.is_some() && regular && !read_only)
+            .then(|| (0..len.div_ceil(PREALLOC_REGION_BYTES).div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
+        Ok(FileStorage { file, direct, prealloc, len, name: path.display().to_string() })
+    }
+
+    /// Allocates (as unwritten extents, which read as zeros) the regions of a sparse
+    /// regular file that `[offset, offset + len)` touches, once per region. Why: a direct
+    /// write into a hole makes ext4 hold the inode lock exclusively until the write
+    /// completes, stalling every other direct read or write of the file (block map reads
+    /// under the state lock among them); into allocated extents it holds the lock shared.
+    /// Best effort: a failure leaves the write to find out for itself.
+    fn preallocate(&self, offset: u64, len: usize) {
+        let Some(bits) = &self.prealloc else { return };
+        let first = offset / PREALLOC_REGION_BYTES;
+        let last = (offset + len.max(1) as u64 - 1) / PREALLOC_REGION_BYTES;
+        for r in first..=last {
+            let Some(word) = bits.get((r / 64) as usize) else { return };
+            let bit = 1u64 << (r % 64);
+            if word.load(Ordering::Relaxed) & bit != 0 || word.fetch_or(bit, Ordering::Relaxed) & bit != 0 {
+                continue;
+            }
+            let start = r * PREALLOC_REGION_BYTES;
+            let n = PREALLOC_REGION_BYTES.min(self.len.saturating_sub(start));
+            if let (Ok(o), Ok(n)) = (i64::try_from(start), i64::try_from(n)) {
+                use std::os::fd::AsRawFd;
+                // SAFETY: plain syscall on an fd this struct owns; no memory is passed. Mode
+                // KEEP_SIZE never changes the file's size; the result is advisory (above).
+                unsafe { libc::fallocate(self.file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, o, n) };
+            }
+        }
     }
 
     /// True when aligned requests bypass the page cache.
@@ -297,6 +334,7 @@ impl Storage for FileStorage {
     fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if let Some(d) = self.direct_for(offset, total) {
+            self.preallocate(offset, total);
             match write_direct(d, bufs, offset) {
                 Err(e) if direct_refused(&e) => {}
                 r => return r,
@@ -725,6 +763,11 @@ mod tests {
             assert!(al[4096 + 10..4096 + 110].iter().all(|&x| x == 0xAB));
             assert!(al[..4096 + 10] == data[..4096 + 10]);
             f.sync().expect("sync");
+            // Direct mode allocated the touched 64 MiB region before writing (unwritten
+            // extents); buffered mode left the rest of the file a hole.
+            use std::os::unix::fs::MetadataExt;
+            let allocated = std::fs::metadata(&path).expect("stat").blocks() * 512;
+            assert_eq!(allocated >= 64 << 20, mode == IoMode::Direct, "{mode:?}: {allocated} bytes allocated");
         }
     }
 

@@ -546,6 +546,10 @@ impl Volume {
             return;
         }
         st.journal.durable_seq = st.journal.durable_seq.max(batch.last_seq);
+        // The commit waited for every data write issued before it: forget those batches
+        // now, before blocks are released below, so no completed batch can answer for a
+        // block after it is reused (and reads after a flush see the device).
+        self.tickets.retain_active(&mut st.writing);
         st.map.note_synced();
         st.rc.note_synced();
         let rc = &st.rc;
