@@ -30,7 +30,7 @@ use dedupvol_core::{
     WritePolicy,
 };
 use serde::Serialize;
-use std::fs::{File, OpenOptions as FsOpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -364,21 +364,25 @@ fn timed_volume_writes(vol: &Arc<Volume>, source: &Source, threads: usize) -> Re
     Ok((start.elapsed().as_secs_f64(), flush_start.elapsed().as_secs_f64()))
 }
 
-fn timed_raw_writes(path: &Path, temp: bool, size: u64, source: &Source, threads: usize) -> Result<RunFigure, String> {
+fn timed_raw_writes(
+    path: &Path,
+    temp: bool,
+    size: u64,
+    source: &Source,
+    threads: usize,
+    io_mode: IoMode,
+) -> Result<RunFigure, String> {
     if temp {
         let _ = std::fs::remove_file(path);
     }
-    let device = is_block_device(path);
-    let f = FsOpenOptions::new()
-        .create(!device)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| format!("creating {}: {e}", path.display()))?;
-    if !device && f.metadata().map(|m| m.len()).unwrap_or(0) < size {
-        f.set_len(size).map_err(|e| format!("sizing {}: {e}", path.display()))?;
+    // Through the engine's own storage layer, in the same I/O mode as the volumes: the
+    // baseline differs from them only by the absence of reduction and metadata.
+    let f = if is_block_device(path) {
+        FileStorage::open_with(path, false, io_mode)
+    } else {
+        FileStorage::create_with(path, Some(size), io_mode)
     }
+    .map_err(|e| format!("creating {}: {e}", path.display()))?;
     let start = Instant::now();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -386,7 +390,7 @@ fn timed_raw_writes(path: &Path, temp: bool, size: u64, source: &Source, threads
                 let f = &f;
                 s.spawn(move || {
                     source.for_each(t, threads, &mut |off, d| {
-                        f.write_all_at(d, off).map_err(|e| format!("pwrite at {off}: {e}"))
+                        f.write_at(d, off).map_err(|e| format!("pwrite at {off}: {e}"))
                     })
                 })
             })
@@ -394,7 +398,7 @@ fn timed_raw_writes(path: &Path, temp: bool, size: u64, source: &Source, threads
         handles.into_iter().try_for_each(|h| h.join().map_err(|_| "writer thread panicked".to_string())?)
     })?;
     let fs = Instant::now();
-    f.sync_data().map_err(|e| format!("fdatasync {}: {e}", path.display()))?;
+    f.sync().map_err(|e| format!("fdatasync {}: {e}", path.display()))?;
     let flush = fs.elapsed().as_secs_f64();
     Ok(RunFigure::new(source.total_bytes(), source.total_ops(), start.elapsed().as_secs_f64(), flush))
 }
@@ -628,7 +632,7 @@ pub fn run_scenario(
             Ok(f) => result.no_reduction_volume = Some(f),
             Err(e) => result.no_reduction_error = Some(e),
         }
-        result.raw_file = Some(timed_raw_writes(&raw_path, temp, logical, &source, threads)?);
+        result.raw_file = Some(timed_raw_writes(&raw_path, temp, logical, &source, threads, opts.io_mode)?);
         phase("raw file done");
     }
     Ok(result)

@@ -186,7 +186,7 @@ pub fn render_bench(r: &BenchReport) -> String {
     out.push_str(&t.render());
     out.push_str(
         "limit model: min(threads / (1/BLAKE3 + unique share/LZ4), disk seq MB/s x logical/stored) — hashing, compression and\n\
-         the device's sequential speed only, no metadata: an upper bound to compare the engine with.\n\n",
+         the device's sequential speed only, no metadata: an upper bound to compare the engine with.\n         no-reduction vol: the same writes into a volume with dedup and compression off; raw pwrite: the same bytes\n         written straight to a file through the engine's storage layer; both in the run's I/O mode.\n\n",
     );
 
     for s in &r.scenarios {
