@@ -7,8 +7,9 @@
 //! replaces.
 //!
 //! Invariants:
-//! - An `AlignedBuf` is `ALIGN`-aligned, a whole number of `ALIGN` units long, zeroed when
-//!   made, and never reallocated; it is freed with the layout it was allocated with.
+//! - An `AlignedBuf` is at least `ALIGN`-aligned, a whole number of its alignment long,
+//!   zeroed when made, and never reallocated; it is freed with the layout it was
+//!   allocated with.
 //! - A thread's bounce buffer is `BOUNCE_BYTES` long and borrowed by one call at a time
 //!   (`with_bounce` is not re-entered: storage calls never nest).
 
@@ -19,12 +20,18 @@ use std::ptr::NonNull;
 /// Alignment of direct I/O memory, offsets and lengths: covers 512 B and 4 KiB sectors.
 pub const ALIGN: usize = 4096;
 /// Size of each thread's bounce buffer; larger transfers go through it in pieces.
-pub const BOUNCE_BYTES: usize = 1 << 20;
+pub const BOUNCE_BYTES: usize = 2 << 20;
+/// Alignment of a bounce buffer: one transparent huge page, so a whole transfer is one
+/// physically contiguous segment and the block layer need not split it into several
+/// device requests (a virtio disk takes ~254 segments per request; each request costs
+/// the VM an exit to notify the host).
+const BOUNCE_ALIGN: usize = 2 << 20;
 
 /// A zeroed, `ALIGN`-aligned heap buffer of fixed length.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    align: usize,
 }
 
 // SAFETY: the buffer is uniquely owned heap memory, like a Vec<u8>.
@@ -34,11 +41,16 @@ impl AlignedBuf {
     /// A buffer of `len` bytes rounded up to `ALIGN` (at least one unit); None when the
     /// allocation fails.
     pub fn new(len: usize) -> Option<Self> {
-        let len = len.max(1).checked_next_multiple_of(ALIGN)?;
-        let layout = Layout::from_size_align(len, ALIGN).ok()?;
+        Self::with_align(len, ALIGN)
+    }
+
+    /// A buffer of `len` bytes rounded up to `align` (a power of two, at least `ALIGN`).
+    fn with_align(len: usize, align: usize) -> Option<Self> {
+        let len = len.max(1).checked_next_multiple_of(align)?;
+        let layout = Layout::from_size_align(len, align).ok()?;
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        Some(AlignedBuf { ptr: NonNull::new(p)?, len })
+        Some(AlignedBuf { ptr: NonNull::new(p)?, len, align })
     }
 
     /// The whole buffer.
@@ -51,7 +63,7 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if let Ok(layout) = Layout::from_size_align(self.len, ALIGN) {
+        if let Ok(layout) = Layout::from_size_align(self.len, self.align) {
             // SAFETY: allocated in `new` with exactly this layout, and freed only here.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
         }
@@ -69,7 +81,9 @@ pub fn with_bounce<R>(f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
     BOUNCE.with(|cell| {
         let mut slot = cell.try_borrow_mut().ok()?;
         if slot.is_none() {
-            *slot = Some(AlignedBuf::new(BOUNCE_BYTES)?);
+            let mut b = AlignedBuf::with_align(BOUNCE_BYTES, BOUNCE_ALIGN)?;
+            crate::hugemem::advise(b.as_mut_slice());
+            *slot = Some(b);
         }
         let buf = slot.as_mut()?;
         debug_assert_eq!(buf.as_mut_slice().as_ptr() as usize % ALIGN, 0);

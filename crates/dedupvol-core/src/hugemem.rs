@@ -25,7 +25,8 @@ pub fn zeroed<T: Clone + Default>(n: usize) -> Vec<T> {
     v
 }
 
-fn advise<T>(v: &[T]) {
+/// Advises the whole 2 MiB-aligned spans inside `v` to use huge pages.
+pub(crate) fn advise<T>(v: &[T]) {
     let start = v.as_ptr() as usize;
     let end = start.saturating_add(std::mem::size_of_val(v));
     let a = start.next_multiple_of(HUGE_PAGE_BYTES);
