@@ -48,9 +48,10 @@ pub enum ServeCommand {
         /// Override the volume's write policy: sync (durable before ack) or async.
         #[arg(long)]
         write_policy: Option<WritePolicy>,
-        /// Device I/O: direct (O_DIRECT where supported; the engine's content cache is the
-        /// only data cache) or buffered (through the kernel page cache).
-        #[arg(long, default_value = "direct")]
+        /// Device I/O: auto (direct for a hash-verified volume, buffered for a byte-verified
+        /// one), direct (O_DIRECT where supported; the engine's content cache is the only
+        /// data cache) or buffered (through the kernel page cache).
+        #[arg(long, default_value = "auto")]
         io: IoMode,
         /// Worker threads per connection (requests executed concurrently per client).
         #[arg(long, default_value_t = 4)]

@@ -79,8 +79,9 @@ pub struct OpenArgs {
     /// Metadata device (default: the path recorded at format).
     #[arg(long)]
     meta_device: Option<PathBuf>,
-    /// Device I/O: direct (O_DIRECT where supported) or buffered (page cache).
-    #[arg(long, default_value = "direct")]
+    /// Device I/O: auto (direct for hash verification, buffered for bytes), direct
+    /// (O_DIRECT where supported) or buffered (page cache).
+    #[arg(long, default_value = "auto")]
     io: IoMode,
 }
 
@@ -199,7 +200,7 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     }
     Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
         .with_context(|| format!("formatting {}", a.path.display()))?;
-    let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone(), io: IoMode::Direct }, true)?;
+    let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone(), io: IoMode::Auto }, true)?;
     let s = vol.stats();
     println!(
         "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",
@@ -238,6 +239,7 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     println!("  refcounts     {} pages x 2 slots", g.refcount_pages);
     println!("compression     {:?}", s.compression);
     println!("dedup           {} (verify {:?})", if s.dedup { "on" } else { "off" }, s.verify);
+    println!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" });
     println!(
         "index           {} entries, {} ({} B/entry)",
         s.index_capacity,

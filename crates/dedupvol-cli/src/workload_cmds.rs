@@ -5,7 +5,9 @@
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use dedupvol_core::{parse_size, Compression, FileStorage, FormatOptions, OpenOptions, Storage, Volume, WritePolicy};
+use dedupvol_core::{
+    parse_size, Compression, DedupVerify, FileStorage, FormatOptions, IoMode, OpenOptions, Storage, Volume, WritePolicy,
+};
 use dedupvol_workload::bench::{self, BenchOptions, BenchReport, Scenario, Target};
 use dedupvol_workload::table::{num, render_bench, render_estimate, Table};
 use dedupvol_workload::{ContentModel, DataSpec, EstimateOptions, EstimateReport, Estimator, Workload, PRESET_NAMES};
@@ -100,9 +102,9 @@ pub struct BenchArgs {
     /// Duplicate verification of the engine volume (bytes or hash; default: the engine's).
     #[arg(long)]
     verify: Option<String>,
-    /// How the engine and no-reduction volumes do I/O: direct (O_DIRECT, the engine's
-    /// default) or buffered (through the page cache).
-    #[arg(long, default_value = "direct")]
+    /// How the volumes and the raw baseline do I/O: auto (the engine's default: direct for
+    /// hash verification, buffered for bytes), direct (O_DIRECT) or buffered (page cache).
+    #[arg(long, default_value = "auto")]
     io: String,
     /// Skip the no-reduction volume and raw-file baselines.
     #[arg(long)]
@@ -223,6 +225,10 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     spec.zero_fraction = pct("zero", a.zero)?;
     spec.working_set_blocks = working_set_blocks(&a.working_set)?;
     spec.validate().map_err(anyhow::Error::msg)?;
+    let verify: DedupVerify = match &a.verify {
+        Some(v) => v.parse().with_context(|| "--verify")?,
+        None => FormatOptions::default().verify,
+    };
     let opts = BenchOptions {
         dir: dir.clone(),
         target_path: a.volume.clone(),
@@ -232,11 +238,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         write_policy,
         baselines: !a.no_baseline,
         index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
-        verify: match &a.verify {
-            Some(v) => v.parse().with_context(|| "--verify")?,
-            None => FormatOptions::default().verify,
-        },
-        io_mode: a.io.parse().with_context(|| "--io")?,
+        verify,
+        io_mode: a.io.parse::<IoMode>().with_context(|| "--io")?.for_verify(verify == DedupVerify::Hash),
         verbose: !a.json,
     };
     let mb = |v: f64| Some(Target { min: v, unit: "MB/s".into() });

@@ -1,4 +1,4 @@
-//! Page-aligned buffers for direct I/O, and one bounce buffer per thread.
+//! Page-aligned buffers for direct I/O, and a bounded pool of bounce buffers.
 //!
 //! Direct I/O (`O_DIRECT`) needs the memory, the offset and the length aligned to the
 //! device's logical block size. The engine's blocks live in ordinary heap memory, so data
@@ -10,12 +10,12 @@
 //! - An `AlignedBuf` is at least `ALIGN`-aligned, a whole number of its alignment long,
 //!   zeroed when made, and never reallocated; it is freed with the layout it was
 //!   allocated with.
-//! - A thread's bounce buffer is `BOUNCE_BYTES` long and borrowed by one call at a time
-//!   (`with_bounce` is not re-entered: storage calls never nest).
+//! - A bounce buffer is `BOUNCE_BYTES` long and lent to one call at a time; at most
+//!   `BOUNCE_POOL_MAX` idle ones are kept.
 
 use std::alloc::Layout;
-use std::cell::RefCell;
 use std::ptr::NonNull;
+use std::sync::Mutex;
 
 /// Alignment of direct I/O memory, offsets and lengths: covers 512 B and 4 KiB sectors.
 pub const ALIGN: usize = 4096;
@@ -70,25 +70,33 @@ impl Drop for AlignedBuf {
     }
 }
 
-thread_local! {
-    static BOUNCE: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
-}
+/// Bounce buffers kept for reuse at most: retained memory stays bounded however many
+/// threads do I/O (NBD workers, writers), and reused buffers stay warm.
+const BOUNCE_POOL_MAX: usize = 8;
 
-/// Runs `f` with this thread's bounce buffer (`BOUNCE_BYTES`, allocated on first use and
-/// kept for the thread's life, so its pages stay warm). None when it cannot be allocated
-/// or is already borrowed.
+static POOL: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
+
+/// Runs `f` with a bounce buffer of `BOUNCE_BYTES` taken from the pool (or made, on huge
+/// pages where the kernel offers them), then returns the buffer to the pool. None when a
+/// buffer cannot be allocated.
 pub fn with_bounce<R>(f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
-    BOUNCE.with(|cell| {
-        let mut slot = cell.try_borrow_mut().ok()?;
-        if slot.is_none() {
+    let pooled = POOL.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let mut b = match pooled {
+        Some(b) => b,
+        None => {
             let mut b = AlignedBuf::with_align(BOUNCE_BYTES, BOUNCE_ALIGN)?;
             crate::hugemem::advise(b.as_mut_slice());
-            *slot = Some(b);
+            b
         }
-        let buf = slot.as_mut()?;
-        debug_assert_eq!(buf.as_mut_slice().as_ptr() as usize % ALIGN, 0);
-        Some(f(buf.as_mut_slice()))
-    })
+    };
+    let slice = b.as_mut_slice();
+    debug_assert!(slice.len() == BOUNCE_BYTES && is_aligned_ptr(slice.as_ptr()));
+    let r = f(slice);
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if pool.len() < BOUNCE_POOL_MAX {
+        pool.push(b);
+    }
+    Some(r)
 }
 
 /// True when `offset` and `len` are whole `ALIGN` units.
@@ -114,8 +122,9 @@ mod tests {
         assert!(s.iter().all(|&x| x == 0));
         let n = with_bounce(|b| {
             assert!(is_aligned_ptr(b.as_ptr()));
-            // Not re-entrant: a nested borrow is refused rather than aliased.
-            assert!(with_bounce(|_| ()).is_none());
+            // A nested call gets a buffer of its own, never an alias of this one.
+            let inner = with_bounce(|c| c.as_ptr() as usize).expect("inner");
+            assert_ne!(inner, b.as_ptr() as usize);
             b.len()
         });
         assert_eq!(n, Some(BOUNCE_BYTES));

@@ -195,7 +195,8 @@ pub struct OpenOptions {
     pub content_cache_bytes: u64,
     /// Override the stored index memory.
     pub index_memory_bytes: Option<u64>,
-    /// How `Volume::open_path` opens its devices (direct I/O by default).
+    /// How `Volume::open_path` opens its devices (`Auto` by default: direct I/O for hash
+    /// verification, buffered for byte verification).
     pub io_mode: crate::storage::IoMode,
     /// Write full staging batches from a background thread (default). Off, the writer
     /// that fills a batch writes it: slower, but every device call happens on a caller's
@@ -211,7 +212,7 @@ impl Default for OpenOptions {
             block_map_cache_bytes: 128 << 20,
             content_cache_bytes: 64 << 20,
             index_memory_bytes: None,
-            io_mode: crate::storage::IoMode::Direct,
+            io_mode: crate::storage::IoMode::Auto,
             background_writes: true,
         }
     }

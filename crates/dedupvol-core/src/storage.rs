@@ -39,6 +39,10 @@ pub trait Storage: Send + Sync {
     /// Hint: start writing `[offset, offset + len)` back to stable storage now, without
     /// waiting, so the next `sync` has less to do. Guarantees nothing; errors surface at `sync`.
     fn start_writeback(&self, _offset: u64, _len: u64) {}
+    /// True when data bypasses the kernel page cache (`O_DIRECT`).
+    fn is_direct(&self) -> bool {
+        false
+    }
     /// Size of the device in bytes.
     fn len(&self) -> u64;
     /// True when the device has no bytes.
@@ -58,21 +62,37 @@ const IOVECS_PER_CALL: usize = 1024;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum IoMode {
+    /// `Volume::open_path` picks: direct for a hash-verified volume, buffered for a
+    /// byte-verified one (its verification reads are served from the page cache). A
+    /// `FileStorage` opened with it is direct.
+    #[default]
+    Auto,
     /// `O_DIRECT` where the file system supports it (else buffered): no page-cache copy and
     /// no page-cache memory; the engine's content cache is the only data cache.
-    #[default]
     Direct,
     /// Through the kernel page cache.
     Buffered,
+}
+
+impl IoMode {
+    /// The mode `Auto` stands for on a volume with (`true`) or without hash verification.
+    pub fn for_verify(self, hash_verified: bool) -> IoMode {
+        match self {
+            IoMode::Auto if hash_verified => IoMode::Direct,
+            IoMode::Auto => IoMode::Buffered,
+            m => m,
+        }
+    }
 }
 
 impl std::str::FromStr for IoMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s {
+            "auto" => Ok(IoMode::Auto),
             "direct" => Ok(IoMode::Direct),
             "buffered" => Ok(IoMode::Buffered),
-            other => Err(Error::InvalidArgument(format!("I/O mode must be direct or buffered, not {other:?}"))),
+            other => Err(Error::InvalidArgument(format!("I/O mode must be auto, direct or buffered, not {other:?}"))),
         }
     }
 }
@@ -148,7 +168,7 @@ impl FileStorage {
         lock(&file, path, read_only)?;
         let len = device_len(&file, path)?;
         let direct = match mode {
-            IoMode::Direct => open_direct(&file, path, read_only, len),
+            IoMode::Direct | IoMode::Auto => open_direct(&file, path, read_only, len),
             IoMode::Buffered => None,
         };
         let regular = file.metadata().map(|m| m.file_type().is_file()).unwrap_or(false);
@@ -184,9 +204,12 @@ impl FileStorage {
         }
     }
 
-    /// True when aligned requests bypass the page cache.
-    pub fn is_direct(&self) -> bool {
-        self.direct.is_some()
+    /// The same storage without its direct descriptor: every request goes through the
+    /// page cache.
+    pub fn into_buffered(mut self) -> Self {
+        self.direct = None;
+        self.prealloc = None;
+        self
     }
 
     /// The `O_DIRECT` descriptor when `[offset, offset + len)` can go through it.
@@ -385,6 +408,9 @@ impl Storage for FileStorage {
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
     }
+    fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
     fn start_writeback(&self, offset: u64, len: u64) {
         if self.direct.is_some() {
             // Direct writes are on the device (its cache) when they return.
@@ -493,6 +519,9 @@ impl<T: Storage + ?Sized> Storage for Arc<T> {
     }
     fn start_writeback(&self, offset: u64, len: u64) {
         (**self).start_writeback(offset, len)
+    }
+    fn is_direct(&self) -> bool {
+        (**self).is_direct()
     }
     fn len(&self) -> u64 {
         (**self).len()
@@ -699,6 +728,10 @@ impl Dev {
     /// Device size in bytes.
     pub fn len(&self) -> u64 {
         self.inner.len()
+    }
+    /// True when data bypasses the kernel page cache.
+    pub fn is_direct(&self) -> bool {
+        self.inner.is_direct()
     }
     /// True for a zero-length device.
     pub fn is_empty(&self) -> bool {

@@ -230,28 +230,31 @@ impl Volume {
     /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
     /// `meta_device` overrides it.
     pub fn open_path(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Volume> {
-        let data: Arc<dyn Storage> = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
+        let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
+        let sb = {
+            let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+            Superblock::read(&dev, 0)?.0
+        };
+        // `auto` resolves from the volume: byte verification reads every candidate, and the
+        // page cache serves those reads from RAM; hash verification reads nothing.
+        let mode = opts.io_mode.for_verify(sb.verify == DedupVerify::Hash);
+        let file = Arc::try_unwrap(file).map_err(|_| Error::InvalidArgument("device still shared".into()))?;
+        let data: Arc<dyn Storage> =
+            Arc::new(if mode == crate::storage::IoMode::Buffered { file.into_buffered() } else { file });
         let meta_path = match meta_device {
             Some(m) => Some(m.to_path_buf()),
-            None => {
-                let dev = Dev::new(data.clone(), Arc::new(IoCounters::default()));
-                let (sb, _) = Superblock::read(&dev, 0)?;
-                if sb.geometry.meta_dev_blocks > 0 {
-                    match sb.meta_path {
-                        Some(p) => Some(p.into()),
-                        None => {
-                            return Err(Error::InvalidArgument(
-                                "this volume keeps its metadata on a separate device: pass --meta-device".into(),
-                            ))
-                        }
-                    }
-                } else {
-                    None
+            None if sb.geometry.meta_dev_blocks > 0 => match sb.meta_path {
+                Some(p) => Some(std::path::PathBuf::from(p)),
+                None => {
+                    return Err(Error::InvalidArgument(
+                        "this volume keeps its metadata on a separate device: pass --meta-device".into(),
+                    ))
                 }
-            }
+            },
+            None => None,
         };
         let meta: Option<Arc<dyn Storage>> = match meta_path {
-            Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, opts.io_mode)?)),
+            Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, mode)?)),
             None => None,
         };
         Self::open(data, meta, opts)
@@ -446,6 +449,11 @@ impl Volume {
     /// so that its clock measures steady-state writes rather than first-touch page faults.
     pub fn wait_ready(&self) {
         self.state.lock().index.wait_prefault();
+    }
+
+    /// True when the data device is read and written with direct I/O (no page cache).
+    pub fn direct_io(&self) -> bool {
+        self.data.is_direct()
     }
 
     /// Logical size in bytes.

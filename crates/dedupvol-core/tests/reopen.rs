@@ -95,3 +95,34 @@ fn running_out_of_space_is_enospc_and_freeing_space_recovers() {
 fn libc_enospc() -> i32 {
     28
 }
+
+#[test]
+fn io_mode_auto_follows_the_verification_mode() {
+    use dedupvol_core::{DedupVerify, IoMode};
+    let dir = tempfile::tempdir().expect("tmp");
+    for (verify, direct) in [(DedupVerify::Hash, true), (DedupVerify::Bytes, false)] {
+        let path = dir.path().join(format!("{verify:?}.img"));
+        let opts = FormatOptions {
+            logical_size_bytes: 64 << 20,
+            index_memory_bytes: 1 << 20,
+            slab_size_bytes: 1 << 20,
+            verify,
+            ..FormatOptions::default()
+        };
+        Volume::format_path(&path, Some(32 << 20), None, &opts, false).expect("format");
+        // The temp directory's file system takes O_DIRECT (ext4, tmpfs since Linux 6.6).
+        let vol = Volume::open_path(&path, None, &OpenOptions::default()).expect("open");
+        assert_eq!(vol.direct_io(), direct, "{verify:?} with io auto");
+        vol.write(0, &block(7, 0), true).expect("write");
+        vol.close().expect("close");
+        for (mode, want) in [(IoMode::Direct, true), (IoMode::Buffered, false)] {
+            let o = OpenOptions { io_mode: mode, ..OpenOptions::default() };
+            let vol = Volume::open_path(&path, None, &o).expect("reopen");
+            assert_eq!(vol.direct_io(), want, "{verify:?} with {mode:?}");
+            let mut b = vec![0u8; 4096];
+            vol.read(0, &mut b).expect("read");
+            assert_eq!(b, block(7, 0));
+            vol.close().expect("close");
+        }
+    }
+}
