@@ -11,13 +11,19 @@
 //!   a page is never written twice between metadata syncs, so a torn write leaves the
 //!   previous copy intact; the journal still holds every entry newer than that copy.
 //! - The cache holds at most `capacity_pages` pages except transiently, when every page
-//!   is dirty with entries not yet durable (bounded by the journal's pending-entry bound).
+//!   is dirty with entries not yet durable (bounded by the journal's pending-entry bound),
+//!   or by up to `READAHEAD_PAGES` pages read ahead until the next eviction.
+//! - A page read ahead is only inserted where the cache holds no copy (a cached copy is
+//!   never older than the device's), so read-ahead never replaces newer state.
 
 use crate::cache::{PbnMap, PbnSet};
 use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::layout::{Geometry, BM_ENTRIES_PER_PAGE};
+
+/// Pages read with one request on a cache miss at most (see `load_with_readahead`).
+const READAHEAD_PAGES: u64 = 16;
 use crate::storage::{Dev, IoKind};
 
 /// Page header bytes (magic, crc, page index, applied seq, uuid low half).
@@ -203,7 +209,12 @@ impl BlockMap {
     pub fn read_page(&mut self, page: u64) -> Result<(Box<[u8]>, SlotPick)> {
         let mut both = vec![0u8; 2 * BLOCK_SIZE];
         self.meta.read(IoKind::BlockMap, &mut both, self.slot_offset(page, 0))?;
-        let pick = pick_slot(&both, BM_PAGE_MAGIC, page, self.uuid_lo);
+        self.parse_page(page, &both)
+    }
+
+    /// The newest valid copy of `page` from its two slots as read (`both`).
+    fn parse_page(&mut self, page: u64, both: &[u8]) -> Result<(Box<[u8]>, SlotPick)> {
+        let pick = pick_slot(both, BM_PAGE_MAGIC, page, self.uuid_lo);
         if pick.damaged && pick.slot.is_none() {
             self.damaged_pages += 1;
         }
@@ -217,6 +228,31 @@ impl BlockMap {
         Ok((buf, pick))
     }
 
+    /// Reads `page` and the uncached pages right after it (up to `READAHEAD_PAGES`) with
+    /// one device request, and caches them. Why: a sequential writer misses every page of a
+    /// fresh region in turn, each miss a device round trip under the state lock; one larger
+    /// read costs about the same as one page. If the larger read fails, `page` alone is
+    /// read, so a bad neighbour never fails a request.
+    fn load_with_readahead(&mut self, page: u64, tick: u64) -> Result<()> {
+        let mut n = 1u64;
+        while n < READAHEAD_PAGES && page + n < self.geo.block_map_pages && !self.pages.contains_key(&(page + n)) {
+            n += 1;
+        }
+        let mut all = vec![0u8; 2 * BLOCK_SIZE * n as usize];
+        if n == 1 || self.meta.read(IoKind::BlockMap, &mut all, self.slot_offset(page, 0)).is_err() {
+            let (buf, pick) = self.read_page(page)?;
+            self.pages
+                .insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+            return Ok(());
+        }
+        for (k, both) in all.chunks_exact(2 * BLOCK_SIZE).enumerate() {
+            let p = page + k as u64;
+            let (buf, pick) = self.parse_page(p, both)?;
+            self.pages.insert(p, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+        }
+        Ok(())
+    }
+
     fn page_mut(&mut self, page: u64) -> Result<&mut CachedPage> {
         self.tick += 1;
         let tick = self.tick;
@@ -224,9 +260,7 @@ impl BlockMap {
             self.hits += 1;
         } else {
             self.misses += 1;
-            let (buf, pick) = self.read_page(page)?;
-            self.pages
-                .insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+            self.load_with_readahead(page, tick)?;
         }
         let p = self.pages.get_mut(&page).ok_or_else(|| Error::Corrupt("block map cache lost a page".into()))?;
         p.used = tick;
