@@ -53,6 +53,10 @@ pub enum ServeCommand {
         /// data cache) or buffered (through the kernel page cache).
         #[arg(long, default_value = "auto")]
         io: IoMode,
+        /// Memory for the content cache: the engine's read cache of physical blocks, the
+        /// only data cache under direct I/O (K/M/G suffixes).
+        #[arg(long, default_value = "1G")]
+        cache_size: String,
         /// Worker threads per connection (requests executed concurrently per client).
         #[arg(long, default_value_t = 4)]
         workers_per_connection: usize,
@@ -75,6 +79,7 @@ impl ServeCommand {
             meta_device,
             write_policy,
             io,
+            cache_size,
             workers_per_connection,
             in_memory,
         } = self;
@@ -98,7 +103,9 @@ impl ServeCommand {
             None => {
                 // The engine's FileStorage holds an flock (exclusive read-write, shared
                 // read-only) for as long as the volume is open.
-                let opts = OpenOptions { read_only, write_policy, io_mode: io, ..Default::default() };
+                let content_cache_bytes = dedupvol_core::parse_size(&cache_size).context("--cache-size")?;
+                let opts =
+                    OpenOptions { read_only, write_policy, io_mode: io, content_cache_bytes, ..Default::default() };
                 // open_path finds a separate metadata device from the superblock unless
                 // --meta-device overrides it, and replays the journal after a crash.
                 let v = Volume::open_path(&path, meta_device.as_deref(), &opts)

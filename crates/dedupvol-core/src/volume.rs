@@ -1012,6 +1012,9 @@ impl Volume {
         }
         if old.is_data() && st.rc.dec(&old, seq)? {
             st.alloc.free_later(old.pbn, seq);
+            // Nothing can read a block without references: its cached copy only takes
+            // room from live blocks (under overwrites, the cache would fill with them).
+            self.cache.lock().remove(old.pbn);
             let wrapped = st.stamps.as_mut().and_then(|s| s.get_mut(old.pbn as usize)).is_some_and(|s| {
                 *s = s.wrapping_add(1);
                 *s == 0
