@@ -19,7 +19,7 @@ use std::sync::Mutex;
 
 /// Alignment of direct I/O memory, offsets and lengths: covers 512 B and 4 KiB sectors.
 pub const ALIGN: usize = 4096;
-/// Size of each thread's bounce buffer; larger transfers go through it in pieces.
+/// Size of a bounce buffer; larger transfers go through it in pieces.
 pub const BOUNCE_BYTES: usize = 2 << 20;
 /// Alignment of a bounce buffer: one transparent huge page, so a whole transfer is one
 /// physically contiguous segment and the block layer need not split it into several

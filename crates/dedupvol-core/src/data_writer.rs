@@ -56,10 +56,6 @@ impl Health {
         }
         Ok(())
     }
-
-    fn is_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
-    }
 }
 
 /// Tickets of data writes in flight outside the state lock.
@@ -191,13 +187,27 @@ fn run(rx: Receiver<(u64, Batch)>, data: &Dev, geo: &Geometry, tickets: &Tickets
                 Err(_) => break,
             }
         }
-        // After a failure nothing more is written: what reached the device is unknown,
-        // and the volume refuses every later commit anyway.
-        if !health.is_failed() {
-            if let Err(e) = write_merged(data, geo, blocks, true) {
-                health.fail(&e);
-            }
-        }
-        tickets.retire(&done);
+        // The error is recorded in `health`, where the next commit or write finds it.
+        let _ = write_ticketed(data, geo, blocks, &done, tickets, health);
     }
+}
+
+/// Writes ticketed batches (merged into `blocks`) and retires their tickets, failed or
+/// not; a failure is recorded in `health` before the tickets retire, so a commit waiting
+/// for them sees it. After a failure nothing more is written: what reached the device is
+/// unknown, and the volume refuses every later commit anyway.
+pub(crate) fn write_ticketed(
+    data: &Dev,
+    geo: &Geometry,
+    blocks: Batch,
+    done: &[u64],
+    tickets: &Tickets,
+    health: &Health,
+) -> Result<()> {
+    let r = health.check().and_then(|()| write_merged(data, geo, blocks, true));
+    if let Err(e) = &r {
+        health.fail(e);
+    }
+    tickets.retire(done);
+    r
 }

@@ -241,7 +241,7 @@ fn open_direct(file: &File, path: &Path, read_only: bool, len: u64) -> Option<Fi
 }
 
 /// Reads `buf` at `offset` through the direct descriptor `d` (both aligned), via the
-/// thread's bounce buffer when `buf`'s memory is not aligned.
+/// pooled bounce buffer when `buf`'s memory is not aligned.
 fn read_direct(d: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
     if aligned::is_aligned_ptr(buf.as_ptr()) {
         return d.read_exact_at(buf, offset);
@@ -261,7 +261,7 @@ fn read_direct(d: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
 }
 
 /// Writes `bufs` back to back at `offset` through the direct descriptor `d` (offset and
-/// total length aligned), gathered into the thread's bounce buffer one piece at a time.
+/// total length aligned), gathered into a pooled bounce buffer one piece at a time.
 fn write_direct(d: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
     if let [one] = bufs {
         if aligned::is_aligned_ptr(one.as_ptr()) {

@@ -27,7 +27,7 @@ use crate::allocator::Allocator;
 use crate::block_map::{BlockMap, MapEntry, STATE_RAW};
 use crate::cache::{Block, ContentCache};
 use crate::config::{Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::data_writer::{write_merged, DataWriter, Health, Tickets};
+use crate::data_writer::{write_merged, write_ticketed, DataWriter, Health, Tickets};
 use crate::error::{Error, Result};
 use crate::index::{Index, Location};
 use crate::journal::{self, CommitBatch, Counters, Journal};
@@ -990,13 +990,7 @@ impl Volume {
     /// Writes a batch from `begin_write` here (no lock held) and retires its ticket,
     /// failed or not.
     fn finish_write(&self, ticket: u64, blocks: Vec<(u64, Block)>) -> Result<()> {
-        let r = write_merged(&self.data, &self.geo, blocks, true);
-        if let Err(e) = &r {
-            // Before the ticket retires, so a commit waiting for it sees the failure.
-            self.health.fail(e);
-        }
-        self.tickets.retire(&[ticket]);
-        r
+        write_ticketed(&self.data, &self.geo, blocks, &[ticket], &self.tickets, &self.health)
     }
 
     /// Journals and applies one mapping change; None when it changes nothing.
