@@ -922,7 +922,7 @@ impl Volume {
                     Some(placed) => placed,
                     None => {
                         if !st.packer.can_open() {
-                            if let Some((pbn, block, _)) = st.packer.seal_fullest() {
+                            if let Some((pbn, block, _)) = st.packer.seal_oldest() {
                                 self.stage(st, pbn, Block::from(block))?;
                                 st.red.packed_blocks_written += 1;
                             }

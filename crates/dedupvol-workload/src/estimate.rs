@@ -12,7 +12,7 @@
 //!
 //! Packing is modelled as the engine's packer does it: up to [`PACKED_OPEN_BLOCKS_MAX`]
 //! blocks are open; a fragment goes to the open block it fits best (least room left); when
-//! it fits none, a new block is opened, after sealing the fullest one if all are open. The
+//! it fits none, a new block is opened, after sealing the oldest one if all are open. The
 //! engine also seals every open block at each group commit, which depends on timing, so
 //! the estimate can be slightly optimistic for workloads with frequent flushes.
 //!
@@ -45,7 +45,7 @@ pub const PACKED_FRAGMENTS_MAX: u32 = 14;
 /// Largest compressed fragment the engine packs, in bytes (a block minus its header).
 pub const FRAGMENT_BYTES_MAX: u64 = PHYSICAL_BLOCK_BYTES - PACKED_HEADER_BYTES;
 /// Packed blocks the engine keeps open at once.
-pub const PACKED_OPEN_BLOCKS_MAX: usize = 4;
+pub const PACKED_OPEN_BLOCKS_MAX: usize = dedupvol_core::packer::OPEN_BLOCKS_MAX;
 /// Smallest and largest chunk sizes accepted, in bytes.
 pub const CHUNK_BYTES_MIN: usize = 4096;
 /// See [`CHUNK_BYTES_MIN`].
@@ -273,12 +273,8 @@ impl Estimator {
                 Some(i) => i,
                 None => {
                     if self.open_blocks.len() >= PACKED_OPEN_BLOCKS_MAX {
-                        // Seal the fullest, as the engine does.
-                        if let Some(full) =
-                            self.open_blocks.iter().enumerate().max_by_key(|(_, (used, _))| *used).map(|(i, _)| i)
-                        {
-                            self.open_blocks.swap_remove(full);
-                        }
+                        // Seal the oldest, as the engine does.
+                        self.open_blocks.remove(0);
                     }
                     r.packed_blocks += 1;
                     r.physical_bytes += PHYSICAL_BLOCK_BYTES;
@@ -401,23 +397,28 @@ mod tests {
     }
 
     #[test]
-    fn packing_is_best_fit_over_four_open_blocks() {
+    fn packing_is_best_fit_and_seals_the_oldest() {
         let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
         // One open block would need four blocks; best fit over several needs two.
         for size in [3000, 3000, 1000, 1000] {
             e.store_unique(size);
         }
         assert_eq!(e.report().packed_blocks, 2);
-        // Five large fragments: the fifth seals the fullest of four open blocks.
+        // As many large fragments as blocks can be open, each in its own block; one more
+        // seals the oldest (the 3900-byte block), as the engine does.
         let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
-        for size in [3900, 3800, 3700, 3600, 3500, 100] {
-            e.store_unique(size);
+        let n = PACKED_OPEN_BLOCKS_MAX as u64;
+        for i in 0..n {
+            e.store_unique(3900 - i);
         }
-        // 100 bytes fit best into the 3800-byte block (3900 was sealed when 3500 arrived).
-        assert_eq!(e.report().packed_blocks, 5);
-        let mut used: Vec<u64> = e.open_blocks.iter().map(|b| b.0).collect();
-        used.sort_unstable();
-        assert_eq!(used, vec![3500, 3600, 3700, 3900]);
+        e.store_unique(3000);
+        assert_eq!(e.report().packed_blocks, n + 1);
+        assert_eq!(e.open_blocks.len(), PACKED_OPEN_BLOCKS_MAX);
+        assert!(e.open_blocks.iter().all(|b| b.0 != 3900));
+        // 100 bytes fit best into the 3899-byte block (least room left that still fits).
+        e.store_unique(100);
+        assert_eq!(e.report().packed_blocks, n + 1);
+        assert_eq!(e.open_blocks.first().map(|b| *b), Some((3999, 2)));
     }
 
     #[test]
