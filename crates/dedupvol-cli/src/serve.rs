@@ -57,6 +57,12 @@ pub enum ServeCommand {
         /// only data cache under direct I/O (K/M/G suffixes).
         #[arg(long, default_value = "1G")]
         cache_size: String,
+        /// Whether newly written blocks enter the content cache: on (the default for a
+        /// server: under direct I/O it is the only cache that can answer a client re-reading
+        /// what it just wrote), off (filled by reads only: faster writes, colder re-reads),
+        /// or auto (the library's choice: on for byte verification, off for hash).
+        #[arg(long, default_value = "on", value_parser = ["auto", "on", "off"])]
+        cache_writes: String,
         /// Worker threads per connection (requests executed concurrently per client).
         #[arg(long, default_value_t = 4)]
         workers_per_connection: usize,
@@ -80,6 +86,7 @@ impl ServeCommand {
             write_policy,
             io,
             cache_size,
+            cache_writes,
             workers_per_connection,
             in_memory,
         } = self;
@@ -104,8 +111,19 @@ impl ServeCommand {
                 // The engine's FileStorage holds an flock (exclusive read-write, shared
                 // read-only) for as long as the volume is open.
                 let content_cache_bytes = dedupvol_core::parse_size(&cache_size).context("--cache-size")?;
-                let opts =
-                    OpenOptions { read_only, write_policy, io_mode: io, content_cache_bytes, ..Default::default() };
+                let cache_writes = match cache_writes.as_str() {
+                    "on" => Some(true),
+                    "off" => Some(false),
+                    _ => None,
+                };
+                let opts = OpenOptions {
+                    read_only,
+                    write_policy,
+                    io_mode: io,
+                    content_cache_bytes,
+                    cache_writes,
+                    ..Default::default()
+                };
                 // open_path finds a separate metadata device from the superblock unless
                 // --meta-device overrides it, and replays the journal after a crash.
                 let v = Volume::open_path(&path, meta_device.as_deref(), &opts)

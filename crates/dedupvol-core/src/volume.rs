@@ -93,6 +93,8 @@ pub struct Volume {
     policy: WritePolicy,
     dedup: bool,
     compression: Compression,
+    /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
+    cache_writes: bool,
     pub(crate) read_only: bool,
     health: Arc<Health>,
     /// Set under the state lock whenever entries are appended or a batch is taken: the
@@ -107,7 +109,15 @@ pub struct Volume {
 /// How one chunk of a write will be stored.
 enum Plan {
     Zero,
-    Data { hash: [u8; 32], crc: u32, candidate: Option<Location>, verified: bool, frag: Option<Vec<u8>> },
+    Data {
+        hash: [u8; 32],
+        crc: u32,
+        candidate: Option<Location>,
+        verified: bool,
+        frag: Option<Vec<u8>>,
+        /// The block's own copy when it will be stored raw, made outside the state lock.
+        raw: Option<Block>,
+    },
 }
 
 fn new_uuid() -> [u8; 16] {
@@ -393,6 +403,7 @@ impl Volume {
             .then(|| DataWriter::start(data.clone(), geo, tickets.clone(), health.clone()))
             .flatten();
         let (dedup, compression) = (sb.dedup, sb.compression);
+        let cache_writes = opts.cache_writes.unwrap_or(sb.verify == DedupVerify::Bytes);
         Ok(Volume {
             data,
             meta,
@@ -408,6 +419,7 @@ impl Volume {
             policy,
             dedup,
             compression,
+            cache_writes,
             read_only: opts.read_only,
             health,
             journal_pressure: AtomicBool::new(false),
@@ -697,6 +709,7 @@ impl Volume {
                     candidate: None,
                     verified: false,
                     frag: None,
+                    raw: None,
                 };
             }
         });
@@ -711,8 +724,14 @@ impl Volume {
                 for (i, p) in plans.iter_mut().enumerate() {
                     if let Plan::Data { hash, candidate, verified, .. } = p {
                         // Only a block in use now can be a candidate: a free block could be
-                        // reallocated before phase 4 without any reuse-generation bump.
-                        if let Some(loc) = st.index.lookup(hash).filter(|l| st.rc.get(l.pbn) > 0) {
+                        // reallocated before phase 4 without any reuse-generation bump. With
+                        // hash verification its reuse stamp must match too (placement checks
+                        // again; a stale candidate found here is compressed outside the lock).
+                        let live = |l: &Location| {
+                            st.rc.get(l.pbn) > 0
+                                && st.stamps.as_ref().is_none_or(|s| s.get(l.pbn as usize) == Some(&l.stamp))
+                        };
+                        if let Some(loc) = st.index.lookup(hash).filter(live) {
                             *candidate = Some(loc);
                             if hash_mode {
                                 *verified = true;
@@ -737,12 +756,15 @@ impl Volume {
         // Phase 3: verify candidates and compress the rest (no lock; parallel).
         par_for_each(&mut plans, |i, p| {
             let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
-            if let Plan::Data { candidate, verified, frag, .. } = p {
+            if let Plan::Data { candidate, verified, frag, raw, .. } = p {
                 if let (Some(loc), false, false) = (*candidate, *verified, hash_mode) {
                     *verified = self.verify_candidate(loc, chunk);
                 }
                 if !*verified {
                     *frag = packer::compress(compression, chunk);
+                    if frag.is_none() {
+                        *raw = Some(Block::from(chunk));
+                    }
                 }
             }
         });
@@ -865,7 +887,7 @@ impl Volume {
         hash_mode: bool,
         compression: Compression,
     ) -> Result<MapEntry> {
-        let Plan::Data { hash, crc, candidate, verified, frag } = p else {
+        let Plan::Data { hash, crc, candidate, verified, frag, raw } = p else {
             st.red.zero_blocks += 1;
             return Ok(MapEntry::ZERO);
         };
@@ -939,7 +961,8 @@ impl Volume {
             }
             None => {
                 let pbn = self.alloc_block(st)?;
-                self.stage(st, pbn, Block::from(chunk))?;
+                let block = raw.take().unwrap_or_else(|| Block::from(chunk));
+                self.stage(st, pbn, block)?;
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, *crc)
             }
@@ -964,11 +987,13 @@ impl Volume {
         Ok(())
     }
 
-    /// Queues a placed data block for writing (and caches it). The writer that fills the
-    /// buffer writes it outside the lock; a buffer past its hard bound (one huge request)
-    /// is written here.
+    /// Queues a placed data block for writing (and caches it when writes are cached). The
+    /// writer that fills the buffer writes it outside the lock; a buffer past its hard
+    /// bound (one huge request) is written here.
     fn stage(&self, st: &mut State, pbn: u64, block: Block) -> Result<()> {
-        self.cache.lock().put(pbn, block.clone());
+        if self.cache_writes {
+            self.cache.lock().put(pbn, block.clone());
+        }
         st.staged.push((pbn, block));
         if st.staged.len() >= STAGED_BLOCKS_HARD_MAX {
             let staged = std::mem::take(&mut st.staged);

@@ -283,6 +283,8 @@ impl RunConfig {
             block_map_cache_bytes: pick(&mut r, &[16u64, 64, 64, 256]) << 10,
             content_cache_bytes: pick(&mut r, &[64u64, 256, 1024]) << 10,
             background_writes: opts.background_writes,
+            // Drawn from its own stream, so the seeds' other choices stay as they were.
+            cache_writes: pick(&mut ChaCha8Rng::seed_from_u64(seed ^ 0xCAC4_E000), &[None, Some(true), Some(false)]),
             ..OpenOptions::default()
         };
         let mut f = FaultConfig::none();

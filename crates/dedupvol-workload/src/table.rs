@@ -104,10 +104,19 @@ pub fn limit_model_mb_s(s: &ScenarioResult, threads: usize, disk_mb_s: Option<f6
 /// The full benchmark printout: primitives, engine vs baselines vs target, reduction, I/O.
 pub fn render_bench(r: &BenchReport) -> String {
     let mut out = String::new();
+    // The bench opens its volumes with the engine's default open options.
+    let open = dedupvol_core::OpenOptions::default();
+    let cache_writes = open.cache_writes.unwrap_or(r.options.verify == dedupvol_core::DedupVerify::Bytes);
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
-        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {:?} I/O, {} writers, final flush inside the clock, index memory populated before it\n\n",
-        r.options.compression, r.options.write_policy, r.options.verify, r.options.io_mode, r.options.threads
+        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {:?} I/O, {} MiB content cache ({}), {} writers, final flush inside the clock, index memory populated before it\n\n",
+        r.options.compression,
+        r.options.write_policy,
+        r.options.verify,
+        r.options.io_mode,
+        open.content_cache_bytes >> 20,
+        if cache_writes { "written blocks cached" } else { "filled by reads only" },
+        r.options.threads
     ));
 
     let mut p = Table::new(&["primitive (1 core, 4 KiB chunks of the scenario data)", "scenario", "MB/s"]);
