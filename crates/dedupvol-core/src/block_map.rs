@@ -21,10 +21,10 @@ use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::layout::{Geometry, BM_ENTRIES_PER_PAGE};
+use crate::storage::{Dev, IoKind};
 
 /// Pages read with one request on a cache miss at most (see `load_with_readahead`).
 const READAHEAD_PAGES: u64 = 16;
-use crate::storage::{Dev, IoKind};
 
 /// Page header bytes (magic, crc, page index, applied seq, uuid low half).
 pub const PAGE_HEADER_BYTES: usize = 32;
@@ -240,17 +240,21 @@ impl BlockMap {
         }
         let mut all = vec![0u8; 2 * BLOCK_SIZE * n as usize];
         if n == 1 || self.meta.read(IoKind::BlockMap, &mut all, self.slot_offset(page, 0)).is_err() {
-            let (buf, pick) = self.read_page(page)?;
-            self.pages
-                .insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+            let loaded = self.read_page(page)?;
+            self.insert_loaded(page, loaded, tick);
             return Ok(());
         }
         for (k, both) in all.chunks_exact(2 * BLOCK_SIZE).enumerate() {
             let p = page + k as u64;
-            let (buf, pick) = self.parse_page(p, both)?;
-            self.pages.insert(p, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
+            let loaded = self.parse_page(p, both)?;
+            self.insert_loaded(p, loaded, tick);
         }
         Ok(())
+    }
+
+    /// Caches a page just read from the device (clean).
+    fn insert_loaded(&mut self, page: u64, (buf, pick): (Box<[u8]>, SlotPick), tick: u64) {
+        self.pages.insert(page, CachedPage { buf, seq: pick.seq, dirty: false, latest_slot: pick.slot, used: tick });
     }
 
     fn page_mut(&mut self, page: u64) -> Result<&mut CachedPage> {

@@ -213,6 +213,14 @@ pub struct OpenOptions {
     pub cache_writes: Option<bool>,
 }
 
+impl OpenOptions {
+    /// Whether written blocks enter the content cache on a volume verified by `verify`
+    /// (`cache_writes`, else yes for byte verification only).
+    pub fn writes_cached(&self, verify: DedupVerify) -> bool {
+        self.cache_writes.unwrap_or(verify == DedupVerify::Bytes)
+    }
+}
+
 impl Default for OpenOptions {
     fn default() -> Self {
         OpenOptions {

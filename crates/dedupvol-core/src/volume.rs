@@ -74,6 +74,14 @@ pub(crate) struct State {
     pub(crate) writing: Vec<(u64, Vec<(u64, Block)>)>,
 }
 
+impl State {
+    /// True when `loc`'s reuse stamp is its block's current one (always, without stamps):
+    /// the block has not been freed since the index entry was made.
+    fn stamp_matches(&self, loc: &Location) -> bool {
+        self.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp))
+    }
+}
+
 /// An open volume. Share it between threads with `Arc`; every method takes `&self`.
 pub struct Volume {
     pub(crate) data: Dev,
@@ -403,7 +411,7 @@ impl Volume {
             .then(|| DataWriter::start(data.clone(), geo, tickets.clone(), health.clone()))
             .flatten();
         let (dedup, compression) = (sb.dedup, sb.compression);
-        let cache_writes = opts.cache_writes.unwrap_or(sb.verify == DedupVerify::Bytes);
+        let cache_writes = opts.writes_cached(sb.verify);
         Ok(Volume {
             data,
             meta,
@@ -727,10 +735,7 @@ impl Volume {
                         // reallocated before phase 4 without any reuse-generation bump. With
                         // hash verification its reuse stamp must match too (placement checks
                         // again; a stale candidate found here is compressed outside the lock).
-                        let live = |l: &Location| {
-                            st.rc.get(l.pbn) > 0
-                                && st.stamps.as_ref().is_none_or(|s| s.get(l.pbn as usize) == Some(&l.stamp))
-                        };
+                        let live = |l: &Location| st.rc.get(l.pbn) > 0 && st.stamp_matches(l);
                         if let Some(loc) = st.index.lookup(hash).filter(live) {
                             *candidate = Some(loc);
                             if hash_mode {
@@ -891,14 +896,12 @@ impl Volume {
             st.red.zero_blocks += 1;
             return Ok(MapEntry::ZERO);
         };
-        let stamp_ok =
-            |st: &State, loc: &Location| st.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp));
         let mut chosen = None;
         // Re-check the verified candidate: still referenced, below the cap, and not
         // freed-and-reused since it was verified.
         if let (Some(loc), true) = (*candidate, *verified) {
             let c = st.rc.get(loc.pbn);
-            if c > 0 && c < REFCOUNT_MAX && stamp_ok(st, &loc) && (!stale || hash_mode) {
+            if c > 0 && c < REFCOUNT_MAX && st.stamp_matches(&loc) && (!stale || hash_mode) {
                 chosen = Some(loc);
             } else if c >= REFCOUNT_MAX {
                 st.red.refcount_cap_copies += 1;
@@ -914,7 +917,7 @@ impl Volume {
                 let c = st.rc.get(loc.pbn);
                 if c > 0 && c < REFCOUNT_MAX {
                     let ok = if hash_mode {
-                        stamp_ok(st, &loc)
+                        st.stamp_matches(&loc)
                     } else if let Some(ok) = {
                         let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
                         let mut out = [0u8; BLOCK_SIZE];
@@ -1527,8 +1530,7 @@ impl Volume {
         let per = st.index.bytes_per_entry();
         let room = (self.geo.index_blocks - 1) * BLOCK_SIZE_U64 / per;
         let (n, mut bytes) = st.index.export(|l| {
-            let valid =
-                st.rc.get(l.pbn) > 0 && st.stamps.as_ref().is_none_or(|s| s.get(l.pbn as usize) == Some(&l.stamp));
+            let valid = st.rc.get(l.pbn) > 0 && st.stamp_matches(&l);
             valid.then_some(Location { stamp: 0, ..l })
         });
         let n = n.min(room);

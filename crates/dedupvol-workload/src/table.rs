@@ -106,7 +106,7 @@ pub fn render_bench(r: &BenchReport) -> String {
     let mut out = String::new();
     // The bench opens its volumes with the engine's default open options.
     let open = dedupvol_core::OpenOptions::default();
-    let cache_writes = open.cache_writes.unwrap_or(r.options.verify == dedupvol_core::DedupVerify::Bytes);
+    let cache_writes = open.writes_cached(r.options.verify);
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
         "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {:?} I/O, {} MiB content cache ({}), {} writers, final flush inside the clock, index memory populated before it\n\n",
