@@ -21,12 +21,177 @@ use std::sync::Arc;
 
 /// Problems listed in full before the report summarises the rest.
 const PROBLEMS_LISTED_MAX: usize = 100;
+/// Lost logical ranges listed in full before the report only counts them.
+const LOST_RANGES_LISTED_MAX: usize = 1000;
+/// Logical blocks named in one checksum problem.
+const PROBLEM_LBAS_MAX: usize = 8;
+
+/// What the audit can find wrong. Callers (the CLI, the simulator) match on the variant,
+/// never on the message text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Problem {
+    /// Found while opening: superblock copies, the journal.
+    Open {
+        /// What was found.
+        message: String,
+    },
+    /// A block map page could not be read or decoded.
+    MapUnreadable {
+        /// The logical block whose mapping is unknown.
+        lba: u64,
+        /// The error.
+        error: String,
+    },
+    /// A mapping points past the data region.
+    BeyondDataRegion {
+        /// The logical block.
+        lba: u64,
+        /// Where it points.
+        pbn: u64,
+    },
+    /// A physical block is referenced both as a raw block and as a packed block.
+    RawAndPacked {
+        /// The physical block.
+        pbn: u64,
+    },
+    /// A physical block (or packed slot) is referenced with two different contents. After
+    /// a lost or misdirected data write this is the trace of a stale dedup match.
+    UsedTwice {
+        /// The physical block.
+        pbn: u64,
+        /// The packed slot, for a packed block.
+        slot: Option<u8>,
+    },
+    /// A block has a reference count but no references.
+    Leaked {
+        /// The physical block.
+        pbn: u64,
+        /// Its recorded count.
+        count: u8,
+    },
+    /// A block's reference count differs from its references.
+    WrongCount {
+        /// The physical block.
+        pbn: u64,
+        /// Its recorded count.
+        count: u8,
+        /// References counted in the block map.
+        references: u32,
+    },
+    /// The space counters differ from the block map.
+    Counters {
+        /// Recorded mapped blocks.
+        recorded_mapped: u64,
+        /// Recorded zero blocks.
+        recorded_zero: u64,
+        /// Counted mapped blocks.
+        counted_mapped: u64,
+        /// Counted zero blocks.
+        counted_zero: u64,
+    },
+    /// A referenced physical block could not be read.
+    Unreadable {
+        /// The physical block.
+        pbn: u64,
+        /// The device error.
+        error: String,
+    },
+    /// Stored data does not match its checksum: its logical blocks' data is lost.
+    ChecksumMismatch {
+        /// The physical block.
+        pbn: u64,
+        /// The packed slot, for a packed block.
+        slot: Option<u8>,
+        /// Some of the logical blocks that map to it (at most `PROBLEM_LBAS_MAX`).
+        lbas: Vec<u64>,
+    },
+}
+
+impl Problem {
+    /// The physical data block whose damage this problem can be a consequence of.
+    pub fn data_block(&self) -> Option<u64> {
+        match self {
+            Problem::UsedTwice { pbn, .. }
+            | Problem::RawAndPacked { pbn }
+            | Problem::Unreadable { pbn, .. }
+            | Problem::ChecksumMismatch { pbn, .. } => Some(*pbn),
+            _ => None,
+        }
+    }
+}
+
+fn block_name(pbn: u64, slot: Option<u8>) -> String {
+    match slot {
+        Some(s) => format!("physical block {pbn} slot {s}"),
+        None => format!("physical block {pbn}"),
+    }
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Problem::Open { message } => write!(f, "{message}"),
+            Problem::MapUnreadable { lba, error } => write!(f, "logical block {lba}: block map unreadable: {error}"),
+            Problem::BeyondDataRegion { lba, pbn } => {
+                write!(f, "logical block {lba} maps to physical block {pbn} beyond the data region")
+            }
+            Problem::RawAndPacked { pbn } => {
+                write!(f, "physical block {pbn} is used twice: as a raw block and as a packed block")
+            }
+            Problem::UsedTwice { pbn, slot } => {
+                write!(f, "{} is used twice: referenced with different contents", block_name(*pbn, *slot))
+            }
+            Problem::Leaked { pbn, count } => {
+                write!(f, "physical block {pbn} is leaked: reference count {count} but no references")
+            }
+            Problem::WrongCount { pbn, count, references } => {
+                write!(f, "physical block {pbn}: reference count {count} but {references} references")
+            }
+            Problem::Counters { recorded_mapped, recorded_zero, counted_mapped, counted_zero } => write!(
+                f,
+                "space counters are wrong: recorded {recorded_mapped} mapped / {recorded_zero} zero blocks, \
+                 counted {counted_mapped} / {counted_zero}"
+            ),
+            Problem::Unreadable { pbn, error } => write!(f, "physical block {pbn} unreadable: {error}"),
+            Problem::ChecksumMismatch { pbn, slot, lbas } => {
+                let l: Vec<String> = lbas.iter().map(u64::to_string).collect();
+                write!(
+                    f,
+                    "{}: checksum mismatch (data lost for logical blocks {})",
+                    block_name(*pbn, *slot),
+                    l.join(", ")
+                )
+            }
+        }
+    }
+}
+
+/// A run of logical blocks whose data is lost, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LostRange {
+    /// First byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// What `check` may change.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CheckOptions {
+    /// Fix what can be recomputed from the block map (counts, counters, superblock copies)
+    /// and take damaged blocks out of deduplication.
+    pub repair: bool,
+    /// With `repair`: unmap logical blocks whose data is lost (they then read as zeros),
+    /// so the volume is clean again. Off by default: zeros are not the data written.
+    pub unmap_lost: bool,
+}
 
 /// Result of auditing a volume.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CheckReport {
     /// Problems found (empty when clean).
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
     /// Problems beyond `PROBLEMS_LISTED_MAX` (counted, not listed).
     pub problems_not_listed: u64,
     /// Observations that are not problems (e.g. journal blocks torn by a crash).
@@ -43,6 +208,12 @@ pub struct CheckReport {
     pub used_blocks: u64,
     /// Physical blocks whose content was read and checksummed.
     pub blocks_verified: u64,
+    /// Logical blocks whose data is lost (mapped to damaged or unreadable data).
+    pub lost_blocks: u64,
+    /// The lost logical blocks as byte ranges (at most `LOST_RANGES_LISTED_MAX`).
+    pub lost_ranges: Vec<LostRange>,
+    /// Whether the lost blocks were unmapped (`CheckOptions::unmap_lost`).
+    pub lost_unmapped: bool,
 }
 
 impl CheckReport {
@@ -51,7 +222,7 @@ impl CheckReport {
         self.problems.is_empty() && self.problems_not_listed == 0
     }
 
-    fn problem(&mut self, p: String) {
+    fn problem(&mut self, p: Problem) {
         if self.problems.len() < PROBLEMS_LISTED_MAX {
             self.problems.push(p);
         } else {
@@ -63,6 +234,16 @@ impl CheckReport {
 /// Opens the volume on `data` (and `meta`), audits it, and (with `repair`) fixes what can
 /// be recomputed, then closes it.
 pub fn check_volume(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, repair: bool) -> Result<CheckReport> {
+    check_volume_with(data, meta, CheckOptions { repair, unmap_lost: false })
+}
+
+/// `check_volume` with every option.
+pub fn check_volume_with(
+    data: Arc<dyn Storage>,
+    meta: Option<Arc<dyn Storage>>,
+    copts: CheckOptions,
+) -> Result<CheckReport> {
+    let repair = copts.repair;
     let opts = OpenOptions {
         read_only: !repair,
         content_cache_bytes: 0,
@@ -70,7 +251,7 @@ pub fn check_volume(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, repa
         ..OpenOptions::default()
     };
     let vol = Volume::open(data, meta, &opts)?;
-    let report = vol.audit(repair)?;
+    let report = vol.audit_with(copts)?;
     vol.close()?;
     Ok(report)
 }
@@ -78,11 +259,17 @@ pub fn check_volume(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, repa
 impl Volume {
     /// Audits the open volume (best run with no concurrent writers).
     pub fn audit(&self, repair: bool) -> Result<CheckReport> {
+        self.audit_with(CheckOptions { repair, unmap_lost: false })
+    }
+
+    /// Audits the open volume with every option (best run with no concurrent writers).
+    pub fn audit_with(&self, copts: CheckOptions) -> Result<CheckReport> {
+        let repair = copts.repair;
         let mut report = CheckReport::default();
         for n in &self.open_notes {
             match n.strip_prefix("note: ") {
                 Some(note) => report.notes.push(note.to_string()),
-                None => report.problem(n.clone()),
+                None => report.problem(Problem::Open { message: n.clone() }),
             }
         }
         let geo = self.geo;
@@ -99,7 +286,7 @@ impl Volume {
             let e = match st.map.get(lba) {
                 Ok(e) => e,
                 Err(err) => {
-                    report.problem(format!("logical block {lba}: block map unreadable: {err}"));
+                    report.problem(Problem::MapUnreadable { lba, error: err.to_string() });
                     continue;
                 }
             };
@@ -112,14 +299,14 @@ impl Volume {
                 continue;
             }
             let Some(r) = refs.get_mut(e.pbn as usize) else {
-                report.problem(format!("logical block {lba} maps to physical block {} beyond the data region", e.pbn));
+                report.problem(Problem::BeyondDataRegion { lba, pbn: e.pbn });
                 continue;
             };
             *r += 1;
             let k = if e.slot().is_some() { 2 } else { 1 };
             let prev = kind.get(e.pbn as usize).copied().unwrap_or(0);
             if prev != 0 && prev != k {
-                report.problem(format!("physical block {} is used twice: as a raw block and as a packed block", e.pbn));
+                report.problem(Problem::RawAndPacked { pbn: e.pbn });
             }
             if let Some(kk) = kind.get_mut(e.pbn as usize) {
                 *kk = k;
@@ -128,10 +315,7 @@ impl Volume {
                 None => {
                     if let Some(&c) = raw_crc.get(&e.pbn) {
                         if c != e.crc {
-                            report.problem(format!(
-                                "physical block {} is used twice: referenced with different contents",
-                                e.pbn
-                            ));
+                            report.problem(Problem::UsedTwice { pbn: e.pbn, slot: None });
                         }
                     }
                     raw_crc.insert(e.pbn, e.crc);
@@ -139,10 +323,7 @@ impl Volume {
                 Some(s) => {
                     if let Some(&c) = frag_crc.get(&(e.pbn, s)) {
                         if c != e.crc {
-                            report.problem(format!(
-                                "physical block {} slot {s} is used twice: referenced with different contents",
-                                e.pbn
-                            ));
+                            report.problem(Problem::UsedTwice { pbn: e.pbn, slot: Some(s) });
                         }
                     }
                     frag_crc.insert((e.pbn, s), e.crc);
@@ -169,9 +350,9 @@ impl Volume {
             }
             if u32::from(have) != r {
                 if have > 0 && r == 0 {
-                    report.problem(format!("physical block {pbn} is leaked: reference count {have} but no references"));
+                    report.problem(Problem::Leaked { pbn, count: have });
                 } else {
-                    report.problem(format!("physical block {pbn}: reference count {have} but {r} references"));
+                    report.problem(Problem::WrongCount { pbn, count: have, references: r });
                 }
                 if r <= u32::from(REFCOUNT_MAX) {
                     fixes.push((pbn, r as u8, frags));
@@ -183,15 +364,19 @@ impl Volume {
             }
         }
         if counted != st.counters {
-            report.problem(format!(
-                "space counters are wrong: recorded {} mapped / {} zero blocks, counted {} / {}",
-                st.counters.mapped_blocks, st.counters.zero_blocks, counted.mapped_blocks, counted.zero_blocks
-            ));
+            report.problem(Problem::Counters {
+                recorded_mapped: st.counters.mapped_blocks,
+                recorded_zero: st.counters.zero_blocks,
+                counted_mapped: counted.mapped_blocks,
+                counted_zero: counted.zero_blocks,
+            });
         }
         // Data checksums: every referenced block is read and every referenced fragment decoded.
         drop(st);
         let mut buf = vec![0u8; BLOCK_SIZE];
         let mut out = vec![0u8; BLOCK_SIZE];
+        // Damaged locations: (pbn, slot); slot None on an unreadable block means every slot.
+        let mut damaged: Vec<(u64, Option<u8>, bool)> = Vec::new();
         for (pbn, &r) in refs.iter().enumerate() {
             if r == 0 {
                 continue;
@@ -199,35 +384,58 @@ impl Volume {
             let pbn = pbn as u64;
             report.blocks_verified += 1;
             if let Err(e) = self.data.read(IoKind::Verify, &mut buf, geo.data_offset(pbn)) {
-                report.problem(format!("physical block {pbn} unreadable: {e}"));
+                report.problem(Problem::Unreadable { pbn, error: e.to_string() });
+                damaged.push((pbn, None, true));
                 continue;
             }
-            let mut check = |slot: Option<u8>, crc: u32, what: String, report: &mut CheckReport| {
+            let mut check = |slot: Option<u8>, crc: u32, report: &mut CheckReport| {
                 let ok = match slot {
                     None => crc32c::crc32c(&buf) == crc,
                     Some(s) => packer::unpack(&buf, s, &mut out).is_ok() && crc32c::crc32c(&out) == crc,
                 };
                 if !ok {
-                    let lbas: Vec<String> = referers
+                    let lbas: Vec<u64> = referers
                         .get(&pbn)
                         .map(|v| {
-                            v.iter().filter(|(_, e)| e.slot() == slot).take(8).map(|(l, _)| l.to_string()).collect()
+                            v.iter().filter(|(_, e)| e.slot() == slot).take(PROBLEM_LBAS_MAX).map(|(l, _)| *l).collect()
                         })
                         .unwrap_or_default();
-                    report.problem(format!(
-                        "{what}: checksum mismatch (data lost for logical blocks {})",
-                        lbas.join(", ")
-                    ));
-                    report.unrepaired.push(format!("{what}: stored data does not match its checksum"));
+                    report.problem(Problem::ChecksumMismatch { pbn, slot, lbas });
+                    damaged.push((pbn, slot, false));
                 }
             };
             if let Some(&crc) = raw_crc.get(&pbn) {
-                check(None, crc, format!("physical block {pbn}"), &mut report);
+                check(None, crc, &mut report);
             }
             for s in 0..max_slot.get(pbn as usize).copied().unwrap_or(0) {
                 if let Some(&crc) = frag_crc.get(&(pbn, s)) {
-                    check(Some(s), crc, format!("physical block {pbn} slot {s}"), &mut report);
+                    check(Some(s), crc, &mut report);
                 }
+            }
+        }
+        // Damaged blocks leave deduplication at once, so no write shares them again (with
+        // `repair` the index saved at close no longer holds them either).
+        if !damaged.is_empty() {
+            let mut st = self.state.lock();
+            for &(pbn, _, _) in &damaged {
+                self.forget_damaged(&mut st, pbn);
+            }
+        }
+        let lost = if damaged.is_empty() { Vec::new() } else { self.lost_lbas(&damaged)? };
+        report.lost_blocks = lost.iter().map(|r| r.end - r.start).sum();
+        report.lost_ranges = lost
+            .iter()
+            .take(LOST_RANGES_LISTED_MAX)
+            .map(|r| LostRange { offset: r.start * BLOCK_SIZE_U64, len: (r.end - r.start) * BLOCK_SIZE_U64 })
+            .collect();
+        let unmap = repair && copts.unmap_lost && !self.read_only;
+        for &(pbn, slot, unreadable) in &damaged {
+            let what = block_name(pbn, slot);
+            let why = if unreadable { "cannot be read" } else { "does not match its checksum" };
+            if unmap {
+                report.repaired.push(format!("{what}: data lost ({why}); its logical blocks were unmapped"));
+            } else {
+                report.unrepaired.push(format!("{what}: stored data {why}"));
             }
         }
         if repair && !self.read_only {
@@ -250,10 +458,48 @@ impl Volume {
             if self.open_notes.iter().any(|n| n.contains("superblock")) {
                 report.repaired.push("superblock copies rewritten".into());
             }
+            if !damaged.is_empty() {
+                report.repaired.push(format!(
+                    "{} damaged physical block(s) taken out of deduplication: writes of their content store a fresh copy",
+                    damaged.len()
+                ));
+            }
             drop(st);
             self.flush()?;
+            if unmap {
+                // Reference counts are exact now, so the unmaps free the damaged blocks.
+                for r in &lost {
+                    self.discard(r.start * BLOCK_SIZE_U64, (r.end - r.start) * BLOCK_SIZE_U64)?;
+                }
+                report.lost_unmapped = true;
+                self.flush()?;
+            }
         }
-        let _ = BLOCK_SIZE_U64;
         Ok(report)
+    }
+
+    /// Every logical block mapped to a damaged location, as merged runs of block numbers.
+    fn lost_lbas(&self, damaged: &[(u64, Option<u8>, bool)]) -> Result<Vec<std::ops::Range<u64>>> {
+        let hit = |e: &MapEntry| {
+            damaged.iter().any(|&(pbn, slot, whole)| e.pbn == pbn && (whole || e.slot() == slot))
+        };
+        let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
+        let mut st = self.state.lock();
+        for lba in 0..self.geo.logical_blocks {
+            // An unreadable map page was reported already; its blocks cannot be named.
+            let Ok(e) = st.map.get(lba) else { continue };
+            if lba % 65536 == 65535 {
+                let d = st.journal.durable_seq;
+                st.map.evict(d)?;
+            }
+            if !(e.is_data() && hit(&e)) {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(r) if r.end == lba => r.end += 1,
+                _ => runs.push(lba..lba + 1),
+            }
+        }
+        Ok(runs)
     }
 }

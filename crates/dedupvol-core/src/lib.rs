@@ -31,7 +31,7 @@ pub mod storage;
 pub mod superblock;
 pub mod volume;
 
-pub use check::{check_volume, CheckReport};
+pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE};
 pub use error::{Error, Result};
 pub use stats::Stats;

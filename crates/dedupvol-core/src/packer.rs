@@ -155,10 +155,18 @@ impl Packer {
         self.open.len() < OPEN_BLOCKS_MAX
     }
 
-    /// Adds a fragment to the open block it fits best (least room left); returns the
-    /// block and slot, or None when it fits nowhere.
-    pub fn try_add(&mut self, frag: &[u8]) -> Option<(u64, u8)> {
-        let o = self.open.iter_mut().filter(|o| o.fits(frag.len())).min_by_key(|o| BLOCK_SIZE - o.used)?;
+    /// Adds a fragment to the open block it fits best (least room left) among those
+    /// `accepts` allows; returns the block and slot, or None when it fits nowhere.
+    ///
+    /// `accepts` lets the caller rule out a block that can take no more references: the
+    /// reference count covers every slot of a packed block, so an open block whose slots
+    /// are already shared up to the cap must not receive a new fragment.
+    pub fn try_add(&mut self, frag: &[u8], accepts: impl Fn(u64) -> bool) -> Option<(u64, u8)> {
+        let o = self
+            .open
+            .iter_mut()
+            .filter(|o| o.fits(frag.len()) && accepts(o.pbn))
+            .min_by_key(|o| BLOCK_SIZE - o.used)?;
         let slot = o.count;
         let buf = std::sync::Arc::make_mut(&mut o.buf);
         buf.get_mut(o.used..o.used + frag.len())?.copy_from_slice(frag);
@@ -232,7 +240,7 @@ mod tests {
         let blocks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; BLOCK_SIZE]).collect();
         for (i, b) in blocks.iter().enumerate() {
             let f = compress(Compression::Lz4, b).expect("compressible");
-            assert_eq!(p.try_add(&f), Some((9, i as u8)));
+            assert_eq!(p.try_add(&f, |_| true), Some((9, i as u8)));
         }
         let mut out = vec![0u8; BLOCK_SIZE];
         p.unpack_open(9, 3, &mut out).expect("open").expect("unpack");
@@ -265,16 +273,25 @@ mod tests {
         let mut p = Packer::new(Compression::Lz4);
         p.open(1);
         p.open(2);
-        assert_eq!(p.try_add(&[1u8; 3000]).map(|(b, _)| b), Some(1));
+        assert_eq!(p.try_add(&[1u8; 3000], |_| true).map(|(b, _)| b), Some(1));
         // 1000 bytes fit both blocks; block 1 has less room left, so it takes them.
-        assert_eq!(p.try_add(&[2u8; 1000]), Some((1, 1)));
-        assert_eq!(p.try_add(&[3u8; 2000]), Some((2, 0)));
+        assert_eq!(p.try_add(&[2u8; 1000], |_| true), Some((1, 1)));
+        assert_eq!(p.try_add(&[3u8; 2000], |_| true), Some((2, 0)));
         // The oldest is sealed first, whichever is fuller.
         p.open(3);
-        assert_eq!(p.try_add(&[4u8; 3900]), Some((3, 0)));
+        assert_eq!(p.try_add(&[4u8; 3900], |_| true), Some((3, 0)));
         assert_eq!(p.seal_oldest().map(|(b, _, c)| (b, c)), Some((1, 2)));
         assert_eq!(p.seal_oldest().map(|(b, _, c)| (b, c)), Some((2, 1)));
         assert!(p.is_open(3) && !p.is_open(1) && !p.is_open(2));
+    }
+
+    #[test]
+    fn a_refused_block_gets_no_fragment() {
+        let mut p = Packer::new(Compression::Lz4);
+        p.open(1);
+        p.open(2);
+        assert_eq!(p.try_add(&[1u8; 100], |b| b != 1), Some((2, 0)));
+        assert_eq!(p.try_add(&[1u8; 100], |_| false), None);
     }
 
     #[test]

@@ -143,16 +143,38 @@ impl Refcounts {
         }
     }
 
+    /// Fails, changing nothing, when `inc(e)` would: `e` lies beyond the data region or
+    /// its block is at `REFCOUNT_MAX`.
+    pub fn check_inc(&self, e: &MapEntry) -> Result<()> {
+        let pbn = e.pbn;
+        match self.count.get(pbn as usize) {
+            None => Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region"))),
+            Some(&c) if c >= REFCOUNT_MAX => {
+                Err(Error::Corrupt(format!("reference count of block {pbn} would exceed {REFCOUNT_MAX}")))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Fails, changing nothing, when `dec(e)` would: `e` lies beyond the data region or
+    /// its block has no reference left.
+    pub fn check_dec(&self, e: &MapEntry) -> Result<()> {
+        let pbn = e.pbn;
+        match self.count.get(pbn as usize) {
+            None => Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region"))),
+            Some(0) => Err(Error::Corrupt(format!("reference count of block {pbn} would go below zero"))),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// Adds a reference for `e` (a data mapping) as journal entry `seq`.
     pub fn inc(&mut self, e: &MapEntry, seq: u64) -> Result<()> {
+        self.check_inc(e)?;
         let pbn = e.pbn;
         let i = pbn as usize;
         let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
             return Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region")));
         };
-        if *c >= REFCOUNT_MAX {
-            return Err(Error::Corrupt(format!("reference count of block {pbn} would exceed {REFCOUNT_MAX}")));
-        }
         let old_frags = if *c == 0 { 0 } else { *f };
         if *c == 0 {
             self.used_blocks += 1;
@@ -167,14 +189,12 @@ impl Refcounts {
 
     /// Drops a reference for `e` as journal entry `seq`; returns true when the block became free.
     pub fn dec(&mut self, e: &MapEntry, seq: u64) -> Result<bool> {
+        self.check_dec(e)?;
         let pbn = e.pbn;
         let i = pbn as usize;
         let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
             return Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region")));
         };
-        if *c == 0 {
-            return Err(Error::Corrupt(format!("reference count of block {pbn} would go below zero")));
-        }
         *c -= 1;
         let freed = *c == 0;
         if freed {

@@ -798,8 +798,11 @@ impl Volume {
                 }
                 Ok(seq)
             }
-            Err(e @ (Error::NoSpace(_) | Error::OutOfRange { .. })) => Err(e),
-            Err(e) => self.fail(e),
+            // A device error while placing leaves the device state unknown: the volume is
+            // failed. Every other error is found before the chunk changes anything (see
+            // `apply_entry`), so it fails this request only, never the volume.
+            Err(e @ Error::Io { .. }) => self.fail(e),
+            Err(e) => Err(e),
         }
     }
 
@@ -943,7 +946,11 @@ impl Volume {
         }
         let e = match frag.as_deref() {
             Some(f) => {
-                let (pbn, slot) = match st.packer.try_add(f) {
+                // A block whose slots already carry REFCOUNT_MAX references cannot take the
+                // new fragment's reference (this copy exists *because* the cap was reached).
+                let rc = &st.rc;
+                let below_cap = |pbn: u64| rc.get(pbn) < REFCOUNT_MAX;
+                let (pbn, slot) = match st.packer.try_add(f, below_cap) {
                     Some(placed) => placed,
                     None => {
                         if !st.packer.can_open() {
@@ -955,7 +962,7 @@ impl Volume {
                         let pbn = self.alloc_block(st)?;
                         st.packer.open(pbn);
                         st.packer
-                            .try_add(f)
+                            .try_add(f, |p| p == pbn)
                             .ok_or_else(|| Error::Corrupt("fragment does not fit an empty block".into()))?
                     }
                 };
@@ -1026,6 +1033,14 @@ impl Volume {
         let old = st.map.get(lba)?;
         if old == new {
             return Ok(None);
+        }
+        // Checked before anything changes: a refused reference leaves map, counts and
+        // journal as they were, so the request fails alone (the volume stays healthy).
+        if new.is_data() {
+            st.rc.check_inc(&new)?;
+        }
+        if old.is_data() {
+            st.rc.check_dec(&old)?;
         }
         let seq = st.journal.append(lba, new, old);
         st.map.set(lba, new, seq)?;
@@ -1241,6 +1256,7 @@ impl Volume {
         let a = attempts.get_mut(i).ok_or_else(|| Error::InvalidArgument("attempt".into()))?;
         *a += 1;
         if *a >= READ_ATTEMPTS {
+            self.forget_damaged(&mut self.state.lock(), e.pbn);
             return Err(Error::Corrupt(format!(
                 "logical block {} (physical block {}{}): content does not match its checksum",
                 lba0 + i as u64,
@@ -1250,6 +1266,23 @@ impl Volume {
         }
         retry.push(i);
         Ok(())
+    }
+
+    /// Takes a block whose stored content failed its checksum out of deduplication: no
+    /// index entry may lead a new write to it, since hash verification would trust the
+    /// entry and share the damaged copy. A write of the same content then stores a fresh
+    /// copy (and a rewrite of the damaged logical block heals it). State lock held.
+    pub(crate) fn forget_damaged(&self, st: &mut State, pbn: u64) {
+        self.cache.lock().remove(pbn);
+        // With reuse stamps, a new stamp makes every entry for the block stale at once; a
+        // stamp that wraps to an old value needs the full scan, as at reuse.
+        let stale_by_stamp = st.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
+            *s = s.wrapping_add(1);
+            *s != 0
+        });
+        if !stale_by_stamp {
+            st.index.remove_pbn(pbn);
+        }
     }
 
     /// A physical block, from the content cache or the device.

@@ -17,7 +17,7 @@ use crate::content::{self, Class, BLOCK};
 use crate::disk::{Evidence, FaultConfig, FaultCounts, SimDisk, SimMachine};
 use crate::engine::{short, Coverage, SimEngine};
 use crate::model::{Model, Version, ZERO_VERSION};
-use dedupvol_core::{Compression, DedupVerify, Error, FormatOptions, OpenOptions, Storage, WritePolicy};
+use dedupvol_core::{Compression, DedupVerify, Error, FormatOptions, OpenOptions, Problem, Storage, WritePolicy};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;
@@ -1212,7 +1212,7 @@ impl<E: SimEngine> Run<'_, E> {
             Ok(r) => {
                 // Detected corruption of a data block the simulator corrupted is the audit
                 // doing its job; every other problem is a bug.
-                let (expected, unexpected): (Vec<&String>, Vec<&String>) = r.problems.iter().partition(|p| {
+                let (expected, unexpected): (Vec<&Problem>, Vec<&Problem>) = r.problems.iter().partition(|p| {
                     E::corrupt_data_block(p).is_some_and(|pbn| {
                         self.machine.is_bad_on_media(self.data.index(), self.data_region_start_block + pbn)
                     })
@@ -1221,13 +1221,13 @@ impl<E: SimEngine> Run<'_, E> {
                 for p in &expected {
                     let blk = E::corrupt_data_block(p).unwrap_or(0) + self.data_region_start_block;
                     let faults = self.machine.faults_touching(self.data.index(), blk);
-                    self.note(format!("audit: expected problem {p:?}; faults on device block {blk}: {faults:?}"));
-                    if p.contains("used twice") {
+                    self.note(format!("audit: expected problem \"{p}\"; faults on device block {blk}: {faults:?}"));
+                    if matches!(p, Problem::UsedTwice { .. }) {
                         // Rare and worth seeing in a soak log: a stale-dedup consequence of a
                         // persistent fault (docs/simulator.md).
                         self.stats.stale_dedup_after_fault += 1;
                         eprintln!(
-                            "seed {}: accepted audit problem {p:?} on a faulted block; faults there: {faults:?}",
+                            "seed {}: accepted audit problem \"{p}\" on a faulted block; faults there: {faults:?}",
                             self.cfg.seed
                         );
                     }
@@ -1237,7 +1237,7 @@ impl<E: SimEngine> Run<'_, E> {
                     return Err(format!(
                         "check of the cleanly closed volume found {} unexpected problem(s) ({bad} data blocks hit by persistent faults): {}",
                         unexpected.len(),
-                        unexpected.iter().take(8).map(|s| s.as_str()).collect::<Vec<_>>().join(" | ")
+                        unexpected.iter().take(8).map(|p| p.to_string()).collect::<Vec<_>>().join(" | ")
                     ));
                 }
                 self.stats.clean_checks += 1;

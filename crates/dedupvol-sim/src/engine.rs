@@ -8,7 +8,7 @@
 //! - Those interpretations err towards failing a seed: a problem the parser does not
 //!   recognise is never excused.
 
-use dedupvol_core::{check_volume, CheckReport, Error, FormatOptions, OpenOptions, Result, Storage, Volume};
+use dedupvol_core::{check_volume, CheckReport, Error, Problem, FormatOptions, OpenOptions, Result, Storage, Volume};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -54,7 +54,7 @@ pub trait SimEngine: Sized {
     /// When an audit problem can be a consequence of a persistent fault on one data block,
     /// that block's number relative to the data region (such problems are expected where
     /// the simulator injected a persistent fault, and only there).
-    fn corrupt_data_block(_problem: &str) -> Option<u64> {
+    fn corrupt_data_block(_problem: &Problem) -> Option<u64> {
         None
     }
 }
@@ -158,18 +158,13 @@ impl SimEngine for Volume {
         // older one: falling back to it would lose a completed superblock update.
         Some(if a.generation <= b.generation { 0 } else { 1 })
     }
-    fn corrupt_data_block(problem: &str) -> Option<u64> {
-        let rest = problem.strip_prefix("physical block ")?;
-        let pbn: u64 = rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()?;
-        let tail = &rest[pbn.to_string().len()..];
-        // "N: checksum mismatch (...)", "N slot S: checksum mismatch (...)": the audit
-        // detected the corruption. "N is used twice: ...": a lost or misdirected write left
-        // a block's old content in place, a stale index entry pointed a duplicate of that
-        // old content at it, and byte verification (rightly) matched it — the engine
-        // returned no wrong data, but the block now has references with two contents.
-        let detected = tail.split_once(':').is_some_and(|(_, t)| t.trim_start().starts_with("checksum mismatch"));
-        let shared_stale = tail.starts_with(" is used twice");
-        (detected || shared_stale).then_some(pbn)
+    fn corrupt_data_block(problem: &Problem) -> Option<u64> {
+        // A checksum mismatch or an unreadable block: the audit detected the damage.
+        // "Used twice" (raw or packed slot): a lost or misdirected write left a block's old
+        // content in place, a stale index entry pointed a duplicate of that old content at
+        // it, and byte verification (rightly) matched it — the engine returned no wrong
+        // data, but the block now has references with two contents.
+        problem.data_block()
     }
 }
 

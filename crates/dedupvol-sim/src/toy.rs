@@ -354,7 +354,7 @@ impl SimEngine for ToyVolume {
             any |= valid(&b, SB_MAGIC);
         }
         if !any {
-            report.problems.push("no valid superblock copy".into());
+            report.problems.push(dedupvol_core::Problem::Open { message: "no valid superblock copy".into() });
         }
         Ok(report)
     }

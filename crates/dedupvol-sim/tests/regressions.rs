@@ -117,3 +117,30 @@ fn a_seed_makes_the_same_io_calls_every_run() {
         assert_eq!(first.trace, again.trace, "seed 500: run {run} made different I/O calls than run 0");
     }
 }
+
+/// Bug (`dedupvol-sim --seed 1001907 --ops 1000`, failing every run): a lost data write left
+/// a packed block's old content in place, a stale index entry pointed a duplicate of that
+/// old content at slot 0, and byte verification rightly matched it. The audit then reports
+/// "physical block 1297 slot 0 is used twice", a known, explained consequence of the
+/// injected fault, but the simulator parsed problem *text* and only excused " is used
+/// twice" right after the block number, so the packed-slot form failed the seed. Audit
+/// problems are typed now and the simulator matches on the variant.
+#[test]
+fn a_stale_dedup_on_a_packed_slot_is_explained_by_the_fault_under_it() {
+    use dedupvol_core::Problem;
+    use dedupvol_sim::SimEngine;
+    for slot in [None, Some(0), Some(13)] {
+        let p = Problem::UsedTwice { pbn: 1297, slot };
+        assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), Some(1297), "{p}");
+    }
+    let p = Problem::ChecksumMismatch { pbn: 9, slot: Some(2), lbas: vec![1, 2] };
+    assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), Some(9));
+    // Problems no data fault can explain are never excused.
+    let p = Problem::WrongCount { pbn: 9, count: 2, references: 1 };
+    assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), None);
+    // The seed that found it, at the length that found it.
+    let opts = dedupvol_sim::SimOptions { ops: 1000, ..dedupvol_sim::SimOptions::default() };
+    if let Err(f) = dedupvol_sim::run_seed::<Volume>(1_001_907, &opts) {
+        panic!("{f}");
+    }
+}
