@@ -41,6 +41,15 @@ pub fn make(class: Class, n: u64) -> u64 {
     }
 }
 
+/// Marks a duplicate-pool id whose content compresses (a hot block of a packed block).
+const COMPRESSIBLE_DUPLICATE_BIT: u64 = 1 << 33;
+
+/// The `n`-th content of the duplicate pool, compressible: many references to one
+/// fragment of a packed block, which reach the reference cap while the block is open.
+pub fn make_compressible_duplicate(n: u64) -> u64 {
+    make(Class::Duplicate, n) | COMPRESSIBLE_DUPLICATE_BIT
+}
+
 /// The class of `id`.
 pub fn class(id: u64) -> Class {
     match id >> CLASS_SHIFT {
@@ -69,6 +78,13 @@ pub fn fill(id: u64, buf: &mut [u8]) {
     let mut st = id;
     match class(id) {
         Class::Zero => buf.fill(0),
+        Class::Duplicate if id & COMPRESSIBLE_DUPLICATE_BIT != 0 => {
+            // Half random, half one repeated byte: about a 2 KiB fragment.
+            for (i, c) in buf.chunks_exact_mut(8).enumerate() {
+                let v = if i < BLOCK / 16 { splitmix(&mut st) } else { id.wrapping_mul(0x0101_0101_0101_0101) };
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
         Class::Unique | Class::Duplicate => {
             for c in buf.chunks_exact_mut(8) {
                 c.copy_from_slice(&splitmix(&mut st).to_le_bytes());

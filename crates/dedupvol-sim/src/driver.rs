@@ -31,6 +31,13 @@ pub const OPEN_ATTEMPTS_MAX: u32 = 24;
 pub const READ_RETRIES_MAX: u32 = 24;
 /// Blocks per write request, at most.
 pub const WRITE_BLOCKS_MAX: u64 = 8;
+/// Blocks of one hot-run request (`SimOptions::compressible_duplicates`): above the
+/// reference cap of 254.
+const HOT_RUN_BLOCKS: u64 = 320;
+/// Rewrites of one block by `SimOptions::heal_rewrites` before its read-back must succeed.
+const HEAL_ATTEMPTS_MAX: u32 = 4;
+/// Percent of operations that are hot runs when they are on.
+const HOT_RUN_PCT: u32 = 3;
 /// Blocks per discard / write-zeroes request, at most.
 pub const ZERO_BLOCKS_MAX: u64 = 16;
 /// Recent operations kept for a failure report.
@@ -69,6 +76,14 @@ pub struct SimOptions {
     /// production. The device calls of that thread interleave with the driver's by
     /// scheduling, so such a run is not reproducible call for call; off by default.
     pub background_writes: bool,
+    /// Duplicate-pool contents compress (else they are random and stored raw), so hot
+    /// blocks share packed fragments and reach the reference cap while still open.
+    pub compressible_duplicates: bool,
+    /// After a read detects corruption, rewrite each affected block with the content the
+    /// contract says it holds (as a file system or an operator repairs a bad block) with
+    /// faults paused, and require it to read back: the engine must store a fresh copy, not
+    /// share the damaged one.
+    pub heal_rewrites: bool,
 }
 
 impl Default for SimOptions {
@@ -80,6 +95,8 @@ impl Default for SimOptions {
             audit_every_op: false,
             partial_writes: true,
             background_writes: false,
+            compressible_duplicates: false,
+            heal_rewrites: false,
         }
     }
 }
@@ -376,6 +393,8 @@ pub struct RunStats {
     pub no_space: u64,
     /// Restarts after an engine error caused by a fault.
     pub restarts: u64,
+    /// Blocks rewritten with their own content after a detected corruption, and read back.
+    pub heals: u64,
     /// Audit problems "used twice" accepted on a block hit by a persistent fault.
     pub stale_dedup_after_fault: u64,
     /// Read-only recoveries cross-checked against the following read-write recovery.
@@ -412,6 +431,7 @@ impl RunStats {
         self.restarts += o.restarts;
         self.read_only_recoveries += o.read_only_recoveries;
         self.stale_dedup_after_fault += o.stale_dedup_after_fault;
+        self.heals += o.heals;
         self.crashes_in_close += o.crashes_in_close;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
@@ -460,6 +480,12 @@ pub fn replay_command(seed: u64, opts: &SimOptions, engine: &str) -> String {
     }
     if opts.background_writes {
         s += " --background-writes";
+    }
+    if opts.compressible_duplicates {
+        s += " --compressible-duplicates";
+    }
+    if opts.heal_rewrites {
+        s += " --heal-rewrites";
     }
     if engine != "dedupvol" {
         s += &format!(" --engine {engine}");
@@ -715,6 +741,9 @@ impl<E: SimEngine> Run<'_, E> {
             Class::Unique
         };
         let n = match class {
+            Class::Duplicate if self.opts.compressible_duplicates => {
+                return content::make_compressible_duplicate(self.rng.gen_range(0..self.writers[w].dup_pool));
+            }
             Class::Duplicate => self.rng.gen_range(0..self.writers[w].dup_pool),
             _ => {
                 self.next_id += 1;
@@ -749,6 +778,9 @@ impl<E: SimEngine> Run<'_, E> {
         let pressure = self.cfg.data_bytes <= SPACE_PRESSURE_DATA_BYTES;
         if pressure && self.rng.gen_bool(0.4) {
             return self.op_write(self.writers.len() - 1);
+        }
+        if self.opts.compressible_duplicates && self.rng.gen_range(0..100) < HOT_RUN_PCT {
+            return self.op_hot_run();
         }
         let w = self.rng.gen_range(0..self.writers.len());
         let x = self.rng.gen_range(0..100);
@@ -824,15 +856,45 @@ impl<E: SimEngine> Run<'_, E> {
             });
             pos += take as u64;
         }
+        let what = format!("write {}+{} (lba {lba}) fua={fua} ids=[{}]", offset, len, names.join(", "));
+        self.submit_write(what, offset, &buf, &blocks, fua)
+    }
+
+    /// One large request of a single compressible duplicate content, no flush: more
+    /// references to one fragment than the reference cap while its packed block is open
+    /// (`qemu-io -c 'write -P 0x57 0 1M'`, `yes | head -c 2M` on a file system).
+    fn op_hot_run(&mut self) -> Result<(), String> {
+        let n = HOT_RUN_BLOCKS.min(self.logical_blocks);
+        let lba = self.rng.gen_range(0..=self.logical_blocks - n);
+        let id = content::make_compressible_duplicate(self.rng.gen_range(0..2));
+        let one = content::block(id);
+        let mut buf = Vec::with_capacity((n * B) as usize);
+        let mut blocks = Vec::with_capacity(n as usize);
+        for l in lba..lba + n {
+            buf.extend_from_slice(&one);
+            blocks.push((l, self.model.written(l, id, 0..SECTORS_PER_BLOCK as usize)));
+        }
+        let what = format!("hot run lba {lba}+{n} of {id:x}");
+        self.submit_write(what, lba * B, &buf, &blocks, false)
+    }
+
+    /// Issues a write built by `op_write` or `op_hot_run` and updates the model.
+    fn submit_write(
+        &mut self,
+        what: String,
+        offset: u64,
+        buf: &[u8],
+        blocks: &[(u64, Vec<Version>)],
+        fua: bool,
+    ) -> Result<(), String> {
         let before = self.machine.evidence();
         self.stats.writes += 1;
-        let what = format!("write {}+{} (lba {lba}) fua={fua} ids=[{}]", offset, len, names.join(", "));
-        match self.vol().write(offset, &buf, fua) {
+        match self.vol().write(offset, buf, fua) {
             Ok(()) => {
                 self.note(what);
                 let durable = fua || self.sync_policy;
                 let mut big = false;
-                for (l, versions) in &blocks {
+                for (l, versions) in blocks {
                     self.model.write_acked(*l, versions, durable);
                     big |= self.model.allowed_after_crash(*l).len() > ALLOWED_SET_FLUSH_AT;
                 }
@@ -842,7 +904,7 @@ impl<E: SimEngine> Run<'_, E> {
                 Ok(())
             }
             Err(e) => {
-                for (l, versions) in &blocks {
+                for (l, versions) in blocks {
                     self.model.write_failed(*l, versions);
                 }
                 self.mutation_error(&what, &e, &before)
@@ -933,6 +995,9 @@ impl<E: SimEngine> Run<'_, E> {
                         Cause::Corruption => {
                             self.note(format!("read lba {lba}+{n} -> detected corruption: {}", short(&e)));
                             self.stats.corruption_detected += 1;
+                            if self.opts.heal_rewrites && !after_recovery {
+                                self.heal(lba, n)?;
+                            }
                             return Ok(false);
                         }
                         Cause::FaultEarlier => {
@@ -952,6 +1017,70 @@ impl<E: SimEngine> Run<'_, E> {
             }
         }
         Err(format!("read of lba {lba}+{n} failed {READ_RETRIES_MAX} times on transient faults"))
+    }
+
+    /// Rewrites every block of `lba..lba+n` whose contract allows one whole-block content
+    /// with that content, faults paused, then reads it back: a damaged copy the engine has
+    /// seen fail its checksum must not be shared by the rewrite (hash verification would
+    /// trust its fingerprint).
+    fn heal(&mut self, lba: u64, n: u64) -> Result<(), String> {
+        let mut buf = vec![0u8; BLOCK];
+        for l in lba..lba + n {
+            if self.machine.is_crashed() {
+                return Ok(());
+            }
+            let allowed = self.model.allowed_now(l);
+            let [v] = allowed.as_slice() else { continue };
+            let id = v[0];
+            if id == content::ZERO || v.iter().any(|&x| x != id) {
+                continue;
+            }
+            content::fill(id, &mut buf);
+            let what = format!("heal: rewrite lba {l} with its own content {id:x}");
+            // Each failed read-back must have found another damaged copy (a hash-verified
+            // duplicate the engine had not read yet); the engine takes it out of dedup, so
+            // the next rewrite gets further. A copy already seen damaged is never shared.
+            for attempt in 1..=HEAL_ATTEMPTS_MAX {
+                self.machine.set_faults_enabled(false);
+                let before = self.machine.evidence();
+                let r = self.vol().write(l * B, &buf, false);
+                let mut back = vec![0u8; BLOCK];
+                let read = r.as_ref().ok().map(|()| self.vol().read(l * B, &mut back));
+                let found_damage = self.machine.evidence().bad_reads > before.bad_reads;
+                self.machine.set_faults_enabled(true);
+                let versions = self.model.written(l, id, 0..SECTORS_PER_BLOCK as usize);
+                match (r, read) {
+                    (Ok(()), Some(Ok(()))) => {
+                        self.model.write_acked(l, &versions, self.sync_policy);
+                        if back != buf {
+                            return Err(format!("{what}: read back {}", describe_sectors(&back)));
+                        }
+                        self.note(format!("{what}: ok (attempt {attempt})"));
+                        self.stats.heals += 1;
+                        break;
+                    }
+                    (Ok(()), Some(Err(e))) => {
+                        self.model.write_acked(l, &versions, self.sync_policy);
+                        if !found_damage || attempt == HEAL_ATTEMPTS_MAX {
+                            return Err(format!(
+                                "{what}: attempt {attempt} was acknowledged but reads back an error{}: {}",
+                                if found_damage { "" } else { " with no damaged block read (a copy seen damaged was shared?)" },
+                                short(&e)
+                            ));
+                        }
+                        self.note(format!("{what}: attempt {attempt} found another damaged copy: {}", short(&e)));
+                    }
+                    (Err(e), _) => {
+                        // Faults are paused: only a volume failed by an earlier fault (or out
+                        // of space) may refuse the write.
+                        self.model.write_failed(l, &versions);
+                        return self.mutation_error(&what, &e, &before);
+                    }
+                    (Ok(()), None) => break,
+                }
+            }
+        }
+        Ok(())
     }
 
     fn op_read(&mut self, w: usize) -> Result<(), String> {

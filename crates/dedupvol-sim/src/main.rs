@@ -43,6 +43,12 @@ struct Args {
     /// (runs are then not reproducible call for call).
     #[arg(long)]
     background_writes: bool,
+    /// Duplicate contents compress, so hot blocks reach the reference cap in open packed blocks.
+    #[arg(long)]
+    compressible_duplicates: bool,
+    /// Rewrite blocks found corrupt with their own content and require them to read back.
+    #[arg(long)]
+    heal_rewrites: bool,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -93,6 +99,8 @@ fn main() {
         audit_every_op: args.audit_every_op,
         partial_writes: !args.no_partial_writes,
         background_writes: args.background_writes,
+        compressible_duplicates: args.compressible_duplicates,
+        heal_rewrites: args.heal_rewrites,
     };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };
@@ -181,7 +189,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} no_space={} restarts={} io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -196,6 +204,7 @@ fn figures(s: &RunStats) -> String {
         s.blocks_verified,
         s.corruption_detected,
         s.stale_dedup_after_fault,
+        s.heals,
         s.no_space,
         s.restarts,
         s.io_calls

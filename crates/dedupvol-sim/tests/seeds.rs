@@ -78,3 +78,43 @@ fn same_seed_same_io_sequence() {
         assert_eq!(a.faults, b.faults, "seed {seed}: two runs injected different faults");
     }
 }
+
+/// Seeds run with hot compressible blocks: single requests of 320 copies of one block, so a
+/// fragment of a still-open packed block passes the reference cap (a hot block once failed
+/// the whole volume there).
+const CI_HOT_SEEDS: u64 = 60;
+
+#[test]
+fn simulator_seeds_pass_with_hot_blocks_past_the_reference_cap() {
+    let opts = SimOptions { compressible_duplicates: true, ..SimOptions::default() };
+    let mut total = RunStats::default();
+    let mut failures = Vec::new();
+    for seed in 20_000..20_000 + CI_HOT_SEEDS {
+        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
+            Ok(s) => total.add(&s),
+            Err(f) => failures.push(format!("seed {}: {}\n    replay: {}", f.seed, f.message, f.replay)),
+        }
+    }
+    assert!(failures.is_empty(), "{} of {CI_HOT_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(total.coverage.refcount_cap_copies > 0, "no duplicate reached the reference cap");
+}
+
+/// Seeds run rewriting every block found corrupt with its own content, which must then read
+/// back (hash verification once shared the damaged copy again). The range holds seeds whose
+/// rewrites hit damaged copies.
+const CI_HEAL_SEEDS: u64 = 240;
+
+#[test]
+fn simulator_seeds_pass_rewriting_damaged_blocks() {
+    let opts = SimOptions { heal_rewrites: true, ..SimOptions::default() };
+    let mut total = RunStats::default();
+    let mut failures = Vec::new();
+    for seed in 30_000..30_000 + CI_HEAL_SEEDS {
+        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
+            Ok(s) => total.add(&s),
+            Err(f) => failures.push(format!("seed {}: {}\n    replay: {}", f.seed, f.message, f.replay)),
+        }
+    }
+    assert!(failures.is_empty(), "{} of {CI_HEAL_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(total.heals > 0, "no damaged block was rewritten");
+}
