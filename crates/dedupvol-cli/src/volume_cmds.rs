@@ -117,13 +117,24 @@ pub struct StatsArgs {
 pub struct CheckArgs {
     #[command(flatten)]
     vol: OpenArgs,
-    /// Fix what can be recomputed (reference counts, counters, superblock copies).
+    /// Fix what can be recomputed (reference counts, counters, superblock copies) and take
+    /// damaged blocks out of deduplication.
     #[arg(long)]
     repair: bool,
+    /// With --repair: unmap logical blocks whose data is lost (they then read as zeros) and
+    /// list their ranges. Without it, lost blocks keep reading as I/O errors.
+    #[arg(long, requires = "repair")]
+    unmap_lost: bool,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
 }
+
+/// `check` exit codes, as fsck's.
+const CHECK_CLEAN: u8 = 0;
+const CHECK_REPAIRED: u8 = 1;
+const CHECK_PROBLEMS_LEFT: u8 = 4;
+const CHECK_OPERATION_ERROR: u8 = 8;
 
 fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
@@ -404,6 +415,17 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
+    match check_report(&a) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            // fsck's "operational error": the audit itself could not run.
+            eprintln!("dedupvol: error: {e:#}");
+            Ok(ExitCode::from(CHECK_OPERATION_ERROR))
+        }
+    }
+}
+
+fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
     // Learn the metadata device first: the data file's lock is exclusive with --repair.
     let meta_path = match &a.vol.meta_device {
         Some(m) => Some(m.clone()),
@@ -414,10 +436,20 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
         Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
         None => None,
     };
-    let r = dedupvol_core::check_volume(data, meta, a.repair)
+    let copts = dedupvol_core::CheckOptions { repair: a.repair, unmap_lost: a.unmap_lost };
+    let r = dedupvol_core::check_volume_with(data, meta, copts)
         .with_context(|| format!("checking {}", a.vol.path.display()))?;
+    let repaired = a.repair && r.unrepaired.is_empty();
+    let code = if r.is_clean() {
+        CHECK_CLEAN
+    } else if repaired {
+        CHECK_REPAIRED
+    } else {
+        CHECK_PROBLEMS_LEFT
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        let mut o = std::io::stdout().lock();
+        writeln!(o, "{}", serde_json::to_string_pretty(&r)?)?;
     } else {
         let mut o = std::io::stdout().lock();
         writeln!(
@@ -438,26 +470,36 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
         if r.problems_not_listed > 0 {
             writeln!(o, "... and {} more problems", r.problems_not_listed)?;
         }
+        if r.lost_blocks > 0 {
+            let verb = if r.lost_unmapped { "lost and unmapped (now read as zeros)" } else { "lost (read as I/O errors)" };
+            writeln!(o, "{} logical blocks {verb}, byte ranges:", r.lost_blocks)?;
+            for l in &r.lost_ranges {
+                writeln!(o, "  lost: offset {} length {}", l.offset, l.len)?;
+            }
+            if (r.lost_ranges.len() as u64) < r.lost_blocks && r.lost_ranges.iter().map(|l| l.len / 4096).sum::<u64>() < r.lost_blocks {
+                writeln!(o, "  ... more ranges not listed")?;
+            }
+        }
         for p in &r.repaired {
             writeln!(o, "repaired: {p}")?;
         }
         for p in &r.unrepaired {
             writeln!(o, "NOT repaired: {p}")?;
         }
+        if r.lost_blocks > 0 && !r.lost_unmapped {
+            writeln!(o, "hint: `check --repair --unmap-lost` unmaps the lost blocks so the volume is clean again")?;
+        }
         writeln!(
             o,
             "{}",
-            if r.is_clean() {
-                "clean"
-            } else if a.repair && r.unrepaired.is_empty() {
-                "repaired"
-            } else {
-                "problems found"
+            match code {
+                CHECK_CLEAN => "clean",
+                CHECK_REPAIRED => "repaired",
+                _ => "problems found",
             }
         )?;
     }
-    let ok = r.is_clean() || (a.repair && r.unrepaired.is_empty());
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+    Ok(ExitCode::from(code))
 }
 
 /// Resident set size of this process (Linux /proc).

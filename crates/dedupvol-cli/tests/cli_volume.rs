@@ -131,11 +131,13 @@ fn import_export_stats_check_and_repair() {
     let f = std::fs::OpenOptions::new().write(true).open(&img).expect("open");
     f.write_all_at(&vec![0xEEu8; 8192], rc_start * 4096).expect("corrupt");
     drop(f);
+    // Exit codes as fsck's: 4 problems left, 1 repaired, 0 clean.
     let o = dedupvol(&["check", p]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert!(text(&o).contains("reference count"), "{}", text(&o));
     let o = dedupvol(&["check", p, "--repair"]);
-    assert!(o.status.success() && text(&o).contains("repaired"), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("repaired"), "{}", text(&o));
     let o = dedupvol(&["check", p]);
     assert!(o.status.success() && text(&o).contains("clean"), "after repair: {}", text(&o));
 
@@ -149,9 +151,23 @@ fn import_export_stats_check_and_repair() {
     f.write_all_at(&[0x5Au8; 16], data_start * 4096 + 100).expect("flip");
     drop(f);
     let o = dedupvol(&["check", p]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("checksum mismatch"), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("checksum mismatch") && text(&o).contains("lost (read as I/O errors)"), "{}", text(&o));
     // Reading the damaged block is an I/O error, not wrong data.
     let o = dedupvol(&["export", p, out.to_str().expect("utf8")]);
     assert!(!o.status.success() && text(&o).contains("checksum"), "{}", text(&o));
+    // --repair cannot bring the data back: problems are left (4) and the ranges are named.
+    let o = dedupvol(&["check", p, "--repair"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("lost: offset"), "{}", text(&o));
+    // --unmap-lost needs --repair (a usage error), and with it the volume is clean again.
+    assert_eq!(dedupvol(&["check", p, "--unmap-lost"]).status.code(), Some(2));
+    let o = dedupvol(&["check", p, "--repair", "--unmap-lost"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("unmapped"), "{}", text(&o));
+    let o = dedupvol(&["check", p]);
+    assert_eq!(o.status.code(), Some(0), "after unmapping the lost blocks: {}", text(&o));
+    // An audit that cannot run is an operation error (8).
+    let o = dedupvol(&["check", dir.path().join("missing.img").to_str().expect("utf8")]);
+    assert_eq!(o.status.code(), Some(8), "{}", text(&o));
 }
