@@ -1,6 +1,7 @@
 //! The `dedupvol` command-line tool: format, inspect, check, import/export, serve and
 //! benchmark volumes.
 
+mod probe;
 mod serve;
 mod volume_cmds;
 mod workload_cmds;

@@ -206,11 +206,59 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         verify: a.verify.parse::<DedupVerify>()?,
         journal_size_bytes: a.journal_size,
     };
-    if a.physical_size.is_none() && !a.path.exists() {
-        bail!("{} does not exist: pass --physical-size to create it", a.path.display());
+    if a.physical_size == Some(0) {
+        bail!("--physical-size must be larger than zero");
     }
-    Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
-        .with_context(|| format!("formatting {}", a.path.display()))?;
+    let before = match std::fs::metadata(&a.path) {
+        Ok(m) if m.is_dir() => bail!("{} is a directory", a.path.display()),
+        Ok(m) => Some(m),
+        Err(_) if a.physical_size.is_none() => {
+            bail!("{} does not exist: pass --physical-size to create it", a.path.display())
+        }
+        Err(_) => None,
+    };
+    if let (Some(m), Some(want)) = (&before, a.physical_size) {
+        use std::os::unix::fs::FileTypeExt;
+        if m.file_type().is_block_device() {
+            let have = device_len(&a.path)?;
+            if have != want {
+                bail!(
+                    "{} is a block device of {} bytes; --physical-size {want} cannot change it (leave the option out)",
+                    a.path.display(),
+                    have
+                );
+            }
+        }
+    }
+    if !a.force {
+        for target in std::iter::once(&a.path).chain(a.meta_device.as_ref()) {
+            if let Some(what) = crate::probe::foreign_content(target)? {
+                bail!(
+                    "{} {what}; formatting would destroy it (pass --force to overwrite)",
+                    target.display()
+                );
+            }
+        }
+    }
+    let formatted = Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
+        .with_context(|| format!("formatting {}", a.path.display()));
+    if let Err(e) = formatted {
+        // Leave the target as it was: a file we created goes, a file we grew shrinks back.
+        match &before {
+            None => {
+                let _ = std::fs::remove_file(&a.path);
+            }
+            Some(m) if m.is_file() => {
+                if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&a.path) {
+                    if f.metadata().map(|n| n.len() > m.len()).unwrap_or(false) {
+                        let _ = f.set_len(m.len());
+                    }
+                }
+            }
+            Some(_) => {}
+        }
+        return Err(e);
+    }
     let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone(), io: IoMode::Auto }, true)?;
     let s = vol.stats();
     println!(
@@ -500,6 +548,13 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::from(code))
+}
+
+/// Size in bytes of a file or block device.
+fn device_len(path: &Path) -> anyhow::Result<u64> {
+    use std::io::Seek;
+    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(f.seek(std::io::SeekFrom::End(0)).with_context(|| format!("measuring {}", path.display()))?)
 }
 
 /// Resident set size of this process (Linux /proc).

@@ -1,6 +1,6 @@
 //! The volume commands end to end through the real binary: format (and its refusals),
 //! import/export round trip, stats --json fields, check on a clean volume, check finding a
-//! corrupted data block (exit 2, the affected logical block named), and check --repair
+//! corrupted data block (exit 4, the affected logical block named), and check --repair
 //! restoring reference counts after a refcount page is destroyed.
 use std::os::unix::fs::FileExt;
 use std::process::Command;
@@ -26,6 +26,9 @@ fn bad_input_gets_clear_errors() {
     assert!(!o.status.success() && text(&o).contains("compression"), "{}", text(&o));
     let o = dedupvol(&["format", p, "--logical-size", "1000", "--physical-size", "64M"]);
     assert!(!o.status.success() && text(&o).contains("multiple of 4096"), "{}", text(&o));
+    // Every failed format above left nothing behind.
+    assert!(!img.exists(), "a failed format left {p} behind");
+    std::fs::write(&img, vec![0u8; 1 << 20]).expect("zeros");
     let o = dedupvol(&["stats", p]);
     assert!(!o.status.success() && text(&o).contains("does not hold a dedupvol volume"), "{}", text(&o));
     assert!(dedupvol(&["format", p, "--logical-size", "1G", "--physical-size", "64M"]).status.success());
