@@ -45,6 +45,9 @@ pub enum Error {
     /// The device already holds a volume and `force` was not given.
     #[error("{0} already holds a dedupvol volume; pass --force to overwrite it")]
     AlreadyFormatted(String),
+    /// Memory the volume needs (its fingerprint index) cannot be had on this machine.
+    #[error("not enough memory: {0}")]
+    OutOfMemory(String),
     /// A caller passed an invalid argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -70,6 +73,7 @@ impl Error {
             Error::OutOfRange { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             Error::ReadOnly => libc::EROFS,
             Error::NotAVolume(_) | Error::AlreadyFormatted(_) => libc::EINVAL,
+            Error::OutOfMemory(_) => libc::ENOMEM,
         }
     }
 }

@@ -25,6 +25,52 @@ pub fn zeroed<T: Clone + Default>(n: usize) -> Vec<T> {
     v
 }
 
+/// Element types whose all-zero bit pattern is their `Default` value, so a table of them
+/// can come straight from zeroed memory (`try_zeroed`).
+///
+/// # Safety
+/// Implement only for types where every byte zero is a valid value equal to `T::default()`.
+pub unsafe trait ZeroDefault: Clone + Default {}
+// SAFETY: integers and byte arrays are valid and default when all bytes are zero.
+unsafe impl ZeroDefault for u64 {}
+// SAFETY: as above.
+unsafe impl ZeroDefault for u16 {}
+// SAFETY: as above.
+unsafe impl ZeroDefault for [u8; 24] {}
+
+/// `zeroed`, but a table the allocator cannot provide is `None` instead of an abort. Why:
+/// the index's size is stored in the volume and may exceed what this machine can hold
+/// (formatted elsewhere); opening it must then be a clear error, not a crash.
+pub fn try_zeroed<T: ZeroDefault>(n: usize) -> Option<Vec<T>> {
+    if n == 0 || std::mem::size_of::<T>() == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    // SAFETY: `layout` has a non-zero size (n > 0, T not zero-sized). A non-null result is
+    // a zeroed allocation of `n` elements with `T`'s alignment from the global allocator,
+    // which is what `Vec::from_raw_parts` needs (capacity = length = n); every element is
+    // initialised because all-zero is a valid `T` (`ZeroDefault`).
+    let v = unsafe {
+        let p = std::alloc::alloc_zeroed(layout).cast::<T>();
+        if p.is_null() {
+            return None;
+        }
+        Vec::from_raw_parts(p, n, n)
+    };
+    advise(&v);
+    Some(v)
+}
+
+/// The machine's physical memory in bytes (None where the OS does not say).
+pub fn physical_memory_bytes() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages <= 0 || page <= 0 {
+        return None;
+    }
+    (pages as u64).checked_mul(page as u64)
+}
+
 /// Advises the whole 2 MiB-aligned spans inside `v` to use huge pages.
 pub(crate) fn advise<T>(v: &[T]) {
     let start = v.as_ptr() as usize;
@@ -111,6 +157,14 @@ mod tests {
         assert!(v.iter().all(|&x| x == 0));
         let w: Vec<[u8; 24]> = super::zeroed(5);
         assert_eq!(w, vec![[0u8; 24]; 5]);
+    }
+
+    #[test]
+    fn try_zeroed_is_zero_and_refuses_impossible_sizes() {
+        let v: Vec<[u8; 24]> = super::try_zeroed(3 << 16).expect("small table");
+        assert!(v.iter().all(|x| *x == [0u8; 24]));
+        assert!(super::try_zeroed::<u64>(usize::MAX / 4).is_none());
+        assert!(super::try_zeroed::<u64>(0).is_some_and(|v| v.is_empty()));
     }
 
     #[test]

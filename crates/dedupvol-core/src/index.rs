@@ -85,6 +85,38 @@ impl Index {
         let cap = buckets * BUCKET_ENTRIES;
         let words: Vec<u64> = crate::hugemem::zeroed(2 * cap);
         let rest: Option<Vec<[u8; 24]>> = full_hash.then(|| crate::hugemem::zeroed(cap));
+        Self::from_tables(words, rest, buckets, prefault)
+    }
+
+    /// `with_prefault`, but memory the allocator refuses is an error, not an abort (the
+    /// stored index size may exceed what this machine holds).
+    pub fn try_with_prefault(memory_bytes: u64, full_hash: bool, prefault: bool) -> crate::Result<Self> {
+        let per = if full_hash { ENTRY_BYTES_FULL_HASH } else { ENTRY_BYTES };
+        let buckets = usize::try_from(memory_bytes / per).unwrap_or(usize::MAX) / BUCKET_ENTRIES;
+        let buckets = buckets.max(1);
+        let refused = || {
+            crate::Error::OutOfMemory(format!(
+                "the fingerprint index needs {memory_bytes} bytes, which this machine cannot allocate; open with a smaller index memory (--index-memory)"
+            ))
+        };
+        if let Some(machine) = crate::hugemem::physical_memory_bytes().filter(|&m| memory_bytes > m) {
+            // Checked first: with overcommit the allocation itself may succeed and the
+            // process be killed later, on first touch.
+            return Err(crate::Error::OutOfMemory(format!(
+                "the fingerprint index needs {memory_bytes} bytes but this machine has {machine}; open with a smaller index memory (--index-memory)"
+            )));
+        }
+        let cap = buckets.checked_mul(BUCKET_ENTRIES).ok_or_else(refused)?;
+        let words: Vec<u64> =
+            crate::hugemem::try_zeroed(cap.checked_mul(2).ok_or_else(refused)?).ok_or_else(refused)?;
+        let rest: Option<Vec<[u8; 24]>> = match full_hash {
+            true => Some(crate::hugemem::try_zeroed(cap).ok_or_else(refused)?),
+            false => None,
+        };
+        Ok(Self::from_tables(words, rest, buckets, prefault))
+    }
+
+    fn from_tables(words: Vec<u64>, rest: Option<Vec<[u8; 24]>>, buckets: usize, prefault: bool) -> Self {
         let mut threads = Vec::new();
         if prefault {
             threads.push(crate::hugemem::Prefault::start(&words));

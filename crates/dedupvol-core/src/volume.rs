@@ -181,6 +181,13 @@ impl Volume {
         meta_path: Option<String>,
     ) -> Result<()> {
         opts.validate()?;
+        if let Some(machine) = crate::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
+            // A volume whose index cannot be allocated here could never be opened here.
+            return Err(Error::InvalidArgument(format!(
+                "index memory {} exceeds this machine's {machine} bytes of memory",
+                opts.index_memory_bytes
+            )));
+        }
         let io = Arc::new(IoCounters::default());
         let data = Dev::new(data, io.clone());
         let meta = meta.map(|m| Dev::new(m, io));
@@ -320,6 +327,15 @@ impl Volume {
         }
         let ulo = uuid_lo(&sb.uuid);
         let was_clean = sb.clean;
+        // Allocated before anything is written: an index this machine cannot hold is a
+        // clear error that leaves the volume exactly as it was (still clean, its saved
+        // index still valid), and `index_memory_bytes` can lower it.
+        let full_hash = sb.verify == DedupVerify::Hash;
+        let index = Index::try_with_prefault(
+            opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes),
+            full_hash,
+            !opts.read_only,
+        )?;
         let mut rc = Refcounts::load(geo, ulo, meta.clone())?;
         let mut map = BlockMap::new(geo, ulo, meta.clone(), opts.block_map_cache_bytes);
         let replay = journal::scan(&meta, &geo, &sb.uuid)?;
@@ -375,14 +391,12 @@ impl Volume {
             ));
         }
         let alloc = Allocator::from_counts(rc.counts(), geo.slab_blocks);
-        let index_memory = opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes);
-        let full_hash = sb.verify == DedupVerify::Hash;
         let state = State {
             map,
             alloc,
             journal,
             packer: Packer::new(sb.compression),
-            index: Index::with_prefault(index_memory, full_hash, !opts.read_only),
+            index,
             stamps: full_hash.then(|| crate::hugemem::zeroed(geo.data_blocks as usize)),
             reuse_gen: 0,
             counters,
