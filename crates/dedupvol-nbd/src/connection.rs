@@ -17,13 +17,16 @@
 //! - Nothing the client sends can panic the server: protocol decisions are made by the
 //!   pure functions in [`crate::proto`].
 //! - Time is bounded where a client could stall the server: the handshake and each reply
-//!   write ([`ConnectionLimits::handshake_timeout`], `reply_write_timeout`).
+//!   write ([`ConnectionLimits::handshake_timeout`], `reply_write_timeout`: a reply the
+//!   client takes no byte of for that long breaks the connection). Once the server is
+//!   stopping, a stalled reply is abandoned after `shutdown_reply_timeout`, so a client
+//!   that stopped reading cannot hold up shutdown.
 
 use crate::backend::Backend;
 use crate::proto::{self, Command, Disposition, ExportLimits};
 use crate::stream::Stream;
 use parking_lot::{Condvar, Mutex};
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufReader, Read};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -36,6 +39,13 @@ pub const OPTIONS_PER_CONNECTION_MAX: usize = 1024;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default for [`ConnectionLimits::reply_write_timeout`].
 pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default for [`ConnectionLimits::shutdown_reply_timeout`].
+pub const SHUTDOWN_REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Options answered with an error on a connection refused at the connection limit before
+/// it is closed (the spec asks a server to error options until the client gives up).
+pub const REFUSED_OPTIONS_MAX: usize = 16;
+/// Time a connection refused at the connection limit gets to read its error and leave.
+pub const REFUSAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Failed or rejected requests logged per connection; the rest are only counted, so a
 /// client retrying against a full volume cannot flood the log.
 pub const ERROR_LOG_LINES_MAX: u64 = 16;
@@ -56,8 +66,13 @@ pub struct ConnectionLimits {
     /// an idle block device is normal.
     pub handshake_timeout: Duration,
     /// A reply write that makes no progress for this long (the client stopped reading)
-    /// breaks the connection, so a stuck client cannot stall shutdown forever.
+    /// breaks the connection. Measured from the last byte the client took, however the
+    /// reply is split into system calls.
     pub reply_write_timeout: Duration,
+    /// Once the server is stopping, a reply write that makes no progress for this long
+    /// (at most `reply_write_timeout`) is abandoned, so shutdown does not wait for a client
+    /// that stopped reading. Clients still reading get their replies.
+    pub shutdown_reply_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
@@ -68,6 +83,18 @@ impl Default for ConnectionLimits {
             inflight_bytes_max: 64 << 20,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             reply_write_timeout: REPLY_WRITE_TIMEOUT,
+            shutdown_reply_timeout: SHUTDOWN_REPLY_TIMEOUT,
+        }
+    }
+}
+
+impl ConnectionLimits {
+    /// How long a reply write may wait for the client to take a byte, now.
+    fn stall_limit(&self, stopping: &AtomicBool) -> Duration {
+        if stopping.load(Ordering::Relaxed) {
+            self.shutdown_reply_timeout.min(self.reply_write_timeout)
+        } else {
+            self.reply_write_timeout
         }
     }
 }
@@ -121,22 +148,21 @@ fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
     }
 }
 
-/// Runs one connection to completion. `stopping` makes negotiation refuse new sessions.
+/// Runs one connection to completion. `stopping` makes negotiation refuse new sessions and
+/// shortens the patience of reply writes (see [`ConnectionLimits::shutdown_reply_timeout`]).
 pub fn serve_connection(
     stream: Stream,
     backend: Arc<dyn Backend>,
     export: &ExportConfig,
     limits: &ConnectionLimits,
-    stopping: &AtomicBool,
+    stopping: &Arc<AtomicBool>,
 ) -> Outcome {
     let mut s = stream;
-    let timeouts = s
-        .set_read_timeout(Some(limits.handshake_timeout))
-        .and_then(|()| s.set_write_timeout(Some(limits.reply_write_timeout)));
-    if let Err(e) = timeouts {
-        return Outcome::Dropped(format!("setting socket timeouts: {e}"));
+    if let Err(e) = s.set_read_timeout(Some(limits.handshake_timeout)) {
+        return Outcome::Dropped(format!("setting the handshake timeout: {e}"));
     }
-    let session = match handshake(&mut s, backend.size(), export, stopping) {
+    let send = Sender { limits: limits.clone(), stopping: stopping.clone() };
+    let session = match handshake(&mut s, &send, backend.size(), export, stopping) {
         Ok(Some(session)) => session,
         Ok(None) => return Outcome::Closed,
         Err(e) => return Outcome::Dropped(format!("handshake: {e}")),
@@ -144,11 +170,70 @@ pub fn serve_connection(
     if let Err(e) = s.set_read_timeout(None) {
         return Outcome::Dropped(format!("clearing the handshake timeout: {e}"));
     }
-    transmission(s, session, backend, export, limits)
+    transmission(s, session, backend, export, limits, send)
 }
 
-fn send_option_reply(s: &mut Stream, option: u32, reply: u32, data: &[u8]) -> io::Result<()> {
-    s.write_all(&proto::encode_option_reply(option, reply, data))
+/// Writes to a client within the stall limits of [`ConnectionLimits`].
+#[derive(Clone)]
+struct Sender {
+    limits: ConnectionLimits,
+    stopping: Arc<AtomicBool>,
+}
+
+impl Sender {
+    fn send(&self, s: &Stream, parts: &[&[u8]]) -> io::Result<()> {
+        s.send_all(parts, || self.limits.stall_limit(&self.stopping))
+    }
+    fn option_reply(&self, s: &Stream, option: u32, reply: u32, data: &[u8]) -> io::Result<()> {
+        self.send(s, &[&proto::encode_option_reply(option, reply, data)])
+    }
+}
+
+/// Answers a client the server has no room for: the greeting, then an error for every
+/// option it sends (`NBD_REP_ERR_POLICY` with `message`: the spec lets a server refuse
+/// options but not hang up unasked, and this way clients show the reason), until the client
+/// aborts, asks for `NBD_OPT_EXPORT_NAME` (which cannot carry an error: closed), sends
+/// [`REFUSED_OPTIONS_MAX`] options, or [`REFUSAL_TIMEOUT`] passes.
+pub fn refuse_connection(stream: Stream, message: &str, stopping: &Arc<AtomicBool>) {
+    let limits = ConnectionLimits {
+        handshake_timeout: REFUSAL_TIMEOUT,
+        reply_write_timeout: REFUSAL_TIMEOUT,
+        ..ConnectionLimits::default()
+    };
+    let send = Sender { limits, stopping: stopping.clone() };
+    let mut s = stream;
+    let deadline = std::time::Instant::now() + REFUSAL_TIMEOUT;
+    let _ = (|| -> io::Result<()> {
+        s.set_read_timeout(Some(REFUSAL_TIMEOUT))?;
+        send.send(&s, &[&proto::encode_greeting()])?;
+        let mut flags = [0u8; 4];
+        if !read_exact_or_eof(&mut s, &mut flags)? {
+            return Ok(());
+        }
+        for _ in 0..REFUSED_OPTIONS_MAX {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s.set_read_timeout(Some(left))?;
+            let mut hdr = [0u8; proto::OPTION_HEADER_BYTES];
+            if !read_exact_or_eof(&mut s, &mut hdr)? {
+                break;
+            }
+            let Ok(h) = proto::parse_option_header(&hdr) else { break };
+            io::copy(&mut (&mut s).take(u64::from(h.len)), &mut io::sink())?;
+            match h.option {
+                proto::OPT_EXPORT_NAME => break,
+                proto::OPT_ABORT => {
+                    send.option_reply(&s, h.option, proto::REP_ACK, &[])?;
+                    break;
+                }
+                other => send.option_reply(&s, other, proto::REP_ERR_POLICY, message.as_bytes())?,
+            }
+        }
+        Ok(())
+    })();
+    let _ = s.shutdown(Shutdown::Both);
 }
 
 /// What the handshake negotiated for the transmission phase.
@@ -159,9 +244,17 @@ struct Session {
 }
 
 /// Option haggling. Ok(Some): enter transmission; Ok(None): the client left politely.
-fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &AtomicBool) -> io::Result<Option<Session>> {
+fn handshake(
+    s: &mut Stream,
+    send: &Sender,
+    size: u64,
+    export: &ExportConfig,
+    stopping: &AtomicBool,
+) -> io::Result<Option<Session>> {
     let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
-    s.write_all(&proto::encode_greeting())?;
+    let send_option_reply =
+        |s: &mut Stream, option: u32, reply: u32, data: &[u8]| send.option_reply(s, option, reply, data);
+    send.send(s, &[&proto::encode_greeting()])?;
     let mut flags = [0u8; 4];
     if !read_exact_or_eof(s, &mut flags)? {
         return Ok(None);
@@ -185,7 +278,7 @@ fn handshake(s: &mut Stream, size: u64, export: &ExportConfig, stopping: &Atomic
                     // EXPORT_NAME cannot carry an error: the spec says to close.
                     return Err(invalid(format!("unknown export {name:?} requested by EXPORT_NAME")));
                 }
-                s.write_all(&proto::encode_export_name_reply(size, tflags, client.no_zeroes))?;
+                send.send(s, &[&proto::encode_export_name_reply(size, tflags, client.no_zeroes)])?;
                 return Ok(Some(session));
             }
             proto::OPT_ABORT => {
@@ -308,7 +401,10 @@ struct Job {
 /// Writes replies; shared by the reader (for rejects) and the workers.
 struct ReplyWriter {
     stream: Mutex<Stream>,
+    send: Sender,
     broken: AtomicBool,
+    /// Why the first failed reply failed (for the connection's log line).
+    broken_why: Mutex<Option<String>>,
     /// Structured replies were negotiated: reads are answered with chunks.
     structured: bool,
 }
@@ -319,10 +415,15 @@ impl ReplyWriter {
         if self.broken.load(Ordering::Relaxed) {
             return;
         }
-        let mut s = self.stream.lock();
-        let r = s.write_all(head).and_then(|()| if body.is_empty() { Ok(()) } else { s.write_all(body) });
-        if r.is_err() {
-            // The client is gone or the stream is out of sync: stop the reader too.
+        let s = self.stream.lock();
+        // Checked again under the lock: the writer before us may have just broken it.
+        if self.broken.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = self.send.send(&s, &[head, body]) {
+            // The client is gone, stopped reading, or the stream is out of sync: stop the
+            // reader too (shutdown wakes it with end-of-file).
+            self.broken_why.lock().get_or_insert_with(|| e.to_string());
             self.broken.store(true, Ordering::Relaxed);
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -403,6 +504,7 @@ fn transmission(
     backend: Arc<dyn Backend>,
     export: &ExportConfig,
     limits: &ConnectionLimits,
+    send: Sender,
 ) -> Outcome {
     let write_half = match stream.try_clone() {
         Ok(w) => w,
@@ -410,7 +512,9 @@ fn transmission(
     };
     let writer = Arc::new(ReplyWriter {
         stream: Mutex::new(write_half),
+        send,
         broken: AtomicBool::new(false),
+        broken_why: Mutex::new(None),
         structured: session.structured,
     });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
@@ -509,5 +613,10 @@ fn transmission(
     }
     let _ = writer.stream.lock().shutdown(Shutdown::Both);
     log.finish();
-    outcome
+    // A broken reply ends the reader with end-of-file or a read error; name the real cause.
+    let why = writer.broken_why.lock().take();
+    match why {
+        Some(why) => Outcome::Dropped(format!("writing a reply: {why}")),
+        None => outcome,
+    }
 }

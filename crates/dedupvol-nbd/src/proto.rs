@@ -88,6 +88,9 @@ pub const REP_INFO: u32 = 3;
 const REP_FLAG_ERROR: u32 = 1 << 31;
 /// The option is not supported.
 pub const REP_ERR_UNSUP: u32 = REP_FLAG_ERROR | 1;
+/// The option is forbidden by server policy (sent, with the reason, to a client refused at
+/// the connection limit).
+pub const REP_ERR_POLICY: u32 = REP_FLAG_ERROR | 2;
 /// The option is syntactically or semantically invalid.
 pub const REP_ERR_INVALID: u32 = REP_FLAG_ERROR | 3;
 /// The export does not exist.

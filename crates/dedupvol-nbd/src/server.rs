@@ -1,19 +1,22 @@
 //! The accept loop: listens, admits up to `connections_max` clients, and shuts down cleanly.
 //!
-//! Shutdown (SIGINT/SIGTERM, or [`StopHandle::stop`]): stop accepting; shut down the read
-//! half of every connection so its reader sees end-of-file; each connection's workers
-//! finish and answer the requests already accepted; every connection thread is joined.
+//! Shutdown (SIGINT/SIGTERM/SIGHUP, or [`StopHandle::stop`]): stop accepting; shut down the
+//! read half of every connection so its reader sees end-of-file; each connection's workers
+//! finish and answer the requests already accepted (a reply the client takes no byte of for
+//! [`ConnectionLimits::shutdown_reply_timeout`] is abandoned); every thread is joined.
 //! [`Server::run`] then returns, and the caller flushes and closes the backend (for a
 //! [`dedupvol_core::Volume`], `close()` does both).
 //!
 //! Invariants:
 //! - When `run` returns, no thread the server started is alive and the server holds no
 //!   reference to the backend, so the caller can take it back out of its `Arc`.
-//! - At most `connections_max` connections are served at once; extra clients are closed
-//!   at accept, before any handshake.
+//! - At most `connections_max` connections are served at once. An extra client is told why
+//!   (`NBD_REP_ERR_POLICY` "server at its connection limit (N)" to each option, see
+//!   [`refuse_connection`]) and closed; at most `REFUSALS_IN_FLIGHT_MAX` such answers run
+//!   at once, beyond that extra clients are closed at accept.
 
 use crate::backend::Backend;
-use crate::connection::{serve_connection, ConnectionLimits, ExportConfig, Outcome};
+use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, ExportConfig, Outcome};
 use crate::stream::{ListenAddr, Listener, Stream};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -24,6 +27,10 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+
+/// Clients over the connection limit being told so at once; more are closed without a word
+/// (a flood of connections must not become a flood of threads).
+const REFUSALS_IN_FLIGHT_MAX: usize = 4;
 
 /// Everything the server needs besides the backend.
 #[derive(Debug, Clone)]
@@ -85,11 +92,12 @@ impl Server {
         Ok(StopHandle(self.stop_write.try_clone()?))
     }
 
-    /// Makes SIGINT and SIGTERM stop the server; a second signal exits at once (for a
-    /// shutdown stuck on a dead device).
+    /// Makes SIGINT, SIGTERM and SIGHUP stop the server; a second signal exits at once (for
+    /// a shutdown stuck on a dead device). SIGHUP included because its default action kills
+    /// the process without closing the volume (a hung-up terminal, a `nohup`-less session).
     pub fn stop_on_signals(&self) -> io::Result<()> {
         let second = Arc::new(AtomicBool::new(false));
-        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
             signal_hook::flag::register_conditional_shutdown(sig, 130, second.clone())?;
             signal_hook::flag::register(sig, second.clone())?;
             signal_hook::low_level::pipe::register(sig, self.stop_write.try_clone()?)?;
@@ -101,6 +109,7 @@ impl Server {
     pub fn run(self, backend: Arc<dyn Backend>) -> io::Result<RunSummary> {
         let stopping = Arc::new(AtomicBool::new(false));
         let live: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
+        let refusing: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
         let mut threads: Vec<JoinHandle<()>> = Vec::new();
         let mut summary = RunSummary::default();
         let mut next_id: u64 = 0;
@@ -120,6 +129,8 @@ impl Server {
                 }
             };
             threads.retain(|t| !t.is_finished());
+            let id = next_id;
+            next_id += 1;
             if live.lock().len() >= self.config.connections_max {
                 eprintln!(
                     "dedupvol-nbd: refusing {}: {} connections already open (--connections-max)",
@@ -127,10 +138,11 @@ impl Server {
                     self.config.connections_max
                 );
                 summary.connections_refused += 1;
+                if let Some(t) = self.spawn_refusal(id, stream, &refusing, &stopping) {
+                    threads.push(t);
+                }
                 continue;
             }
-            let id = next_id;
-            next_id += 1;
             let shutdown_handle = match stream.try_clone() {
                 Ok(h) => h,
                 Err(e) => {
@@ -167,7 +179,7 @@ impl Server {
         };
         // Stop: refuse new sessions, wake every reader, let in-flight requests finish.
         stopping.store(true, Ordering::Relaxed);
-        for s in live.lock().values() {
+        for s in live.lock().values().chain(refusing.lock().values()) {
             let _ = s.shutdown(Shutdown::Read);
         }
         for t in threads {
@@ -178,6 +190,38 @@ impl Server {
         let mut drain = [0u8; 64];
         let _ = (&self.stop_read).read(&mut drain);
         result.map(|()| summary)
+    }
+
+    /// Starts telling a client over the connection limit why it is refused; `None` when
+    /// too many refusals are already running (the stream is then just closed).
+    fn spawn_refusal(
+        &self,
+        id: u64,
+        stream: Stream,
+        refusing: &Arc<Mutex<HashMap<u64, Stream>>>,
+        stopping: &Arc<AtomicBool>,
+    ) -> Option<JoinHandle<()>> {
+        let handle = stream.try_clone().ok()?;
+        {
+            let mut r = refusing.lock();
+            if r.len() >= REFUSALS_IN_FLIGHT_MAX {
+                return None;
+            }
+            r.insert(id, handle);
+        }
+        let message = format!("server at its connection limit ({})", self.config.connections_max);
+        let (refusing2, stopping) = (refusing.clone(), stopping.clone());
+        let spawned = std::thread::Builder::new().name(format!("nbd-refuse-{id}")).spawn(move || {
+            refuse_connection(stream, &message, &stopping);
+            refusing2.lock().remove(&id);
+        });
+        match spawned {
+            Ok(t) => Some(t),
+            Err(_) => {
+                refusing.lock().remove(&id);
+                None
+            }
+        }
     }
 }
 

@@ -1,10 +1,24 @@
 //! TCP and Unix-domain sockets behind one type, so the server code is written once.
+//!
+//! Invariants:
+//! - A Unix socket path that a live server answers on is never taken over: binding it
+//!   fails; only a stale socket file (nobody accepts on it) is replaced.
+//! - A listener removes its socket file on drop only while that file is still the one it
+//!   bound (same device and inode), so a server never deletes another server's socket.
+//! - [`Stream::send_all`] never blocks for longer than its stall limit without the peer
+//!   taking bytes, and never raises SIGPIPE.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Longest single wait in [`Stream::send_all`] before it re-reads its stall limit, so a
+/// limit lowered from another thread (server shutdown) takes effect promptly.
+const SEND_POLL_SLICE: Duration = Duration::from_millis(100);
 
 /// A connected client socket.
 #[derive(Debug)]
@@ -44,11 +58,88 @@ impl Stream {
             Stream::Unix(s) => s.set_write_timeout(t),
         }
     }
+    /// Writes every byte of `parts`, in order, as one message. Fails with `TimedOut` when
+    /// the peer takes no byte for `stall_limit()` (re-read while waiting, so another thread
+    /// can shorten it), and with the socket's error (e.g. `BrokenPipe`) when it breaks.
+    ///
+    /// Why not `SO_SNDTIMEO` and `write_all`: the kernel's send timeout restarts with every
+    /// `send` call, and a blocked `send` that had queued part of its buffer returns that part
+    /// when the timeout fires; the next call then waits a whole timeout again. A client that
+    /// stopped reading was dropped after two timeouts (~122 s for 60 s). Here the limit runs
+    /// from the last byte the peer took.
+    pub fn send_all(&self, parts: &[&[u8]], stall_limit: impl Fn() -> Duration) -> io::Result<()> {
+        let fd = self.as_raw_fd();
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut sent = 0usize;
+        let mut progress_at = Instant::now();
+        while sent < total {
+            let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len());
+            let mut skip = sent;
+            for p in parts {
+                if skip >= p.len() {
+                    skip -= p.len();
+                    continue;
+                }
+                let rest = &p[skip..];
+                skip = 0;
+                iov.push(libc::iovec { iov_base: rest.as_ptr() as *mut libc::c_void, iov_len: rest.len() });
+            }
+            // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            // SAFETY: `msg` points at `iov`, whose entries point into `parts`; all outlive the
+            // call. MSG_DONTWAIT: we wait in poll, where the stall limit is enforced;
+            // MSG_NOSIGNAL: a vanished client is an error, not a SIGPIPE.
+            let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+            if n > 0 {
+                sent += n as usize;
+                progress_at = Instant::now();
+                continue;
+            }
+            let e = if n == 0 { io::Error::from(io::ErrorKind::WriteZero) } else { io::Error::last_os_error() };
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => {}
+                _ => return Err(e),
+            }
+            let limit = stall_limit();
+            let waited = progress_at.elapsed();
+            if waited >= limit {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client took no reply bytes for {:.1} s", waited.as_secs_f64()),
+                ));
+            }
+            let wait = (limit - waited).min(SEND_POLL_SLICE);
+            let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let r = unsafe { libc::poll(&mut pfd, 1, wait.as_millis().max(1) as libc::c_int) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            // Readiness, POLLHUP or POLLERR: the next sendmsg reports which.
+        }
+        Ok(())
+    }
+
     /// A printable peer name for logs.
     pub fn peer(&self) -> String {
         match self {
             Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp:?".into()),
             Stream::Unix(_) => "unix".into(),
+        }
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
         }
     }
 }
@@ -92,33 +183,73 @@ pub enum ListenAddr {
     Unix(PathBuf),
 }
 
+impl std::fmt::Display for ListenAddr {
+    /// As users write it: `127.0.0.1:10809` or `unix:/path`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddr::Tcp(a) => f.write_str(a),
+            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A Unix socket file this process bound: removed on drop only while it is still this one.
+#[derive(Debug)]
+pub struct SocketFile {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
 /// A bound listening socket.
 #[derive(Debug)]
 pub enum Listener {
     /// TCP.
     Tcp(TcpListener),
-    /// Unix-domain socket (the path is removed when the listener is dropped).
-    Unix(UnixListener, PathBuf),
+    /// Unix-domain socket (its file is removed when the listener is dropped, if still ours).
+    Unix(UnixListener, SocketFile),
+}
+
+/// Makes room for a Unix socket at `p`: refuses a live socket (a server accepts on it) and
+/// anything that is not a socket; removes a stale socket file.
+fn clear_stale_socket(p: &Path) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(md) = std::fs::symlink_metadata(p) else { return Ok(()) };
+    if !md.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{} exists and is not a socket", p.display()),
+        ));
+    }
+    match UnixStream::connect(p) {
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("socket {} is in use by a running server", p.display()),
+        )),
+        // Nobody listens: a leftover of a server that died without cleaning up.
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(p),
+        Err(e) => Err(io::Error::new(e.kind(), format!("probing the existing socket {}: {e}", p.display()))),
+    }
 }
 
 impl Listener {
-    /// Binds `addr`. A stale Unix socket file at the path is replaced; any other file is not.
+    /// Binds `addr`. A stale Unix socket file at the path is replaced; a socket a running
+    /// server accepts on, or any other file, is an error.
     pub fn bind(addr: &ListenAddr) -> io::Result<Listener> {
         let l = match addr {
             ListenAddr::Tcp(a) => Listener::Tcp(TcpListener::bind(a.as_str())?),
             ListenAddr::Unix(p) => {
-                use std::os::unix::fs::FileTypeExt;
-                if let Ok(md) = std::fs::symlink_metadata(p) {
-                    if md.file_type().is_socket() {
-                        std::fs::remove_file(p)?;
+                clear_stale_socket(p)?;
+                let listener = UnixListener::bind(p).map_err(|e| {
+                    if e.kind() == io::ErrorKind::AddrInUse {
+                        // Another server bound it between our probe and our bind.
+                        io::Error::new(e.kind(), format!("socket {} is in use by a running server", p.display()))
                     } else {
-                        return Err(io::Error::new(
-                            io::ErrorKind::AlreadyExists,
-                            format!("{} exists and is not a socket", p.display()),
-                        ));
+                        e
                     }
-                }
-                Listener::Unix(UnixListener::bind(p)?, p.clone())
+                })?;
+                let md = std::fs::symlink_metadata(p)?;
+                Listener::Unix(listener, SocketFile { path: p.clone(), dev: md.dev(), ino: md.ino() })
             }
         };
         // Nonblocking so the accept loop can wait on the listener and the stop pipe at once.
@@ -133,7 +264,7 @@ impl Listener {
     pub fn display_addr(&self) -> String {
         match self {
             Listener::Tcp(t) => t.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into()),
-            Listener::Unix(_, p) => format!("unix:{}", p.display()),
+            Listener::Unix(_, f) => format!("unix:{}", f.path.display()),
         }
     }
 
@@ -167,9 +298,13 @@ impl AsRawFd for Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, p) = self {
+        if let Listener::Unix(_, f) = self {
+            // Only our own socket: after a takeover the path names another server's socket.
             // Best effort: a leftover socket file is replaced by the next bind anyway.
-            let _ = std::fs::remove_file(p);
+            let ours = std::fs::symlink_metadata(&f.path).is_ok_and(|m| m.dev() == f.dev && m.ino() == f.ino);
+            if ours {
+                let _ = std::fs::remove_file(&f.path);
+            }
         }
     }
 }

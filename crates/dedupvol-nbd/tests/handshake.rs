@@ -115,15 +115,51 @@ fn unknown_client_flags_and_bad_option_magic_close_the_connection() {
     srv.shutdown();
 }
 
+/// Regression: a client over `--connections-max` was closed at accept without a word, so
+/// clients reported a bare "connection reset" or "unexpected end of file" and the operator
+/// had to read the server's log. The spec lets a server error options but not hang up
+/// unasked: the refused client now gets the greeting and `NBD_REP_ERR_POLICY` with the
+/// reason for every option, then is closed.
 #[test]
-fn connections_beyond_the_maximum_are_refused() {
+fn connections_beyond_the_maximum_are_refused_with_a_reason() {
     let srv = TestServer::start(1 << 20, false, 1);
     let mut a = connect_raw(&srv.socket);
     go(&mut a, "vol");
     let mut b = connect_raw(&srv.socket);
-    assert!(is_closed(&mut b), "second connection should be refused with connections_max = 1");
+    greet(&mut b, FLAG_C_FIXED_NEWSTYLE);
+    send_option(&mut b, OPT_GO, &info_data("vol", &[]));
+    let (opt, rep, msg) = read_option_reply(&mut b);
+    assert_eq!((opt, rep), (OPT_GO, REP_ERR_POLICY));
+    assert_eq!(String::from_utf8_lossy(&msg), "server at its connection limit (1)");
+    // Still refused on a retry; ABORT is acknowledged and ends it.
+    send_option(&mut b, OPT_LIST, &[]);
+    assert_eq!(read_option_reply(&mut b).1, REP_ERR_POLICY);
+    send_option(&mut b, OPT_ABORT, &[]);
+    assert_eq!(read_option_reply(&mut b).1, REP_ACK);
+    assert!(is_closed(&mut b));
+    // EXPORT_NAME cannot carry an error: the refused client is closed.
+    let mut c = connect_raw(&srv.socket);
+    greet(&mut c, FLAG_C_FIXED_NEWSTYLE);
+    send_option(&mut c, OPT_EXPORT_NAME, b"vol");
+    assert!(is_closed(&mut c));
+    // The first client was never disturbed.
+    send_request(&mut a, CMD_FLUSH, 0, 1, 0, 0, &[]);
+    assert_eq!(read_reply(&mut a), (0, 1));
     drop(a);
     let summary = srv.shutdown();
+    assert_eq!(summary.connections_refused, 2);
+}
+
+#[test]
+fn a_refused_client_that_says_nothing_does_not_delay_shutdown() {
+    let srv = TestServer::start(1 << 20, false, 1);
+    let mut a = connect_raw(&srv.socket);
+    go(&mut a, "vol");
+    let mut b = connect_raw(&srv.socket);
+    let _greeting = read_n(&mut b, 18);
+    let start = std::time::Instant::now();
+    let summary = srv.shutdown();
+    assert!(start.elapsed() < std::time::Duration::from_secs(3), "shutdown waited for the refused client");
     assert_eq!(summary.connections_refused, 1);
 }
 
@@ -140,9 +176,11 @@ fn a_silent_client_is_dropped_after_the_handshake_timeout_and_frees_its_slot() {
     // The slot is released once the connection thread ends; retry until it is, bounded.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
+        // A refused client gets a greeting too; only GO tells a free slot from a refusal.
         let mut s = connect_raw(&srv.socket);
-        let mut g = [0u8; 18];
-        if std::io::Read::read_exact(&mut s, &mut g).is_ok() {
+        greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
+        send_option(&mut s, OPT_GO, &info_data("vol", &[]));
+        if read_option_reply(&mut s).1 != REP_ERR_POLICY {
             break;
         }
         assert!(std::time::Instant::now() < deadline, "slot never freed");

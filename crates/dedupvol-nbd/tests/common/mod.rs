@@ -30,18 +30,16 @@ impl TestServer {
         connections_max: usize,
         handshake_timeout: std::time::Duration,
     ) -> TestServer {
+        Self::start_limits(size, read_only, connections_max, ConnectionLimits { handshake_timeout, ..test_limits() })
+    }
+
+    pub fn start_limits(size: u64, read_only: bool, connections_max: usize, limits: ConnectionLimits) -> TestServer {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("nbd.sock");
         let config = ServerConfig {
             export: ExportConfig { name: "vol".into(), description: None, read_only },
             connections_max,
-            limits: ConnectionLimits {
-                workers: 3,
-                queue_requests_max: 4,
-                inflight_bytes_max: 1 << 20,
-                handshake_timeout,
-                ..ConnectionLimits::default()
-            },
+            limits,
         };
         let server = Server::bind(&ListenAddr::Unix(socket.clone()), config).expect("bind");
         let stop = server.stop_handle().expect("stop handle");
@@ -54,6 +52,17 @@ impl TestServer {
         // May fail when the server already stopped (its end of the stop pipe is closed).
         let _ = self.stop.stop();
         self.thread.take().expect("thread").join().expect("server thread panicked").expect("server run")
+    }
+}
+
+/// The small per-connection bounds the protocol tests run with.
+pub fn test_limits() -> ConnectionLimits {
+    ConnectionLimits {
+        workers: 3,
+        queue_requests_max: 4,
+        inflight_bytes_max: 1 << 20,
+        handshake_timeout: std::time::Duration::from_secs(30),
+        ..ConnectionLimits::default()
     }
 }
 
