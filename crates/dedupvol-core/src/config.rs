@@ -56,7 +56,7 @@ impl std::str::FromStr for Compression {
     }
 }
 
-/// When a write is acknowledged (DESIGN.md §4).
+/// When a write is acknowledged (docs/design.md, durability contract).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WritePolicy {

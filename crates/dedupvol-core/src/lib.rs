@@ -6,7 +6,7 @@
 //! existing copy when the fingerprint index finds a verified duplicate, and otherwise
 //! compressed (LZ4/zstd), packed several to a physical block, and appended to a
 //! log-structured data slab. A recovery journal with group commit makes the block map and
-//! reference counts crash-consistent; see `docs/format.md` and DESIGN.md §4 for the
+//! reference counts crash-consistent; see `docs/format.md` and `docs/design.md` for the
 //! durability contract.
 //!
 //! The crate has no network dependencies; the NBD server and the CLI build on it.

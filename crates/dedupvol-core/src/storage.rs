@@ -2,7 +2,7 @@
 //!
 //! Invariants:
 //! - `write_at` may be cached by the device; only `sync` makes earlier writes durable
-//!   (a disk with a volatile write cache, DESIGN.md §4).
+//!   (a disk with a volatile write cache, docs/design.md, durability contract).
 //! - Reads and writes are whole and positioned: a short read or write is an error.
 //! - Every byte the engine moves is counted in `IoCounters` under exactly one category, so
 //!   write amplification and the overhead breakdown are computed from real traffic.

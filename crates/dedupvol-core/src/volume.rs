@@ -14,7 +14,7 @@
 //!   or held in memory by `staged` / `writing`, which answer reads and verifications for
 //!   it; a commit writes the staged data, waits for every earlier write in flight, syncs
 //!   data, then writes the journal blocks, and syncs them before reporting durability
-//!   (DESIGN.md §4).
+//!   (docs/design.md, durability contract).
 //! - Lock order: `commit_lock` before `state`; `tickets` and `cache` are taken alone
 //!   (innermost). Full staging batches are written by the data-writer thread
 //!   (`data_writer`), which takes no volume lock.

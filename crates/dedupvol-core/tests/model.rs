@@ -1,6 +1,6 @@
 //! Model-based property test: random writes, overwrites, discards, write-zeroes, FUA,
 //! flushes, clean close/reopen and drop-without-close, checked against a map of the
-//! contents each block may hold under the durability contract (DESIGN.md §4).
+//! contents each block may hold under the durability contract (docs/design.md).
 mod common;
 use common::*;
 use dedupvol_core::{check_volume, Compression, DedupVerify, Storage, Volume, WritePolicy};

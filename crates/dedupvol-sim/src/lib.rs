@@ -7,7 +7,7 @@
 //! logical writers ([`driver`]) that writes duplicate-heavy, compressible, unique and zero
 //! data, overwrites, discards, writes zeroes, flushes and issues FUA writes; crashes at random
 //! I/O calls, including inside recovery; and a checker ([`model::Model`]) that knows, for
-//! every logical block, which contents the durability contract (DESIGN.md §4) allows.
+//! every logical block, which contents the durability contract (docs/design.md) allows.
 //! `docs/simulator.md` states the fault model.
 //!
 //! Invariants:

@@ -1,4 +1,4 @@
-//! The checker's model of the durability contract (DESIGN.md §4), per logical block.
+//! The checker's model of the durability contract (docs/design.md), per logical block.
 //!
 //! A block's content is a *version*: the content id of each of its eight 512-byte sectors
 //! (a full-block write of id `c` is `[c; 8]`; a partial write replaces some sectors). The
