@@ -34,6 +34,6 @@ pub mod volume;
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE};
 pub use error::{Error, Result};
-pub use stats::Stats;
+pub use stats::{LifetimeCounters, Stats};
 pub use storage::{FileStorage, IoKind, IoMode, IoStats, MemStorage, Storage};
 pub use volume::Volume;

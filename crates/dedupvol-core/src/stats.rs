@@ -1,8 +1,15 @@
 //! Volume statistics, as `dedupvol stats --json` reports them.
 //!
+//! Two kinds of counters: `ReductionCounters` and `IoStats` count what *this process* did
+//! since it opened the volume; `LifetimeCounters` count what happened to the volume over
+//! its whole life, kept in the superblock (docs/format.md).
+//!
 //! Invariants:
 //! - Space figures are exact (derived from the block map and reference counts the engine
 //!   keeps), never estimates; I/O figures come from the device counters.
+//! - Lifetime counters only grow: a read-write open loads them, adds this process's
+//!   counters to the loaded figures (never to figures already added), and writes the sum
+//!   at every checkpoint and at close. After a crash they stand as of the last checkpoint.
 
 use crate::config::{Compression, DedupVerify, WritePolicy};
 use crate::storage::IoStats;
@@ -19,7 +26,7 @@ pub struct Savings {
     pub compression_bytes: u64,
 }
 
-/// Counters of the reduction pipeline since open.
+/// Counters of the reduction pipeline in this process (since open).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ReductionCounters {
     /// 4 KiB blocks written by clients.
@@ -79,8 +86,10 @@ pub struct Stats {
     pub reduction_ratio: f64,
     /// Savings split by mechanism, for the data currently mapped.
     pub savings: Savings,
-    /// Pipeline counters since open.
+    /// Pipeline counters of this process (since open).
     pub counters: ReductionCounters,
+    /// Counters over the volume's life, up to now.
+    pub lifetime: LifetimeCounters,
     /// Entries in the fingerprint index now.
     pub index_entries: u64,
     /// Capacity of the fingerprint index in entries.
@@ -99,6 +108,159 @@ pub struct Stats {
     pub verify: DedupVerify,
     /// Write policy in effect.
     pub write_policy: WritePolicy,
-    /// I/O counters by category.
+    /// I/O counters of this process by category.
     pub io: IoStats,
+}
+
+/// Counters over a volume's whole life, persisted in the superblock: every read-write
+/// open adds what its process did. Read-only opens (`stats`, `info`, `check`, `export`)
+/// add nothing. The field order is the on-disk order (`to_words`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct LifetimeCounters {
+    /// Read-write opens, this one included.
+    pub read_write_opens: u64,
+    /// Read-write opens that found the volume not closed cleanly (journal replayed).
+    pub recoveries: u64,
+    /// 4 KiB blocks written by clients.
+    pub blocks_written: u64,
+    /// Of those, all-zero blocks.
+    pub zero_blocks: u64,
+    /// Of those, blocks shared with existing data.
+    pub dedup_hits: u64,
+    /// Index candidates rejected by verification.
+    pub dedup_verify_failures: u64,
+    /// Duplicates written as a new copy because the reference count was at its cap.
+    pub refcount_cap_copies: u64,
+    /// Unique blocks stored compressed in packed blocks.
+    pub compressed_blocks: u64,
+    /// Unique blocks stored raw.
+    pub raw_blocks: u64,
+    /// Packed physical blocks written.
+    pub packed_blocks_written: u64,
+    /// Group commits.
+    pub commits: u64,
+    /// Checkpoints.
+    pub checkpoints: u64,
+    /// Full index scans after a reuse stamp wrapped.
+    pub stamp_wrap_scans: u64,
+    /// Bytes written to the data device for client data.
+    pub data_write_bytes: u64,
+    /// Bytes of data read to serve client reads.
+    pub data_read_bytes: u64,
+    /// Bytes of data read to verify duplicates.
+    pub verify_read_bytes: u64,
+    /// Bytes of metadata written (journal, block map, refcounts, index, superblocks).
+    pub metadata_write_bytes: u64,
+    /// Durability barriers (fdatasync) issued.
+    pub syncs: u64,
+}
+
+impl LifetimeCounters {
+    /// Counters stored on disk.
+    pub const WORDS: usize = 18;
+
+    /// The counters in on-disk order.
+    pub fn to_words(&self) -> [u64; Self::WORDS] {
+        [
+            self.read_write_opens,
+            self.recoveries,
+            self.blocks_written,
+            self.zero_blocks,
+            self.dedup_hits,
+            self.dedup_verify_failures,
+            self.refcount_cap_copies,
+            self.compressed_blocks,
+            self.raw_blocks,
+            self.packed_blocks_written,
+            self.commits,
+            self.checkpoints,
+            self.stamp_wrap_scans,
+            self.data_write_bytes,
+            self.data_read_bytes,
+            self.verify_read_bytes,
+            self.metadata_write_bytes,
+            self.syncs,
+        ]
+    }
+
+    /// The inverse of `to_words`.
+    pub fn from_words(w: [u64; Self::WORDS]) -> Self {
+        let [read_write_opens, recoveries, blocks_written, zero_blocks, dedup_hits, dedup_verify_failures, refcount_cap_copies, compressed_blocks, raw_blocks, packed_blocks_written, commits, checkpoints, stamp_wrap_scans, data_write_bytes, data_read_bytes, verify_read_bytes, metadata_write_bytes, syncs] =
+            w;
+        Self {
+            read_write_opens,
+            recoveries,
+            blocks_written,
+            zero_blocks,
+            dedup_hits,
+            dedup_verify_failures,
+            refcount_cap_copies,
+            compressed_blocks,
+            raw_blocks,
+            packed_blocks_written,
+            commits,
+            checkpoints,
+            stamp_wrap_scans,
+            data_write_bytes,
+            data_read_bytes,
+            verify_read_bytes,
+            metadata_write_bytes,
+            syncs,
+        }
+    }
+
+    /// These counters plus one process's (saturating: a damaged record must not panic).
+    pub fn plus_process(&self, red: &ReductionCounters, io: &IoStats) -> Self {
+        let add = |a: u64, b: u64| a.saturating_add(b);
+        let metadata_write_bytes = [io.block_map_write, io.refcount_write, io.index_write, io.superblock_write]
+            .iter()
+            .fold(io.journal_write.bytes, |sum, f| add(sum, f.bytes));
+        Self {
+            read_write_opens: self.read_write_opens,
+            recoveries: self.recoveries,
+            blocks_written: add(self.blocks_written, red.blocks_written),
+            zero_blocks: add(self.zero_blocks, red.zero_blocks),
+            dedup_hits: add(self.dedup_hits, red.dedup_hits),
+            dedup_verify_failures: add(self.dedup_verify_failures, red.dedup_verify_failures),
+            refcount_cap_copies: add(self.refcount_cap_copies, red.refcount_cap_copies),
+            compressed_blocks: add(self.compressed_blocks, red.compressed_blocks),
+            raw_blocks: add(self.raw_blocks, red.raw_blocks),
+            packed_blocks_written: add(self.packed_blocks_written, red.packed_blocks_written),
+            commits: add(self.commits, red.commits),
+            checkpoints: add(self.checkpoints, red.checkpoints),
+            stamp_wrap_scans: add(self.stamp_wrap_scans, red.stamp_wrap_scans),
+            data_write_bytes: add(self.data_write_bytes, io.data_write.bytes),
+            data_read_bytes: add(self.data_read_bytes, io.data_read.bytes),
+            verify_read_bytes: add(self.verify_read_bytes, io.verify_read.bytes),
+            metadata_write_bytes: add(self.metadata_write_bytes, metadata_write_bytes),
+            syncs: add(self.syncs, io.syncs),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_round_trip_in_field_order() {
+        let w: [u64; LifetimeCounters::WORDS] = std::array::from_fn(|i| 1000 + i as u64);
+        let c = LifetimeCounters::from_words(w);
+        assert_eq!(c.to_words(), w);
+        assert_eq!((c.read_write_opens, c.blocks_written, c.syncs), (1000, 1002, 1017));
+    }
+
+    #[test]
+    fn process_counters_add_to_the_loaded_ones() {
+        let base = LifetimeCounters { read_write_opens: 2, blocks_written: 10, syncs: u64::MAX, ..Default::default() };
+        let red = ReductionCounters { blocks_written: 5, checkpoints: 1, ..Default::default() };
+        let mut io = IoStats::default();
+        io.syncs = 3;
+        io.journal_write.bytes = 4096;
+        io.superblock_write.bytes = 8192;
+        let now = base.plus_process(&red, &io);
+        assert_eq!((now.read_write_opens, now.blocks_written, now.checkpoints), (2, 15, 1));
+        assert_eq!(now.metadata_write_bytes, 12288);
+        assert_eq!(now.syncs, u64::MAX, "saturates instead of wrapping");
+    }
 }

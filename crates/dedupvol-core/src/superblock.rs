@@ -7,10 +7,14 @@
 //!   one copy; the valid copy with the highest `generation` wins.
 //! - The metadata device, when present, carries the same superblock with `role = 1`; the
 //!   UUIDs must match or the open is refused.
+//! - The lifetime counters record sits in the block's tail, covered by the same crc. A
+//!   block without its magic (a volume formatted before the record existed) has zero
+//!   lifetime counters; a record is written by every superblock write of a read-write open.
 
 use crate::config::{Compression, DedupVerify, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::layout::Geometry;
+use crate::stats::LifetimeCounters;
 use crate::storage::{Dev, IoKind};
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -105,6 +109,50 @@ pub struct SuperblockRaw {
 const _: () = assert!(std::mem::size_of::<SuperblockRaw>() == 472);
 const _: () = assert!(std::mem::size_of::<SuperblockRaw>() <= BLOCK_SIZE);
 
+/// Offset of the lifetime counters record in each superblock copy.
+pub const LIFETIME_RECORD_OFFSET: usize = 512;
+/// Magic of the lifetime counters record.
+pub const LIFETIME_MAGIC: [u8; 4] = *b"DVLC";
+
+/// The lifetime counters record (`LifetimeCounters` in on-disk order).
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct LifetimeRaw {
+    /// `LIFETIME_MAGIC`.
+    pub magic: [u8; 4],
+    /// Counters that follow. A reader takes missing ones as zero and ignores extra ones,
+    /// so counters can be appended without a format version change.
+    pub words_count: U32,
+    /// The counters.
+    pub words: [U64; LifetimeCounters::WORDS],
+}
+
+const _: () = assert!(std::mem::size_of::<LifetimeRaw>() == 152);
+const _: () = assert!(LIFETIME_RECORD_OFFSET >= std::mem::size_of::<SuperblockRaw>());
+const _: () = assert!(LIFETIME_RECORD_OFFSET + std::mem::size_of::<LifetimeRaw>() <= BLOCK_SIZE);
+
+impl LifetimeRaw {
+    fn encode(c: &LifetimeCounters) -> Self {
+        LifetimeRaw {
+            magic: LIFETIME_MAGIC,
+            words_count: U32::new(LifetimeCounters::WORDS as u32),
+            words: c.to_words().map(U64::new),
+        }
+    }
+
+    /// Zero counters when the record is absent.
+    fn decode(block: &[u8]) -> LifetimeCounters {
+        let raw = block.get(LIFETIME_RECORD_OFFSET..).and_then(|b| LifetimeRaw::read_from_prefix(b).ok());
+        let Some((raw, _)) = raw.filter(|(r, _)| r.magic == LIFETIME_MAGIC) else {
+            return LifetimeCounters::default();
+        };
+        let count = raw.words_count.get() as usize;
+        LifetimeCounters::from_words(std::array::from_fn(|i| {
+            raw.words.get(i).filter(|_| i < count).map_or(0, |w| w.get())
+        }))
+    }
+}
+
 /// A decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -138,6 +186,8 @@ pub struct Superblock {
     pub index_saved_entries: u64,
     /// Metadata device path hint.
     pub meta_path: Option<String>,
+    /// Counters over the volume's life, as of this superblock write.
+    pub lifetime: LifetimeCounters,
 }
 
 impl Superblock {
@@ -190,6 +240,9 @@ impl Superblock {
         };
         let mut buf = vec![0u8; BLOCK_SIZE];
         let _ = raw.write_to_prefix(&mut buf);
+        if let Some(tail) = buf.get_mut(LIFETIME_RECORD_OFFSET..) {
+            let _ = LifetimeRaw::encode(&self.lifetime).write_to_prefix(tail);
+        }
         crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
         buf
     }
@@ -261,6 +314,7 @@ impl Superblock {
             zero_blocks: raw.zero_blocks.get(),
             index_saved_entries: raw.index_saved_entries.get(),
             meta_path,
+            lifetime: LifetimeRaw::decode(buf),
         }))
     }
 
@@ -345,6 +399,7 @@ mod tests {
             zero_blocks: 2,
             index_saved_entries: 0,
             meta_path: Some("/dev/fast".into()),
+            lifetime: LifetimeCounters { read_write_opens: 3, blocks_written: 1 << 40, syncs: 9, ..Default::default() },
         }
     }
 
@@ -357,5 +412,28 @@ mod tests {
         buf[300] ^= 4;
         assert!(matches!(Superblock::decode(&buf, 0), Err(Error::Corrupt(_))));
         assert_eq!(Superblock::decode(&[0u8; 4096], 0).expect("blank"), None);
+    }
+
+    /// Volumes formatted before the lifetime record existed hold zeros in the block's
+    /// tail: they must open, with zero lifetime counters.
+    #[test]
+    fn a_superblock_without_the_lifetime_record_has_zero_counters() {
+        let mut buf = sample().encode(0);
+        buf[LIFETIME_RECORD_OFFSET..LIFETIME_RECORD_OFFSET + std::mem::size_of::<LifetimeRaw>()].fill(0);
+        crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+        let sb = Superblock::decode(&buf, 0).expect("decode").expect("a volume");
+        assert_eq!(sb.lifetime, LifetimeCounters::default());
+        assert_eq!(sb.uuid, sample().uuid);
+    }
+
+    /// A record written by a version that kept fewer counters: the missing ones are zero.
+    #[test]
+    fn a_shorter_lifetime_record_reads_missing_counters_as_zero() {
+        let mut buf = sample().encode(0);
+        buf[LIFETIME_RECORD_OFFSET + 4..LIFETIME_RECORD_OFFSET + 8].copy_from_slice(&3u32.to_le_bytes());
+        crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+        let sb = Superblock::decode(&buf, 0).expect("decode").expect("a volume");
+        let want = LifetimeCounters { read_write_opens: 3, blocks_written: 1 << 40, ..Default::default() };
+        assert_eq!(sb.lifetime, want, "counters 0..3 kept, the rest (syncs) read as zero");
     }
 }

@@ -34,7 +34,7 @@ use crate::journal::{self, CommitBatch, Counters, Journal};
 use crate::layout::Geometry;
 use crate::packer::{self, Packer};
 use crate::refcount::{Refcounts, REFCOUNT_MAX};
-use crate::stats::{ReductionCounters, Savings, Stats};
+use crate::stats::{LifetimeCounters, ReductionCounters, Savings, Stats};
 use crate::storage::{Dev, FileStorage, IoCounters, IoKind, Storage};
 use crate::superblock::Superblock;
 use parking_lot::Mutex;
@@ -112,6 +112,9 @@ pub struct Volume {
     /// Problems noticed while opening (superblock copies), for `check`; entries starting
     /// with "note: " are informational (torn writes a crash left behind).
     pub(crate) open_notes: Vec<String>,
+    /// Lifetime counters as loaded at open (this open counted): this process's counters
+    /// are added to these, never to a figure that already includes them.
+    lifetime_base: LifetimeCounters,
 }
 
 /// How one chunk of a write will be stored.
@@ -226,6 +229,7 @@ impl Volume {
             zero_blocks: 0,
             index_saved_entries: 0,
             meta_path,
+            lifetime: LifetimeCounters::default(),
         };
         // Metadata device first: a crash mid-format leaves the data device unformatted.
         if let Some(m) = &meta {
@@ -379,6 +383,8 @@ impl Volume {
             journal.head_block_seq = journal.next_block_seq;
             sb.clean = false;
             sb.generation += 1;
+            sb.lifetime.read_write_opens += 1;
+            sb.lifetime.recoveries += u64::from(!was_clean);
             if separate {
                 write_copies(&meta, &sb, 1)?;
             }
@@ -426,6 +432,7 @@ impl Volume {
             .flatten();
         let (dedup, compression) = (sb.dedup, sb.compression);
         let cache_writes = opts.writes_cached(sb.verify);
+        let lifetime_base = sb.lifetime;
         Ok(Volume {
             data,
             meta,
@@ -446,6 +453,7 @@ impl Volume {
             health,
             journal_pressure: AtomicBool::new(false),
             open_notes: notes,
+            lifetime_base,
         })
     }
 
@@ -466,6 +474,7 @@ impl Volume {
         sb.next_block_seq = st.journal.next_block_seq;
         sb.mapped_blocks = st.counters.mapped_blocks;
         sb.zero_blocks = st.counters.zero_blocks;
+        sb.lifetime = self.lifetime_now(&st);
         sb.generation += 1;
         if self.geo.meta_dev_blocks > 0 {
             write_copies(&self.meta, &sb, 1)?;
@@ -620,7 +629,7 @@ impl Volume {
         let mut st = self.state.lock();
         self.finish_commit(&mut st, &batch);
         if st.journal.wants_checkpoint() {
-            let r = self.checkpoint(&mut st);
+            let r = self.checkpoint(&mut st).and_then(|()| self.persist_lifetime(&st));
             self.guard(r)?;
         }
         let durable = st.journal.durable_seq;
@@ -1411,6 +1420,7 @@ impl Volume {
                 dedup_bytes: mapped.saturating_sub(frags) * BLOCK_SIZE_U64,
                 compression_bytes: frags.saturating_sub(used) * BLOCK_SIZE_U64,
             },
+            lifetime: self.lifetime_now(&st),
             counters: red,
             index_entries: st.index.len(),
             index_capacity: st.index.capacity(),
@@ -1605,6 +1615,26 @@ impl Volume {
         self.meta.write(IoKind::Index, &head, self.geo.index_start * BLOCK_SIZE_U64)?;
         self.meta.sync()?;
         Ok(n)
+    }
+}
+
+impl Volume {
+    /// The lifetime counters as of now: those loaded at open plus this process's.
+    fn lifetime_now(&self, st: &State) -> LifetimeCounters {
+        self.lifetime_base.plus_process(&st.red, &self.io.snapshot())
+    }
+
+    /// Writes the superblock copies with the lifetime counters as of now (after a
+    /// checkpoint; close writes them too), so a crash loses at most the counts since the
+    /// last checkpoint. Rare enough to cost nothing: a checkpoint frees half the journal.
+    fn persist_lifetime(&self, st: &State) -> Result<()> {
+        let mut sb = self.sb.lock();
+        sb.lifetime = self.lifetime_now(st);
+        sb.generation += 1;
+        if self.geo.meta_dev_blocks > 0 {
+            write_copies(&self.meta, &sb, 1)?;
+        }
+        write_copies(&self.data, &sb, 0)
     }
 }
 
