@@ -8,6 +8,9 @@ fn format_doc_constants_match_code() {
     let code: &[(&str, u64)] = &[
         ("BLOCK_SIZE", dedupvol_core::BLOCK_SIZE as u64),
         ("SUPERBLOCK_RAW_BYTES", std::mem::size_of::<superblock::SuperblockRaw>() as u64),
+        ("LIFETIME_RECORD_OFFSET", superblock::LIFETIME_RECORD_OFFSET as u64),
+        ("LIFETIME_RECORD_BYTES", std::mem::size_of::<superblock::LifetimeRaw>() as u64),
+        ("LIFETIME_COUNTERS", dedupvol_core::LifetimeCounters::WORDS as u64),
         ("PAGE_HEADER_BYTES", block_map::PAGE_HEADER_BYTES as u64),
         ("MAP_ENTRY_BYTES", block_map::MAP_ENTRY_BYTES as u64),
         ("BM_ENTRIES_PER_PAGE", layout::BM_ENTRIES_PER_PAGE),
@@ -33,5 +36,18 @@ fn format_doc_constants_match_code() {
     // Superblock field offsets quoted in the doc.
     for (off, field) in [(48usize, "logical_blocks"), (160, "index_memory_bytes"), (216, "metadata device path")] {
         assert!(doc.contains(&format!("| {off} |")), "offset {off} ({field}) missing from the doc");
+    }
+    // The lifetime counters, in on-disk order: the doc's rows `| 520 + 8i | 8 | name |`
+    // must name the code's fields in the code's order (the JSON keys are the field names).
+    let json = serde_json::to_value(dedupvol_core::LifetimeCounters::default()).expect("json");
+    let names: Vec<&String> = json.as_object().expect("object").keys().collect();
+    assert_eq!(names.len(), dedupvol_core::LifetimeCounters::WORDS);
+    let from_words = dedupvol_core::LifetimeCounters::from_words(std::array::from_fn(|i| i as u64));
+    let order = serde_json::to_value(from_words).expect("json");
+    for name in names {
+        let i = order[name.as_str()].as_u64().expect("u64");
+        let off = superblock::LIFETIME_RECORD_OFFSET as u64 + 8 + 8 * i;
+        let row = format!("| {off} | 8 | `{name}` |");
+        assert!(doc.contains(&row), "docs/format.md lacks the lifetime counter row {row}");
     }
 }
