@@ -748,13 +748,12 @@ impl Volume {
         let gen_at_lookup;
         let hash_mode;
         {
-            let mut st = self.state.lock();
+            let st = self.state.lock();
             gen_at_lookup = st.reuse_gen;
             hash_mode = st.stamps.is_some();
             if sb_dedup {
                 for (i, p) in plans.iter_mut().enumerate() {
                     if let Plan::Data { hash, candidate, verified, .. } = p {
-                        let st = &mut *st;
                         // Only a block in use now can be a candidate: a free block could be
                         // reallocated before phase 4 without any reuse-generation bump. With
                         // hash verification its reuse stamp must match too (placement checks
@@ -762,25 +761,19 @@ impl Volume {
                         let live = |l: &Location| st.rc.get(l.pbn) > 0 && st.stamp_matches(l);
                         if let Some(loc) = st.index.lookup(hash).filter(live) {
                             *candidate = Some(loc);
-                            // Hash verification trusts the fingerprint, except when a block is
-                            // rewritten with the content it already holds: that is how a file
-                            // system or an operator repairs a block that read back bad, so the
-                            // stored copy is checked (phase 3: one read) and replaced if damaged.
-                            let rewrite_in_place = hash_mode
-                                && st.map.get(lba0 + i as u64).is_ok_and(|cur| {
-                                    cur.is_data() && cur.pbn == loc.pbn && cur.state == loc.state
-                                });
-                            let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
-                            let mut out = [0u8; BLOCK_SIZE];
-                            let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
-                            if hash_mode && !rewrite_in_place {
+                            if hash_mode {
                                 *verified = true;
-                            } else if let Some(ok) = decode_unwritten(st, &e, &mut out) {
+                            } else {
                                 // A block not on the device yet (the device may still hold its
                                 // previous life) is decided here, from memory.
-                                *verified = ok && out == chunk;
-                                if !*verified {
-                                    *candidate = None;
+                                let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                                let mut out = [0u8; BLOCK_SIZE];
+                                let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
+                                if let Some(ok) = decode_unwritten(&st, &e, &mut out) {
+                                    *verified = ok && out == chunk;
+                                    if !*verified {
+                                        *candidate = None;
+                                    }
                                 }
                             }
                         }
@@ -792,8 +785,7 @@ impl Volume {
         par_for_each(&mut plans, |i, p| {
             let chunk = buf.get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).unwrap_or(&[]);
             if let Plan::Data { candidate, verified, frag, raw, .. } = p {
-                // Byte verification, or (hash verification) a rewrite in place: see phase 2.
-                if let (Some(loc), false) = (*candidate, *verified) {
+                if let (Some(loc), false, false) = (*candidate, *verified, hash_mode) {
                     *verified = self.verify_candidate(loc, chunk);
                 }
                 if !*verified {
@@ -943,10 +935,6 @@ impl Volume {
         } else if let Some(loc) = *candidate {
             st.red.dedup_verify_failures += 1;
             st.index.remove(hash, loc);
-            if hash_mode {
-                // The fingerprint matched, so the stored copy is damaged (or unreadable).
-                self.forget_damaged(st, loc.pbn);
-            }
         }
         if chosen.is_none() && self.dedup {
             // A duplicate stored by this request or a concurrent writer since the lookup:
