@@ -5,6 +5,22 @@
 
 use dedupvol_sim::{run_seed, RunStats, SimOptions};
 
+/// Runs `seeds` against the real engine: the summed figures, and one line per failed seed.
+fn run_seeds(seeds: std::ops::Range<u64>, opts: &SimOptions) -> (RunStats, Vec<String>) {
+    let mut total = RunStats::default();
+    let mut failures = Vec::new();
+    for seed in seeds {
+        match run_seed::<dedupvol_core::Volume>(seed, opts) {
+            Ok(s) => total.add(&s),
+            Err(f) => {
+                eprintln!("{f}");
+                failures.push(format!("seed {}: {}\n    replay: {}", f.seed, f.message, f.replay));
+            }
+        }
+    }
+    (total, failures)
+}
+
 /// Seeds run in CI.
 const CI_SEEDS: u64 = 240;
 /// First CI seed (kept apart from the soak's usual range so both find different bugs).
@@ -13,17 +29,7 @@ const CI_SEED_START: u64 = 0;
 #[test]
 fn simulator_seeds_pass() {
     let opts = SimOptions::default();
-    let mut total = RunStats::default();
-    let mut failures = Vec::new();
-    for seed in CI_SEED_START..CI_SEED_START + CI_SEEDS {
-        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
-            Ok(s) => total.add(&s),
-            Err(f) => {
-                eprintln!("{f}");
-                failures.push(format!("seed {}: {}\n    replay: {}", f.seed, f.message, f.replay));
-            }
-        }
-    }
+    let (total, failures) = run_seeds(CI_SEED_START..CI_SEED_START + CI_SEEDS, &opts);
     eprintln!(
         "{CI_SEEDS} seeds: {} crashes ({} in recovery), {} recoveries, {} clean audits, {} blocks verified; faults: {}",
         total.crashes,
@@ -53,16 +59,8 @@ const CI_BACKGROUND_SEEDS: u64 = 80;
 #[test]
 fn simulator_seeds_pass_with_background_writes() {
     let opts = SimOptions { background_writes: true, ..SimOptions::default() };
-    let mut total = RunStats::default();
-    let mut failures = Vec::new();
-    for seed in 10_000..10_000 + CI_BACKGROUND_SEEDS {
-        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
-            Ok(s) => total.add(&s),
-            Err(f) => {
-                failures.push(format!("seed {}: {}\n    replay (may not reproduce): {}", f.seed, f.message, f.replay))
-            }
-        }
-    }
+    // A background-writes run may not reproduce call for call from its replay line.
+    let (total, failures) = run_seeds(10_000..10_000 + CI_BACKGROUND_SEEDS, &opts);
     eprintln!("{CI_BACKGROUND_SEEDS} seeds with background writes: {} crashes", total.crashes);
     assert!(failures.is_empty(), "{} seeds failed:\n{}", failures.len(), failures.join("\n"));
     assert!(total.crashes >= CI_BACKGROUND_SEEDS, "too few crashes: {}", total.crashes);
@@ -87,14 +85,7 @@ const CI_HOT_SEEDS: u64 = 60;
 #[test]
 fn simulator_seeds_pass_with_hot_blocks_past_the_reference_cap() {
     let opts = SimOptions { compressible_duplicates: true, ..SimOptions::default() };
-    let mut total = RunStats::default();
-    let mut failures = Vec::new();
-    for seed in 20_000..20_000 + CI_HOT_SEEDS {
-        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
-            Ok(s) => total.add(&s),
-            Err(f) => failures.push(format!("seed {}: {}\n    replay: {}", f.seed, f.message, f.replay)),
-        }
-    }
+    let (total, failures) = run_seeds(20_000..20_000 + CI_HOT_SEEDS, &opts);
     assert!(failures.is_empty(), "{} of {CI_HOT_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
     assert!(total.coverage.refcount_cap_copies > 0, "no duplicate reached the reference cap");
 }
@@ -107,14 +98,7 @@ const CI_HEAL_SEEDS: u64 = 240;
 #[test]
 fn simulator_seeds_pass_rewriting_damaged_blocks() {
     let opts = SimOptions { heal_rewrites: true, ..SimOptions::default() };
-    let mut total = RunStats::default();
-    let mut failures = Vec::new();
-    for seed in 30_000..30_000 + CI_HEAL_SEEDS {
-        match run_seed::<dedupvol_core::Volume>(seed, &opts) {
-            Ok(s) => total.add(&s),
-            Err(f) => failures.push(format!("seed {}: {}\n    replay: {}", f.seed, f.message, f.replay)),
-        }
-    }
+    let (total, failures) = run_seeds(30_000..30_000 + CI_HEAL_SEEDS, &opts);
     assert!(failures.is_empty(), "{} of {CI_HEAL_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
     assert!(total.heals > 0, "no damaged block was rewritten");
 }
