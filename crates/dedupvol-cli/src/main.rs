@@ -1,13 +1,84 @@
 //! The `dedupvol` command-line tool: format, inspect, check, import/export, serve and
 //! benchmark volumes.
+//!
+//! Exit codes, the same in every subcommand: 0 success; 1 the operation failed; 2 the
+//! command line is wrong (clap's own errors, and [`UsageError`] for what clap cannot see).
+//! `check` has its own codes on top of these (see its help).
+//!
+//! Output: everything on stdout goes through [`outln!`]/[`out!`]. A closed stdout (the
+//! reader of a pipe left, as `head` does) is not an error: further output is dropped and
+//! the command finishes its work and exits as it would have. Why not `SIGPIPE`'s default
+//! action, as C tools do: it would kill `import` or `check --repair` between printing and
+//! closing the volume (costing a journal replay), and `serve`, whose client sockets must
+//! never raise it.
 
+use clap::{Parser, Subcommand};
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Exit code of a usage error (clap's, and sysexits' EX_USAGE family).
+pub const EXIT_USAGE: u8 = 2;
+
+/// Prints to stdout like `print!`; returns `io::Result<()>`, where a closed stdout is `Ok`.
+macro_rules! out {
+    ($($t:tt)*) => { $crate::write_stdout(format_args!($($t)*)) };
+}
+
+/// Prints a line to stdout like `println!`; returns `io::Result<()>`, where a closed stdout
+/// is `Ok`.
+macro_rules! outln {
+    () => { $crate::write_stdout(format_args!("\n")) };
+    ($($t:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($t)*))) };
+}
+
+/// Set once stdout turned out to be closed: later output is dropped.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// Writes to stdout and flushes (so a closed pipe is seen here, not in a panic at exit).
+pub fn write_stdout(args: std::fmt::Arguments<'_>) -> std::io::Result<()> {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    let mut o = std::io::stdout().lock();
+    match o.write_fmt(args).and_then(|()| o.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            STDOUT_CLOSED.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// A command-line mistake clap cannot catch (a value's meaning, a combination of flags):
+/// exits with [`EXIT_USAGE`] like clap's own errors.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// A [`UsageError`] as an `anyhow::Error`.
+pub fn usage(message: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::Error::new(UsageError(message.to_string()))
+}
+
+/// Returns a [`UsageError`] from the enclosing function (like `anyhow::bail!`).
+macro_rules! usage_bail {
+    ($($t:tt)*) => { return Err($crate::usage(format!($($t)*))) };
+}
+
+mod copy;
+mod interrupt;
 mod probe;
 mod serve;
 mod volume_cmds;
 mod workload_cmds;
-
-use clap::{Parser, Subcommand};
-use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(name = "dedupvol", version, about = "Inline dedup + compression block storage engine")]
@@ -26,6 +97,24 @@ enum Command {
     Workload(workload_cmds::WorkloadCommand),
 }
 
+/// The error and its causes on one line, each cause once: many errors (the engine's I/O
+/// errors among them) already end with their source's text, which `{:#}` would repeat
+/// ("…: No such file or directory (os error 2): No such file or directory (os error 2)").
+fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -36,8 +125,37 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("dedupvol: error: {e:#}");
-            ExitCode::from(1)
+            let usage = e.chain().any(|c| c.is::<UsageError>());
+            // A closed stderr must not turn an error into a panic.
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "dedupvol: error: {}", error_line(&e));
+            if usage {
+                let _ = writeln!(err, "For more information, try '--help'.");
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_os_error_already_in_the_message_is_not_repeated() {
+        let io = std::io::Error::from_raw_os_error(libc::ENOENT);
+        let inner = dedupvol_core::Error::io("opening v.img", io);
+        let e = anyhow::Error::new(inner).context("opening volume v.img");
+        let line = error_line(&e);
+        assert_eq!(line.matches("os error 2").count(), 1, "{line}");
+        assert!(line.starts_with("opening volume v.img: I/O error: opening v.img: "), "{line}");
+    }
+
+    #[test]
+    fn usage_errors_are_found_under_context() {
+        let e = usage("--threads 0 must be between 1 and 256").context("bench");
+        assert!(e.chain().any(|c| c.is::<UsageError>()));
     }
 }

@@ -4,14 +4,14 @@
 //! which is what lets the server advertise multi-conn. To serve several volumes, run
 //! several processes on different ports or sockets.
 //!
-//! Shutdown: SIGINT/SIGTERM stop accepting, in-flight requests finish and are answered,
-//! then the volume is closed cleanly (flushed, marked clean). A second signal exits at once.
+//! Shutdown: SIGINT/SIGTERM/SIGHUP stop accepting, in-flight requests finish and are
+//! answered (a client that stopped reading is not waited for), then the volume is closed
+//! cleanly (flushed, marked clean). A second signal exits at once.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Subcommand;
 use dedupvol_core::{IoMode, OpenOptions, Volume, WritePolicy};
 use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig};
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -39,7 +39,8 @@ pub enum ServeCommand {
         /// Refuse writes (EPERM) and open the volume read-only.
         #[arg(long)]
         read_only: bool,
-        /// Most client connections served at once; more are closed at accept.
+        /// Most client connections served at once; a client beyond them is answered with an
+        /// NBD error saying so, then closed.
         #[arg(long, default_value_t = CONNECTIONS_MAX_DEFAULT)]
         connections_max: usize,
         /// Separate metadata device, when the volume was formatted with one.
@@ -91,26 +92,28 @@ impl ServeCommand {
             in_memory,
         } = self;
         if connections_max == 0 {
-            bail!("--connections-max must be at least 1");
+            usage_bail!("--connections-max must be at least 1");
         }
         if !(1..=64).contains(&workers_per_connection) {
-            bail!("--workers-per-connection must be between 1 and 64");
+            usage_bail!("--workers-per-connection must be between 1 and 64");
         }
         if export_name.len() > dedupvol_nbd::proto::NAME_BYTES_MAX {
-            bail!("--export-name is longer than {} bytes", dedupvol_nbd::proto::NAME_BYTES_MAX);
+            usage_bail!("--export-name is longer than {} bytes", dedupvol_nbd::proto::NAME_BYTES_MAX);
         }
 
         // Open the volume (replaying its journal if needed) before listening, so a client
         // never connects to a server that then fails to open.
         let (volume, backend): (Option<Arc<Volume>>, Arc<dyn Backend>) = match &in_memory {
             Some(size) => {
-                let size = dedupvol_core::parse_size(size).context("--in-memory size")?;
+                let size =
+                    dedupvol_core::parse_size(size).map_err(|e| crate::usage(format!("--in-memory {size}: {e}")))?;
                 (None, Arc::new(MemBackend::new(size, read_only).map_err(|e| anyhow::anyhow!("{e}"))?))
             }
             None => {
                 // The engine's FileStorage holds an flock (exclusive read-write, shared
                 // read-only) for as long as the volume is open.
-                let content_cache_bytes = dedupvol_core::parse_size(&cache_size).context("--cache-size")?;
+                let content_cache_bytes = dedupvol_core::parse_size(&cache_size)
+                    .map_err(|e| crate::usage(format!("--cache-size {cache_size}: {e}")))?;
                 let cache_writes = match cache_writes.as_str() {
                     "on" => Some(true),
                     "off" => Some(false),
@@ -166,16 +169,14 @@ impl ServeCommand {
     }
 }
 
-/// Binds, prints the readiness line, and serves until SIGINT/SIGTERM. Consumes `backend`
-/// so that, on return, the caller holds the only reference to the volume.
+/// Binds, prints the readiness line, and serves until SIGINT/SIGTERM/SIGHUP. Consumes
+/// `backend` so that, on return, the caller holds the only reference to the volume.
 fn serve(addr: &ListenAddr, config: ServerConfig, backend: Arc<dyn Backend>) -> anyhow::Result<RunSummary> {
     let name = config.export.name.clone();
-    let server = Server::bind(addr, config).with_context(|| format!("listening on {addr:?}"))?;
+    let server = Server::bind(addr, config).with_context(|| format!("listening on {addr}"))?;
     server.stop_on_signals().context("installing signal handlers")?;
     let size = backend.size();
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "dedupvol: serving {name} ({size} bytes) on {}", server.display_addr())?;
-    out.flush()?;
-    drop(out);
+    // A reader that closed our stdout after the readiness line does not stop the server.
+    outln!("dedupvol: serving {name} ({size} bytes) on {}", server.display_addr())?;
     server.run(backend).context("serving")
 }

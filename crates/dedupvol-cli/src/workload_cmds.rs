@@ -180,7 +180,7 @@ impl WorkloadCommand {
 
 fn pct(name: &str, v: f64) -> anyhow::Result<f64> {
     if !(0.0..=100.0).contains(&v) {
-        bail!("--{name} {v} must be a percentage between 0 and 100");
+        usage_bail!("--{name} {v} must be a percentage between 0 and 100");
     }
     Ok(v / 100.0)
 }
@@ -189,17 +189,18 @@ fn working_set_blocks(ws: &Option<String>) -> anyhow::Result<u64> {
     match ws {
         None => Ok(u64::MAX),
         Some(s) => {
-            let b = parse_size(s).with_context(|| format!("--working-set {s}"))?;
+            let b = parse_size(s).map_err(|e| crate::usage(format!("--working-set {s}: {e}")))?;
             if b < 4096 {
-                bail!("--working-set {s} must be at least 4K");
+                usage_bail!("--working-set {s} must be at least 4K");
             }
             Ok(b / 4096)
         }
     }
 }
 
+/// A size option (K/M/G/T suffixes); a malformed one is a usage error.
 fn size_arg(name: &str, s: &str) -> anyhow::Result<u64> {
-    parse_size(s).with_context(|| format!("--{name} {s}"))
+    parse_size(s).map_err(|e| crate::usage(format!("--{name} {s}: {e}")))
 }
 
 fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -208,25 +209,25 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         bail!("--dir {} is not a directory", dir.display());
     }
     if a.threads == 0 || a.threads > 256 {
-        bail!("--threads {} must be between 1 and 256", a.threads);
+        usage_bail!("--threads {} must be between 1 and 256", a.threads);
     }
     let request_bytes = size_arg("request-size", &a.request_size)?;
     if request_bytes == 0 || request_bytes % 4096 != 0 || request_bytes > 64 << 20 {
-        bail!("--request-size {} must be a multiple of 4K up to 64M", a.request_size);
+        usage_bail!("--request-size {} must be a multiple of 4K up to 64M", a.request_size);
     }
-    let compression: Compression = a.compression.parse().with_context(|| "--compression")?;
-    let write_policy: WritePolicy = a.write_policy.parse().with_context(|| "--write-policy")?;
+    let compression: Compression = a.compression.parse().map_err(|e| crate::usage(format!("--compression: {e}")))?;
+    let write_policy: WritePolicy = a.write_policy.parse().map_err(|e| crate::usage(format!("--write-policy: {e}")))?;
     let size = size_arg("size", &a.size)?;
     let range = size_arg("range", &a.range)?;
     if range < 4096 || range % 4096 != 0 {
-        bail!("--range {} must be a non-zero multiple of 4K", a.range);
+        usage_bail!("--range {} must be a non-zero multiple of 4K", a.range);
     }
     let mut spec = DataSpec::new(pct("dup", a.dup)?, pct("compress", a.compress)?, a.seed);
     spec.zero_fraction = pct("zero", a.zero)?;
     spec.working_set_blocks = working_set_blocks(&a.working_set)?;
-    spec.validate().map_err(anyhow::Error::msg)?;
+    spec.validate().map_err(crate::usage)?;
     let verify: DedupVerify = match &a.verify {
-        Some(v) => v.parse().with_context(|| "--verify")?,
+        Some(v) => v.parse().map_err(|e| crate::usage(format!("--verify: {e}")))?,
         None => FormatOptions::default().verify,
     };
     let opts = BenchOptions {
@@ -239,7 +240,11 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         baselines: !a.no_baseline,
         index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
         verify,
-        io_mode: a.io.parse::<IoMode>().with_context(|| "--io")?.for_verify(verify == DedupVerify::Hash),
+        io_mode: a
+            .io
+            .parse::<IoMode>()
+            .map_err(|e| crate::usage(format!("--io: {e}")))?
+            .for_verify(verify == DedupVerify::Hash),
         verbose: !a.json,
     };
     let mb = |v: f64| Some(Target { min: v, unit: "MB/s".into() });
@@ -255,7 +260,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         BenchMode::Overwrite => scenarios.push(("overwrite-4k".into(), overwrite(spec.clone()), None)),
         BenchMode::Ingest => {
             if a.file.is_empty() {
-                bail!("--mode ingest needs --file PATH");
+                usage_bail!("--mode ingest needs --file PATH");
             }
             scenarios.push(("ingest".into(), Scenario::Ingest { paths: a.file.clone() }, None));
         }
@@ -283,7 +288,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if !a.json {
-        eprintln!("dedupvol bench: measuring the disk and {} scenario(s) in {} …", scenarios.len(), dir.display());
+        let disk = if a.no_disk { "" } else { "the disk and " };
+        eprintln!("dedupvol bench: measuring {disk}{} scenario(s) in {} …", scenarios.len(), dir.display());
     }
     let disk_seq_write = if a.no_disk { None } else { Some(bench::disk_seq(&dir).map_err(anyhow::Error::msg)?) };
     let mut results = Vec::new();
@@ -307,20 +313,21 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         scenarios: results,
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{}", render_bench(&report));
+        out!("{}", render_bench(&report))?;
     }
+    // A scenario whose engine run failed is an operation error (the table says which).
     let failed = report.scenarios.iter().any(|s| s.engine_error.is_some());
-    Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
 fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
     let mut spec = match &a.preset {
-        Some(p) => Workload::preset(p, a.seed).map_err(anyhow::Error::msg)?.data,
+        Some(p) => Workload::preset(p, a.seed).map_err(crate::usage)?.data,
         None => {
             if a.dup.is_none() && a.compress.is_none() {
-                bail!("give --preset ({}) or --dup/--compress", PRESET_NAMES.join(", "));
+                usage_bail!("give --preset ({}) or --dup/--compress", PRESET_NAMES.join(", "));
             }
             DataSpec::new(0.0, 0.0, a.seed)
         }
@@ -336,7 +343,7 @@ fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
     }
     spec.working_set_blocks = working_set_blocks(&a.working_set)?;
     let size = size_arg("size", &a.size)?.div_ceil(4096) * 4096;
-    let model = ContentModel::new(spec.clone()).map_err(anyhow::Error::msg)?;
+    let model = ContentModel::new(spec.clone()).map_err(crate::usage)?;
     let mut out = std::fs::File::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
     const STEP_BYTES: u64 = 8 << 20;
     let mut buf = vec![0u8; STEP_BYTES as usize];
@@ -351,12 +358,12 @@ fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
     out.sync_all().with_context(|| format!("syncing {}", a.output.display()))?;
     let secs = start.elapsed().as_secs_f64();
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"output": a.output, "bytes": size, "data": spec, "random_bytes_per_block": model.random_bytes(), "seconds": secs})
-        );
+        )?;
     } else {
-        println!("wrote {} MiB to {} in {:.2} s: {}", size >> 20, a.output.display(), secs, spec.describe());
+        outln!("wrote {} MiB to {} in {:.2} s: {}", size >> 20, a.output.display(), secs, spec.describe())?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -376,24 +383,24 @@ struct EngineComparison {
 
 fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
     let chunk = size_arg("chunk-size", &a.chunk_size)? as usize;
-    let mut est =
-        Estimator::new(EstimateOptions { chunk_bytes: chunk, ..Default::default() }).map_err(anyhow::Error::msg)?;
+    let mut est = Estimator::new(EstimateOptions { chunk_bytes: chunk, ..Default::default() })
+        .map_err(|e| crate::usage(format!("--chunk-size {}: {e}", a.chunk_size)))?;
     for p in &a.paths {
         est.scan_path(p).map_err(anyhow::Error::msg)?;
     }
     let report = est.finish();
     let cmp = if a.compare_engine {
         if chunk != 4096 {
-            bail!("--compare-engine needs --chunk-size 4K (the engine's chunk)");
+            usage_bail!("--compare-engine needs --chunk-size 4K (the engine's chunk)");
         }
         Some(compare_engine(&a.paths, &report, a.dir.as_deref())?)
     } else {
         None
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"estimate": report, "engine": cmp}))?);
+        outln!("{}", serde_json::to_string_pretty(&serde_json::json!({"estimate": report, "engine": cmp}))?)?;
     } else {
-        print!("{}", render_estimate(&report));
+        out!("{}", render_estimate(&report))?;
         if let Some(c) = &cmp {
             let mut t = Table::new(&["", "estimate", "engine"]);
             let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
@@ -410,12 +417,12 @@ fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
                 mib(report.savings_compression_bytes),
                 mib(c.savings_compression_bytes),
             ]);
-            println!(
+            outln!(
                 "\nestimate vs engine (same bytes imported into a fresh LZ4 volume at {:.0} MB/s):\n{}physical-size error of the estimate: {:+.2}%",
                 c.import_mb_s,
                 t.render(),
                 c.estimate_error_percent
-            );
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

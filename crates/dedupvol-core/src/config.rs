@@ -56,6 +56,17 @@ impl std::str::FromStr for Compression {
     }
 }
 
+/// The name users type (`lz4`), for messages: never the Rust variant name.
+impl std::fmt::Display for Compression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Compression::None => "none",
+            Compression::Lz4 => "lz4",
+            Compression::Zstd => "zstd",
+        })
+    }
+}
+
 /// When a write is acknowledged (docs/design.md, durability contract).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -74,6 +85,16 @@ impl std::str::FromStr for WritePolicy {
             "async" => Ok(WritePolicy::Async),
             _ => Err(Error::InvalidArgument(format!("write policy must be sync or async, not {s:?}"))),
         }
+    }
+}
+
+/// The name users type (`async`), for messages.
+impl std::fmt::Display for WritePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WritePolicy::Sync => "sync",
+            WritePolicy::Async => "async",
+        })
     }
 }
 
@@ -98,6 +119,16 @@ impl std::str::FromStr for DedupVerify {
             "hash" => Ok(DedupVerify::Hash),
             _ => Err(Error::InvalidArgument(format!("dedup verification must be bytes or hash, not {s:?}"))),
         }
+    }
+}
+
+/// The name users type (`hash`), for messages.
+impl std::fmt::Display for DedupVerify {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DedupVerify::Bytes => "bytes",
+            DedupVerify::Hash => "hash",
+        })
     }
 }
 

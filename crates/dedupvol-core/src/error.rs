@@ -51,6 +51,9 @@ pub enum Error {
     /// A caller passed an invalid argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Another process holds the device (its lock); the message names the holder if known.
+    #[error("{0}")]
+    InUse(String),
     /// The volume was opened read-only.
     #[error("volume is read-only")]
     ReadOnly,
@@ -72,6 +75,7 @@ impl Error {
             Error::NoSpace(_) => libc::ENOSPC,
             Error::OutOfRange { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             Error::ReadOnly => libc::EROFS,
+            Error::InUse(_) => libc::EBUSY,
             Error::NotAVolume(_) | Error::AlreadyFormatted(_) => libc::EINVAL,
             Error::OutOfMemory(_) => libc::ENOMEM,
         }

@@ -51,10 +51,21 @@ pub struct DataSpec {
     pub compress_fraction: f64,
     /// Fraction of blocks that are all zeros.
     pub zero_fraction: f64,
-    /// Duplicates are drawn from this many preceding blocks (`u64::MAX`: all of them).
+    /// Duplicates are drawn from this many preceding blocks (`u64::MAX`: all of them;
+    /// serialized as `null` then, so JSON readers never see the sentinel as a size).
+    #[serde(serialize_with = "working_set_json")]
     pub working_set_blocks: u64,
     /// Seed of every choice and every random byte.
     pub seed: u64,
+}
+
+/// `working_set_blocks` in JSON: the number, or `null` for "all earlier blocks".
+fn working_set_json<S: serde::Serializer>(blocks: &u64, s: S) -> Result<S::Ok, S::Error> {
+    if *blocks == u64::MAX {
+        s.serialize_none()
+    } else {
+        s.serialize_some(blocks)
+    }
 }
 
 impl DataSpec {

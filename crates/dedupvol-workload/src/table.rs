@@ -109,7 +109,7 @@ pub fn render_bench(r: &BenchReport) -> String {
     let cache_writes = open.writes_cached(r.options.verify);
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
-        "volume: {:?} compression, {:?} write policy, {:?} duplicate verification, {:?} I/O, {} MiB content cache ({}), {} writers, final flush inside the clock, index memory populated before it\n\n",
+        "volume: {} compression, {} write policy, {} duplicate verification, {} I/O, {} MiB content cache ({}), {} writers, final flush inside the clock, index memory populated before it\n\n",
         r.options.compression,
         r.options.write_policy,
         r.options.verify,
@@ -193,9 +193,15 @@ pub fn render_bench(r: &BenchReport) -> String {
         ]);
     }
     out.push_str(&t.render());
+    if r.disk_seq_write.is_none() {
+        out.push_str("limit model: threads / (1/BLAKE3 + unique share/LZ4) — the disk was not measured (--no-disk), so hashing and\n\
+         compression only, no device and no metadata: an upper bound to compare the engine with.\n");
+    } else {
+        out.push_str("limit model: min(threads / (1/BLAKE3 + unique share/LZ4), disk seq MB/s x logical/stored) — hashing, compression and\n\
+         the device's sequential speed only, no metadata: an upper bound to compare the engine with.\n");
+    }
     out.push_str(
-        "limit model: min(threads / (1/BLAKE3 + unique share/LZ4), disk seq MB/s x logical/stored) — hashing, compression and\n\
-         the device's sequential speed only, no metadata: an upper bound to compare the engine with.\n         no-reduction vol: the same writes into a volume with dedup and compression off; raw pwrite: the same bytes\n         written straight to a file through the engine's storage layer; both in the run's I/O mode.\n\n",
+        "         no-reduction vol: the same writes into a volume with dedup and compression off; raw pwrite: the same bytes\n         written straight to a file through the engine's storage layer; both in the run's I/O mode.\n\n",
     );
 
     for s in &r.scenarios {
