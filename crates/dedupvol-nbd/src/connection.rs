@@ -165,6 +165,11 @@ pub fn serve_connection(
     let session = match handshake(&mut s, &send, backend.size(), export, stopping) {
         Ok(Some(session)) => session,
         Ok(None) => return Outcome::Closed,
+        // A client that hangs up mid-handshake (a probe such as a second server checking
+        // whether the socket is live) is not worth a log line.
+        Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => {
+            return Outcome::Closed
+        }
         Err(e) => return Outcome::Dropped(format!("handshake: {e}")),
     };
     if let Err(e) = s.set_read_timeout(None) {
