@@ -58,6 +58,10 @@ pub enum ServeCommand {
         /// only data cache under direct I/O (K/M/G suffixes).
         #[arg(long, default_value = "1G")]
         cache_size: String,
+        /// Memory for the fingerprint index in this session (default: the size chosen at
+        /// format); a smaller one opens the volume on a machine with less memory.
+        #[arg(long)]
+        index_memory: Option<String>,
         /// Whether newly written blocks enter the content cache: on (the default for a
         /// server: under direct I/O it is the only cache that can answer a client re-reading
         /// what it just wrote), off (filled by reads only: faster writes, colder re-reads),
@@ -87,6 +91,7 @@ impl ServeCommand {
             write_policy,
             io,
             cache_size,
+            index_memory,
             cache_writes,
             workers_per_connection,
             in_memory,
@@ -119,12 +124,15 @@ impl ServeCommand {
                     "off" => Some(false),
                     _ => None,
                 };
+                let index_memory_bytes =
+                    index_memory.as_deref().map(dedupvol_core::parse_size).transpose().context("--index-memory")?;
                 let opts = OpenOptions {
                     read_only,
                     write_policy,
                     io_mode: io,
                     content_cache_bytes,
                     cache_writes,
+                    index_memory_bytes,
                     ..Default::default()
                 };
                 // open_path finds a separate metadata device from the superblock unless

@@ -7,14 +7,10 @@ use dedupvol_core::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
-use std::io::{IsTerminal, Read, Write};
-use std::os::unix::fs::FileExt;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-
-/// Bytes moved per request by import/export (a whole number of blocks).
-const COPY_CHUNK_BYTES: usize = 1 << 20;
 
 #[derive(Subcommand)]
 pub enum VolumeCommand {
@@ -22,10 +18,10 @@ pub enum VolumeCommand {
     Format(FormatArgs),
     /// Show a volume's geometry and settings.
     Info(OpenArgs),
-    /// Copy a file or disk image into the volume.
-    Import(ImportArgs),
-    /// Copy the volume's logical contents out to a file.
-    Export(ExportArgs),
+    /// Copy a file, block device or stdin (-) into the volume.
+    Import(crate::copy::ImportArgs),
+    /// Copy the volume's logical contents out to a file, block device, pipe or stdout (-).
+    Export(crate::copy::ExportArgs),
     /// Show space, reduction and I/O statistics.
     Stats(StatsArgs),
     /// Audit a closed volume: reference counts, leaks, double use, checksums.
@@ -75,33 +71,18 @@ pub struct FormatArgs {
 #[derive(Args)]
 pub struct OpenArgs {
     /// The volume's data file or device.
-    path: PathBuf,
+    pub(crate) path: PathBuf,
     /// Metadata device (default: the path recorded at format).
     #[arg(long)]
-    meta_device: Option<PathBuf>,
+    pub(crate) meta_device: Option<PathBuf>,
     /// Device I/O: auto (direct for hash verification, buffered for bytes), direct
     /// (O_DIRECT where supported) or buffered (page cache).
     #[arg(long, default_value = "auto")]
-    io: IoMode,
-}
-
-#[derive(Args)]
-pub struct ImportArgs {
-    #[command(flatten)]
-    vol: OpenArgs,
-    /// File or image to copy in.
-    file: PathBuf,
-    /// Byte offset in the volume (K/M/G/T suffixes).
-    #[arg(long, value_parser = size, default_value = "0")]
-    offset: u64,
-}
-
-#[derive(Args)]
-pub struct ExportArgs {
-    #[command(flatten)]
-    vol: OpenArgs,
-    /// Destination file.
-    file: PathBuf,
+    pub(crate) io: IoMode,
+    /// Memory for the fingerprint index in this session (default: the size chosen at
+    /// format); a smaller one opens the volume on a machine with less memory.
+    #[arg(long, value_parser = size)]
+    pub(crate) index_memory: Option<u64>,
 }
 
 #[derive(Args)]
@@ -136,7 +117,7 @@ const CHECK_REPAIRED: u8 = 1;
 const CHECK_PROBLEMS_LEFT: u8 = 4;
 const CHECK_OPERATION_ERROR: u8 = 8;
 
-fn size(s: &str) -> Result<u64, String> {
+pub(crate) fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
@@ -144,17 +125,17 @@ fn on_off(s: &str) -> anyhow::Result<bool> {
     match s {
         "on" | "true" | "yes" => Ok(true),
         "off" | "false" | "no" => Ok(false),
-        _ => bail!("--dedup must be on or off, not {s:?}"),
+        _ => usage_bail!("--dedup must be on or off, not {s:?}"),
     }
 }
 
-fn open(a: &OpenArgs, read_only: bool) -> anyhow::Result<Volume> {
-    let opts = OpenOptions { read_only, io_mode: a.io, ..OpenOptions::default() };
+pub(crate) fn open(a: &OpenArgs, read_only: bool) -> anyhow::Result<Volume> {
+    let opts = OpenOptions { read_only, io_mode: a.io, index_memory_bytes: a.index_memory, ..OpenOptions::default() };
     Volume::open_path(&a.path, a.meta_device.as_deref(), &opts)
         .with_context(|| format!("opening volume {}", a.path.display()))
 }
 
-fn human(b: u64) -> String {
+pub(crate) fn human(b: u64) -> String {
     const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = b as f64;
     let mut i = 0;
@@ -169,7 +150,7 @@ fn human(b: u64) -> String {
     }
 }
 
-fn progress(total: u64, what: &str) -> ProgressBar {
+pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -187,8 +168,8 @@ impl VolumeCommand {
         match self {
             VolumeCommand::Format(a) => format(a),
             VolumeCommand::Info(a) => info(a),
-            VolumeCommand::Import(a) => import(a),
-            VolumeCommand::Export(a) => export(a),
+            VolumeCommand::Import(a) => crate::copy::import(a),
+            VolumeCommand::Export(a) => crate::copy::export(a),
             VolumeCommand::Stats(a) => stats(a),
             VolumeCommand::Check(a) => check(a),
         }
@@ -198,16 +179,18 @@ impl VolumeCommand {
 fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     let opts = FormatOptions {
         logical_size_bytes: a.logical_size,
-        compression: a.compression.parse::<Compression>()?,
+        compression: a.compression.parse::<Compression>().map_err(crate::usage)?,
         dedup: on_off(&a.dedup)?,
         index_memory_bytes: a.index_memory,
-        write_policy: a.write_policy.parse::<WritePolicy>()?,
+        write_policy: a.write_policy.parse::<WritePolicy>().map_err(crate::usage)?,
         slab_size_bytes: a.slab_size,
-        verify: a.verify.parse::<DedupVerify>()?,
+        verify: a.verify.parse::<DedupVerify>().map_err(crate::usage)?,
         journal_size_bytes: a.journal_size,
     };
+    // Values wrong whatever the target: usage errors (exit 2), before the target is touched.
+    opts.validate().map_err(crate::usage)?;
     if a.physical_size == Some(0) {
-        bail!("--physical-size must be larger than zero");
+        usage_bail!("--physical-size must be larger than zero");
     }
     let before = match std::fs::metadata(&a.path) {
         Ok(m) if m.is_dir() => bail!("{} is a directory", a.path.display()),
@@ -233,10 +216,7 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     if !a.force {
         for target in std::iter::once(&a.path).chain(a.meta_device.as_ref()) {
             if let Some(what) = crate::probe::foreign_content(target)? {
-                bail!(
-                    "{} {what}; formatting would destroy it (pass --force to overwrite)",
-                    target.display()
-                );
+                bail!("{} {what}; formatting would destroy it (pass --force to overwrite)", target.display());
             }
         }
     }
@@ -259,7 +239,10 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         }
         return Err(e);
     }
-    let vol = open(&OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone(), io: IoMode::Auto }, true)?;
+    let vol = open(
+        &OpenArgs { path: a.path.clone(), meta_device: a.meta_device.clone(), io: IoMode::Auto, index_memory: None },
+        true,
+    )?;
     let s = vol.stats();
     println!(
         "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",
@@ -278,187 +261,70 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     let vol = open(&a, true)?;
     let g = vol.geometry();
     let s = vol.stats();
-    println!("volume          {}", a.path.display());
-    println!("uuid            {}", s.uuid);
-    println!("logical size    {} ({} blocks)", human(s.logical_size_bytes), g.logical_blocks);
-    println!(
+    outln!("volume          {}", a.path.display())?;
+    outln!("uuid            {}", s.uuid)?;
+    outln!("logical size    {} ({} blocks)", human(s.logical_size_bytes), g.logical_blocks)?;
+    outln!(
         "data region     {} ({} blocks, {} slabs of {})",
         human(g.data_blocks * 4096),
         g.data_blocks,
         g.slab_count(),
         human(g.slab_blocks * 4096)
-    );
-    println!(
+    )?;
+    outln!(
         "metadata        {}{}",
         human(s.metadata_bytes),
         if s.separate_metadata_device { " (separate device)" } else { "" }
-    );
-    println!("  journal       {} blocks", g.journal_blocks);
-    println!("  block map     {} pages x 2 slots", g.block_map_pages);
-    println!("  refcounts     {} pages x 2 slots", g.refcount_pages);
-    println!("compression     {:?}", s.compression);
-    println!("dedup           {} (verify {:?})", if s.dedup { "on" } else { "off" }, s.verify);
-    println!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" });
-    println!(
+    )?;
+    outln!("  journal       {} blocks", g.journal_blocks)?;
+    outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
+    outln!("  refcounts     {} pages x 2 slots", g.refcount_pages)?;
+    outln!("compression     {}", s.compression)?;
+    outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
+    outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;
+    outln!(
         "index           {} entries, {} ({} B/entry)",
         s.index_capacity,
         human(s.index_memory_bytes),
         s.index_bytes_per_entry
-    );
-    println!("write policy    {:?}", s.write_policy);
+    )?;
+    outln!("write policy    {}", s.write_policy)?;
     let mem = vol.memory_usage();
-    println!(
+    outln!(
         "memory          {} in engine structures (measured process RSS {})",
         human(mem.iter().map(|(_, b)| b).sum()),
         rss_bytes().map_or_else(|| "unknown".into(), human)
-    );
+    )?;
     for (what, b) in mem {
-        println!("  {what:<34} {}", human(b));
+        outln!("  {what:<34} {}", human(b))?;
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
-    let mut f = File::open(&a.file).with_context(|| format!("opening {}", a.file.display()))?;
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let vol = Arc::new(open(&a.vol, false)?);
-    if a.offset.checked_add(len).map_or(true, |e| e > vol.logical_size()) {
-        bail!(
-            "{} ({} bytes) at offset {} does not fit in the volume ({} bytes)",
-            a.file.display(),
-            len,
-            a.offset,
-            vol.logical_size()
-        );
-    }
-    let pb = progress(len, "import");
-    let start = std::time::Instant::now();
-    let pos = if std::fs::metadata(&a.file).map(|m| m.is_file()).unwrap_or(false) {
-        // A regular file: several copy streams, so one stream's hashing overlaps another's
-        // placement under the volume's lock.
-        let base = a.offset;
-        for_each_chunk(len, |off, buf| {
-            f.read_exact_at(buf, off).with_context(|| format!("reading {} at {off}", a.file.display()))?;
-            vol.write(base + off, buf, false).with_context(|| format!("writing at volume offset {}", base + off))?;
-            pb.inc(buf.len() as u64);
-            Ok(())
-        })?;
-        base + len
-    } else {
-        // A device or a pipe: one stream until end of file.
-        let mut buf = vec![0u8; COPY_CHUNK_BYTES];
-        let mut pos = a.offset;
-        loop {
-            let mut n = 0;
-            while n < buf.len() {
-                let r = f.read(&mut buf[n..]).with_context(|| format!("reading {}", a.file.display()))?;
-                if r == 0 {
-                    break;
-                }
-                n += r;
-            }
-            if n == 0 {
-                break;
-            }
-            vol.write(pos, &buf[..n], false).with_context(|| format!("writing at volume offset {pos}"))?;
-            pos += n as u64;
-            pb.inc(n as u64);
-        }
-        pos
-    };
-    vol.flush().context("flushing")?;
-    pb.finish_and_clear();
-    let secs = start.elapsed().as_secs_f64();
-    let s = vol.stats();
-    println!(
-        "imported {} in {:.2}s ({:.1} MB/s); volume now {} logical in {} physical (ratio {:.2})",
-        human(pos - a.offset),
-        secs,
-        (pos - a.offset) as f64 / secs.max(1e-9) / 1e6,
-        human(s.logical_bytes_used),
-        human(s.physical_data_bytes_used),
-        s.reduction_ratio
-    );
-    Arc::try_unwrap(vol).map_err(|_| anyhow::anyhow!("volume still shared"))?.close().context("closing")?;
-    Ok(ExitCode::SUCCESS)
-}
-
-fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
-    let vol = open(&a.vol, true)?;
-    let out = File::create(&a.file).with_context(|| format!("creating {}", a.file.display()))?;
-    let size = vol.logical_size();
-    let pb = progress(size, "export");
-    // Zero chunks are left as holes, so the export is as sparse as the volume.
-    out.set_len(size).context("sizing output")?;
-    for_each_chunk(size, |pos, buf| {
-        vol.read(pos, buf).with_context(|| format!("reading volume offset {pos}"))?;
-        if buf.iter().any(|&b| b != 0) {
-            out.write_all_at(buf, pos).with_context(|| format!("writing {}", a.file.display()))?;
-        }
-        pb.inc(buf.len() as u64);
-        Ok(())
-    })?;
-    pb.finish_and_clear();
-    out.sync_all().ok();
-    println!("exported {} to {}", human(size), a.file.display());
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Copy streams used by import and export (each a `COPY_CHUNK_BYTES` request at a time).
-const COPY_STREAMS_MAX: usize = 4;
-
-/// Calls `f(offset, buffer)` for every `COPY_CHUNK_BYTES` chunk of `[0, len)` (the last may
-/// be shorter) from several threads; stops at the first error and returns it.
-fn for_each_chunk(len: u64, f: impl Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync) -> anyhow::Result<()> {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    let streams = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, COPY_STREAMS_MAX);
-    let next = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..streams)
-            .map(|_| {
-                s.spawn(|| -> anyhow::Result<()> {
-                    let mut buf = vec![0u8; COPY_CHUNK_BYTES];
-                    while !stop.load(Ordering::Relaxed) {
-                        let off = next.fetch_add(COPY_CHUNK_BYTES as u64, Ordering::Relaxed);
-                        if off >= len {
-                            break;
-                        }
-                        let n = (len - off).min(COPY_CHUNK_BYTES as u64) as usize;
-                        if let Err(e) = f(off, &mut buf[..n]) {
-                            stop.store(true, Ordering::Relaxed);
-                            return Err(e);
-                        }
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        workers.into_iter().try_for_each(|w| w.join().map_err(|_| anyhow::anyhow!("copy thread panicked"))?)
-    })
 }
 
 fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
     let vol = open(&a.vol, true)?;
     let s = vol.stats();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        outln!("{}", serde_json::to_string_pretty(&s)?)?;
         return Ok(ExitCode::SUCCESS);
     }
-    println!("logical size        {}", human(s.logical_size_bytes));
-    println!("logical in use      {}", human(s.logical_bytes_used));
-    println!(
+    outln!("logical size        {}", human(s.logical_size_bytes))?;
+    outln!("logical in use      {}", human(s.logical_bytes_used))?;
+    outln!(
         "physical data used  {} of {} ({} blocks)",
         human(s.physical_data_bytes_used),
         human(s.data_blocks_total * 4096),
         s.data_blocks_used
-    );
-    println!("metadata            {}", human(s.metadata_bytes));
-    println!("reduction ratio     {:.2}:1", s.reduction_ratio);
-    println!("savings: zero       {}", human(s.savings.zero_bytes));
-    println!("savings: dedup      {}", human(s.savings.dedup_bytes));
-    println!("savings: compress   {}", human(s.savings.compression_bytes));
-    println!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes));
+    )?;
+    outln!("metadata            {}", human(s.metadata_bytes))?;
+    // An empty volume has no ratio: "-" rather than a misleading 0.00:1.
+    let ratio = s.reduction_ratio;
+    let ratio = if ratio.is_finite() && ratio > 0.0 { format!("{ratio:.2}:1") } else { "-".into() };
+    outln!("reduction ratio     {ratio}")?;
+    outln!("savings: zero       {}", human(s.savings.zero_bytes))?;
+    outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
+    outln!("savings: compress   {}", human(s.savings.compression_bytes))?;
+    outln!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -485,8 +351,24 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let copts = dedupvol_core::CheckOptions { repair: a.repair, unmap_lost: a.unmap_lost };
-    let r = dedupvol_core::check_volume_with(data, meta, copts)
-        .with_context(|| format!("checking {}", a.vol.path.display()))?;
+    let r = match a.vol.index_memory {
+        None => dedupvol_core::check_volume_with(data, meta, copts),
+        // check_volume_with's open, with the index this machine can hold.
+        Some(index_memory_bytes) => (|| {
+            let opts = OpenOptions {
+                read_only: !a.repair,
+                content_cache_bytes: 0,
+                block_map_cache_bytes: 16 << 20,
+                index_memory_bytes: Some(index_memory_bytes),
+                ..OpenOptions::default()
+            };
+            let vol = Volume::open(data, meta, &opts)?;
+            let report = vol.audit_with(copts)?;
+            vol.close()?;
+            Ok(report)
+        })(),
+    }
+    .with_context(|| format!("checking {}", a.vol.path.display()))?;
     let repaired = a.repair && r.unrepaired.is_empty();
     let code = if r.is_clean() {
         CHECK_CLEAN
@@ -519,12 +401,15 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
             writeln!(o, "... and {} more problems", r.problems_not_listed)?;
         }
         if r.lost_blocks > 0 {
-            let verb = if r.lost_unmapped { "lost and unmapped (now read as zeros)" } else { "lost (read as I/O errors)" };
+            let verb =
+                if r.lost_unmapped { "lost and unmapped (now read as zeros)" } else { "lost (read as I/O errors)" };
             writeln!(o, "{} logical blocks {verb}, byte ranges:", r.lost_blocks)?;
             for l in &r.lost_ranges {
                 writeln!(o, "  lost: offset {} length {}", l.offset, l.len)?;
             }
-            if (r.lost_ranges.len() as u64) < r.lost_blocks && r.lost_ranges.iter().map(|l| l.len / 4096).sum::<u64>() < r.lost_blocks {
+            if (r.lost_ranges.len() as u64) < r.lost_blocks
+                && r.lost_ranges.iter().map(|l| l.len / 4096).sum::<u64>() < r.lost_blocks
+            {
                 writeln!(o, "  ... more ranges not listed")?;
             }
         }
@@ -565,7 +450,10 @@ fn rss_bytes() -> Option<u64> {
 }
 
 fn recorded_meta(path: &Path) -> anyhow::Result<Option<PathBuf>> {
-    let vol = Volume::open_path(path, None, &OpenOptions { read_only: true, ..OpenOptions::default() });
+    // Only the superblock matters here: a small index, so a volume whose index this machine
+    // cannot hold still gets this far (and check can then lower it with --index-memory).
+    let opts = OpenOptions { read_only: true, index_memory_bytes: Some(1 << 20), ..OpenOptions::default() };
+    let vol = Volume::open_path(path, None, &opts);
     match vol {
         Ok(v) => Ok(if v.geometry().meta_dev_blocks > 0 { v.meta_path().map(PathBuf::from) } else { None }),
         Err(e) => Err(anyhow::Error::new(e).context(format!("opening {}", path.display()))),

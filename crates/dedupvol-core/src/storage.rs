@@ -133,12 +133,13 @@ impl FileStorage {
 
     /// Opens an existing file or block device with the given I/O mode.
     pub fn open_with(path: &Path, read_only: bool, mode: IoMode) -> Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let file =
+            OpenOptions::new().read(true).write(!read_only).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| {
+                match e.raw_os_error() {
+                    Some(libc::EISDIR) => not_a_directory(path),
+                    _ => Error::io(format!("opening {}", path.display()), e),
+                }
+            })?;
         Self::from_file(file, path, read_only, mode)
     }
 
@@ -157,7 +158,10 @@ impl FileStorage {
             .truncate(false)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EISDIR) => not_a_directory(path),
+                _ => Error::io(format!("opening {}", path.display()), e),
+            })?;
         if let Some(size) = size_bytes {
             let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
             if meta.file_type().is_file() {
@@ -176,6 +180,10 @@ impl FileStorage {
     }
 
     fn from_file(file: File, path: &Path, read_only: bool, mode: IoMode) -> Result<Self> {
+        if file.metadata().is_ok_and(|m| m.is_dir()) {
+            // Said plainly: read-only, a directory opens fine and would later look "too small".
+            return Err(not_a_directory(path));
+        }
         lock(&file, path, read_only)?;
         let len = device_len(&file, path)?;
         let direct = match mode {
@@ -387,6 +395,10 @@ fn lock_holders(md: &std::fs::Metadata) -> Vec<String> {
             }
         })
         .collect()
+}
+
+fn not_a_directory(path: &Path) -> Error {
+    Error::InvalidArgument(format!("{} is a directory, not a file or block device", path.display()))
 }
 
 fn device_len(file: &File, path: &Path) -> Result<u64> {
