@@ -22,7 +22,7 @@ pub enum VolumeCommand {
     Import(crate::copy::ImportArgs),
     /// Copy the volume's logical contents out to a file, block device, pipe or stdout (-).
     Export(crate::copy::ExportArgs),
-    /// Show space, reduction and I/O statistics.
+    /// Show space, savings, and counters kept over the volume's life.
     Stats(StatsArgs),
     /// Audit a closed volume: reference counts, leaks, double use, checksums.
     Check(CheckArgs),
@@ -89,7 +89,8 @@ pub struct OpenArgs {
 pub struct StatsArgs {
     #[command(flatten)]
     vol: OpenArgs,
-    /// Machine-readable output.
+    /// Machine-readable output: `lifetime` counts over the volume's life (as of its last
+    /// close or checkpoint); `counters` and `io` count this process only.
     #[arg(long)]
     json: bool,
 }
@@ -325,6 +326,25 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
     outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
     outln!("savings: compress   {}", human(s.savings.compression_bytes))?;
     outln!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes))?;
+    // Kept in the volume (updated at checkpoints and close), not counted by this process.
+    let l = &s.lifetime;
+    outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;
+    outln!(
+        "lifetime: written   {} blocks (zero {}, deduplicated {}, compressed {}, raw {})",
+        l.blocks_written,
+        l.zero_blocks,
+        l.dedup_hits,
+        l.compressed_blocks,
+        l.raw_blocks
+    )?;
+    outln!(
+        "lifetime: device    {} data + {} metadata written, {} data read, {} read to verify, {} syncs",
+        human(l.data_write_bytes),
+        human(l.metadata_write_bytes),
+        human(l.data_read_bytes),
+        human(l.verify_read_bytes),
+        l.syncs
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
