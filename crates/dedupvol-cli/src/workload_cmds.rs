@@ -87,9 +87,13 @@ pub struct BenchArgs {
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Use this file or block device for the volume (and then the baselines) instead of
-    /// temp files in --dir. DESTROYS its contents; the path is kept afterwards.
+    /// temp files in --dir. Its contents are destroyed, so one holding a volume or any
+    /// other data is refused without --force; the path is kept afterwards.
     #[arg(long)]
     volume: Option<PathBuf>,
+    /// Let --volume overwrite a path that holds a volume or other data.
+    #[arg(long, requires = "volume")]
+    force: bool,
     /// Compression of the engine volume.
     #[arg(long, default_value = "lz4")]
     compression: String,
@@ -204,6 +208,9 @@ fn size_arg(name: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
+    if let (Some(p), false) = (&a.volume, a.force) {
+        refuse_if_holding_data(p)?;
+    }
     let dir = a.dir.clone().unwrap_or_else(std::env::temp_dir);
     if !dir.is_dir() {
         bail!("--dir {} is not a directory", dir.display());
@@ -320,6 +327,29 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     // A scenario whose engine run failed is an operation error (the table says which).
     let failed = report.scenarios.iter().any(|s| s.engine_error.is_some());
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// Refuses a `bench --volume` target that holds a dedupvol volume or any other data (the
+/// bench formats it three times over); a missing, empty or all-zero target is fine.
+fn refuse_if_holding_data(p: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let f = match std::fs::File::open(p) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("opening --volume {}", p.display())),
+    };
+    if f.metadata().is_ok_and(|m| m.is_dir()) {
+        bail!("--volume {} is a directory", p.display());
+    }
+    let magic = dedupvol_core::superblock::SUPERBLOCK_MAGIC;
+    let mut head = vec![0u8; magic.len()];
+    let holds_volume = f.read_exact_at(&mut head, 0).is_ok() && head[..] == magic[..];
+    let what =
+        if holds_volume { Some("holds a dedupvol volume".to_string()) } else { crate::probe::foreign_content(p)? };
+    if let Some(what) = what {
+        bail!("--volume {} {what}; the benchmark would destroy it (pass --force to overwrite)", p.display());
+    }
+    Ok(())
 }
 
 fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
