@@ -165,43 +165,54 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
     let vol = Arc::new(open(&a.vol, false)?);
     refuse_volume_itself(&vol, &a.vol, &src_meta, &name, "imported from itself")?;
     let start = std::time::Instant::now();
-    let copied = match &source {
-        Source::Positioned { file, len } => {
-            if a.input_offset > *len {
-                bail!("--input-offset {} is past the end of {} ({len} bytes)", a.input_offset, name);
+    let copy = || -> anyhow::Result<u64> {
+        Ok(match &source {
+            Source::Positioned { file, len } => {
+                if a.input_offset > *len {
+                    bail!("--input-offset {} is past the end of {} ({len} bytes)", a.input_offset, name);
+                }
+                let n = len - a.input_offset;
+                if a.offset.checked_add(n).is_none_or(|e| e > vol.logical_size()) {
+                    bail!(
+                        "{} ({n} bytes) at offset {} does not fit in the volume ({} bytes)",
+                        name,
+                        a.offset,
+                        vol.logical_size()
+                    );
+                }
+                let pb = progress(n, "import");
+                let (base, skip) = (a.offset, a.input_offset);
+                let done = for_each_chunk(
+                    n,
+                    || interrupt::signal().is_some(),
+                    |off, buf| {
+                        file.read_exact_at(buf, skip + off)
+                            .with_context(|| format!("reading {} at {}", name, skip + off))?;
+                        vol.write(base + off, buf, false)
+                            .with_context(|| format!("writing at volume offset {}", base + off))?;
+                        pb.inc(buf.len() as u64);
+                        Ok(())
+                    },
+                )?;
+                pb.finish_and_clear();
+                done
             }
-            let n = len - a.input_offset;
-            if a.offset.checked_add(n).is_none_or(|e| e > vol.logical_size()) {
-                bail!(
-                    "{} ({n} bytes) at offset {} does not fit in the volume ({} bytes)",
-                    name,
-                    a.offset,
-                    vol.logical_size()
-                );
-            }
-            let pb = progress(n, "import");
-            let (base, skip) = (a.offset, a.input_offset);
-            let done = for_each_chunk(
-                n,
-                || interrupt::signal().is_some(),
-                |off, buf| {
-                    file.read_exact_at(buf, skip + off)
-                        .with_context(|| format!("reading {} at {}", name, skip + off))?;
-                    vol.write(base + off, buf, false)
-                        .with_context(|| format!("writing at volume offset {}", base + off))?;
-                    pb.inc(buf.len() as u64);
-                    Ok(())
-                },
-            )?;
-            pb.finish_and_clear();
-            done
-        }
-        Source::Stream(f) => import_stream(&vol, f, &a, &name)?,
+            Source::Stream(f) => import_stream(&vol, f, &a, &name)?,
+        })
     };
-    vol.flush().context("flushing")?;
+    let copied = copy();
+    // Even after an error: what was copied is flushed, and the volume closed cleanly (no
+    // journal replay at the next open).
+    let flushed = vol.flush().context("flushing");
     let secs = start.elapsed().as_secs_f64();
     let s = vol.stats();
-    Arc::try_unwrap(vol).map_err(|_| anyhow::anyhow!("volume still shared"))?.close().context("closing")?;
+    let closed = match Arc::try_unwrap(vol) {
+        Ok(v) => v.close().context("closing"),
+        Err(_) => Err(anyhow::anyhow!("volume still shared")),
+    };
+    let copied = copied?;
+    flushed?;
+    closed?;
     if let Some(sig) = interrupt::signal() {
         let (input_end, volume_end) = (a.input_offset + copied, a.offset + copied);
         eprintln!(

@@ -139,6 +139,32 @@ fn export_writes_to_stdout_pipes_and_dev_null_and_import_reads_stdin() {
     assert!(o.status.success(), "import -: {}", text(&o));
     let o = dedupvol(&["export", s(&vol), "-"]);
     assert!(o.stdout[8 << 20..(8 << 20) + more.len()] == *more, "stdin import landed at --offset");
+    // A stream longer than the room after --offset: an error naming it, and what fitted is
+    // flushed and the volume closed cleanly.
+    let long = noise(3 << 20, 8);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dedupvol"))
+        .args(["import", s(&vol), "-", "--offset", "62M"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let feeder = std::thread::spawn(move || {
+        let _ = stdin.write_all(&long);
+    });
+    let o = child.wait_with_output().expect("wait");
+    feeder.join().expect("feeder");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("larger than the volume") && text(&o).contains("2097152 bytes were copied"),
+        "{}",
+        text(&o)
+    );
+    let o = dedupvol(&["check", s(&vol)]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = dedupvol(&["export", s(&vol), "-"]);
+    assert!(o.stdout[62 << 20..] == noise(3 << 20, 8)[..2 << 20], "what fitted is in the volume");
 }
 
 #[test]
