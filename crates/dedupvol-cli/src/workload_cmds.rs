@@ -39,8 +39,9 @@ pub enum BenchMode {
     Ingest,
     /// Only the machine's primitives (BLAKE3/LZ4/zstd on the --dup/--compress data, disk).
     Primitives,
-    /// The four targets: 75% dup + 50% compressible, unique incompressible,
-    /// --file (if given, e.g. a kernel source tar), random 4 KiB overwrites.
+    /// Four speed targets, each printed beside its goal: 75% dup + 50% compressible,
+    /// unique incompressible, --file (if given, e.g. a kernel source tar), random 4 KiB
+    /// overwrites.
     Targets,
 }
 

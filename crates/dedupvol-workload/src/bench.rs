@@ -70,7 +70,7 @@ pub enum Scenario {
     },
 }
 
-/// A target from the issue, to print beside the measurement.
+/// A speed goal, printed beside the measurement.
 #[derive(Debug, Clone, Serialize)]
 pub struct Target {
     /// Minimum value.
@@ -195,7 +195,7 @@ pub struct ScenarioResult {
     pub name: String,
     /// The data and pattern in words.
     pub description: String,
-    /// The issue's target, if any.
+    /// The speed goal, if any.
     pub target: Option<Target>,
     /// One-core primitives on this scenario's data.
     pub primitives: Option<CpuPrimitives>,
