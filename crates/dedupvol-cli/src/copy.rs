@@ -66,17 +66,21 @@ pub struct ExportArgs {
 }
 
 /// What identifies a file for "is it the volume itself": a device node names the device
-/// (two nodes of one disk are the same target); anything else is its inode.
+/// (two nodes of one disk are the same target; block and character numbers are separate
+/// spaces); anything else is its inode.
 #[derive(PartialEq, Eq)]
 enum Identity {
-    Device(u64),
+    Block(u64),
+    Char(u64),
     Inode(u64, u64),
 }
 
 fn identity(m: &Metadata) -> Identity {
     let t = m.file_type();
-    if t.is_block_device() || t.is_char_device() {
-        Identity::Device(m.rdev())
+    if t.is_block_device() {
+        Identity::Block(m.rdev())
+    } else if t.is_char_device() {
+        Identity::Char(m.rdev())
     } else {
         Identity::Inode(m.dev(), m.ino())
     }
