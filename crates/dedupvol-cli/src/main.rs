@@ -100,7 +100,7 @@ enum Command {
 /// The error and its causes on one line, each cause once: many errors (the engine's I/O
 /// errors among them) already end with their source's text, which `{:#}` would repeat
 /// ("…: No such file or directory (os error 2): No such file or directory (os error 2)").
-fn error_line(e: &anyhow::Error) -> String {
+pub fn error_line(e: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in e.chain() {
         let text = cause.to_string();

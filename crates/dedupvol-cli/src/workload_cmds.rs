@@ -226,9 +226,29 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let compression: Compression = a.compression.parse().map_err(|e| crate::usage(format!("--compression: {e}")))?;
     let write_policy: WritePolicy = a.write_policy.parse().map_err(|e| crate::usage(format!("--write-policy: {e}")))?;
     let size = size_arg("size", &a.size)?;
+    if size < 4096 {
+        usage_bail!("--size {} must be at least 4K", a.size);
+    }
     let range = size_arg("range", &a.range)?;
     if range < 4096 || range % 4096 != 0 {
         usage_bail!("--range {} must be a non-zero multiple of 4K", a.range);
+    }
+    // The scenarios generate their data in memory before the clock starts (so the timed run
+    // measures the engine, not the generator): a size the machine cannot hold is refused
+    // here, not met with an allocation abort.
+    let held_bytes = match a.mode {
+        BenchMode::Seq => size,
+        BenchMode::Targets => size.max(a.writes.saturating_mul(4096)),
+        BenchMode::Overwrite => a.writes.saturating_mul(4096),
+        BenchMode::Ingest | BenchMode::Primitives => 0,
+    };
+    if let Some(avail) = mem_available_bytes() {
+        if held_bytes > avail {
+            bail!(
+                "this run generates {held_bytes} bytes of data in memory (--size, --writes x 4K), more than the \
+                 {avail} bytes available"
+            );
+        }
     }
     let mut spec = DataSpec::new(pct("dup", a.dup)?, pct("compress", a.compress)?, a.seed);
     spec.zero_fraction = pct("zero", a.zero)?;
@@ -373,20 +393,44 @@ fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
         spec.zero_fraction = pct("zero", z)?;
     }
     spec.working_set_blocks = working_set_blocks(&a.working_set)?;
-    let size = size_arg("size", &a.size)?.div_ceil(4096) * 4096;
+    let size = match size_arg("size", &a.size)?.checked_next_multiple_of(4096) {
+        Some(0) => usage_bail!("--size must be larger than zero"),
+        Some(s) => s,
+        None => usage_bail!("--size {} is too large", a.size),
+    };
     let model = ContentModel::new(spec.clone()).map_err(crate::usage)?;
+    // A size the file system cannot hold is refused before a byte is written: writing until
+    // ENOSPC would fill the disk for everyone and leave a useless partial file.
+    if let Some(free) = free_bytes_for(&a.output) {
+        if size > free {
+            bail!(
+                "--size {} ({size} bytes) is more than the {free} bytes free where {} would be written",
+                a.size,
+                a.output.display()
+            );
+        }
+    }
     let mut out = std::fs::File::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
     const STEP_BYTES: u64 = 8 << 20;
     let mut buf = vec![0u8; STEP_BYTES as usize];
     let start = Instant::now();
     let mut done = 0u64;
-    while done < size {
-        let n = (size - done).min(STEP_BYTES) as usize;
-        model.fill_range(done / 4096, &mut buf[..n]);
-        out.write_all(&buf[..n]).with_context(|| format!("writing {}", a.output.display()))?;
-        done += n as u64;
+    let written = (|| -> anyhow::Result<()> {
+        while done < size {
+            let n = (size - done).min(STEP_BYTES) as usize;
+            model.fill_range(done / 4096, &mut buf[..n]);
+            out.write_all(&buf[..n]).with_context(|| format!("writing {}", a.output.display()))?;
+            done += n as u64;
+        }
+        out.sync_all().with_context(|| format!("syncing {}", a.output.display()))
+    })();
+    if let Err(e) = written {
+        // A partial regular file is of no use (a device or pipe is left alone).
+        if std::fs::metadata(&a.output).is_ok_and(|m| m.is_file()) {
+            let _ = std::fs::remove_file(&a.output);
+        }
+        return Err(e);
     }
-    out.sync_all().with_context(|| format!("syncing {}", a.output.display()))?;
     let secs = start.elapsed().as_secs_f64();
     if a.json {
         outln!(
@@ -397,6 +441,36 @@ fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
         outln!("wrote {} MiB to {} in {:.2} s: {}", size >> 20, a.output.display(), secs, spec.describe())?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Memory the kernel says can be allocated without swapping (`MemAvailable`), if known.
+fn mem_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+/// Bytes free for an unprivileged writer where `output` would be created, or `None` when
+/// `output` is not a regular file (a device, a pipe) or the file system cannot say.
+fn free_bytes_for(output: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = match std::fs::metadata(output) {
+        Ok(m) if !m.is_file() => return None,
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    };
+    let dir = match output.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs writes one struct into `st`; `c` is a valid NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    // The file being replaced gives its blocks back when it is truncated.
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64).saturating_add(existing))
 }
 
 /// What the engine achieved on the same bytes, for `estimate --compare-engine`.
