@@ -153,4 +153,9 @@ fn nbdfuse_ext4_tree_survives_fsck_and_remount() {
     // The tree is ~7 MiB of data stored twice, half compressible, plus ext4 metadata.
     assert!(logical > 10 << 20, "too little data reached the volume: {logical}");
     assert!(ratio > 1.5 && physical * 3 < logical * 2, "expected reduction, got {stats}");
+    // The counters the server's process kept reach the stored volume at close, so this
+    // separate `stats` process reports them (it used to report only its own, all zero).
+    let written = stats["lifetime"]["blocks_written"].as_u64().expect("lifetime.blocks_written");
+    assert!(written >= logical / 4096, "lifetime blocks_written {written} < mapped blocks: {stats}");
+    assert_eq!(stats["counters"]["blocks_written"], 0, "the stats process writes nothing");
 }
