@@ -7,7 +7,7 @@ use dedupvol_core::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -245,7 +245,7 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         true,
     )?;
     let s = vol.stats();
-    println!(
+    outln!(
         "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",
         a.path.display(),
         human(s.logical_size_bytes),
@@ -254,7 +254,7 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         human(s.metadata_bytes),
         if s.separate_metadata_device { " on the metadata device" } else { "" },
         s.uuid
-    );
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -353,7 +353,7 @@ fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
         Ok(code) => Ok(code),
         Err(e) => {
             // fsck's "operational error": the audit itself could not run.
-            eprintln!("dedupvol: error: {e:#}");
+            eprintln!("dedupvol: error: {}", crate::error_line(&e));
             Ok(ExitCode::from(CHECK_OPERATION_ERROR))
         }
     }
@@ -398,12 +398,9 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         CHECK_PROBLEMS_LEFT
     };
     if a.json {
-        let mut o = std::io::stdout().lock();
-        writeln!(o, "{}", serde_json::to_string_pretty(&r)?)?;
+        outln!("{}", serde_json::to_string_pretty(&r)?)?;
     } else {
-        let mut o = std::io::stdout().lock();
-        writeln!(
-            o,
+        outln!(
             "checked {}: {} mapped + {} zero logical blocks, {} physical blocks in use, {} verified",
             a.vol.path.display(),
             r.mapped_blocks,
@@ -412,38 +409,37 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
             r.blocks_verified
         )?;
         for n in &r.notes {
-            writeln!(o, "note: {n}")?;
+            outln!("note: {n}")?;
         }
         for p in &r.problems {
-            writeln!(o, "PROBLEM: {p}")?;
+            outln!("PROBLEM: {p}")?;
         }
         if r.problems_not_listed > 0 {
-            writeln!(o, "... and {} more problems", r.problems_not_listed)?;
+            outln!("... and {} more problems", r.problems_not_listed)?;
         }
         if r.lost_blocks > 0 {
             let verb =
                 if r.lost_unmapped { "lost and unmapped (now read as zeros)" } else { "lost (read as I/O errors)" };
-            writeln!(o, "{} logical blocks {verb}, byte ranges:", r.lost_blocks)?;
+            outln!("{} logical blocks {verb}, byte ranges:", r.lost_blocks)?;
             for l in &r.lost_ranges {
-                writeln!(o, "  lost: offset {} length {}", l.offset, l.len)?;
+                outln!("  lost: offset {} length {}", l.offset, l.len)?;
             }
             if (r.lost_ranges.len() as u64) < r.lost_blocks
                 && r.lost_ranges.iter().map(|l| l.len / 4096).sum::<u64>() < r.lost_blocks
             {
-                writeln!(o, "  ... more ranges not listed")?;
+                outln!("  ... more ranges not listed")?;
             }
         }
         for p in &r.repaired {
-            writeln!(o, "repaired: {p}")?;
+            outln!("repaired: {p}")?;
         }
         for p in &r.unrepaired {
-            writeln!(o, "NOT repaired: {p}")?;
+            outln!("NOT repaired: {p}")?;
         }
         if r.lost_blocks > 0 && !r.lost_unmapped {
-            writeln!(o, "hint: `check --repair --unmap-lost` unmaps the lost blocks so the volume is clean again")?;
+            outln!("hint: `check --repair --unmap-lost` unmaps the lost blocks so the volume is clean again")?;
         }
-        writeln!(
-            o,
+        outln!(
             "{}",
             match code {
                 CHECK_CLEAN => "clean",

@@ -162,6 +162,9 @@ impl FileStorage {
                 Some(libc::EISDIR) => not_a_directory(path),
                 _ => Error::io(format!("opening {}", path.display()), e),
             })?;
+        // Locked before the file is extended: a volume another process has open must not
+        // change size under it (`from_file` takes the same lock again, which is a no-op).
+        lock(&file, path, false)?;
         if let Some(size) = size_bytes {
             let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
             if meta.file_type().is_file() {
