@@ -241,6 +241,7 @@ impl LifetimeCounters {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::IoFigure;
 
     #[test]
     fn words_round_trip_in_field_order() {
@@ -254,10 +255,12 @@ mod tests {
     fn process_counters_add_to_the_loaded_ones() {
         let base = LifetimeCounters { read_write_opens: 2, blocks_written: 10, syncs: u64::MAX, ..Default::default() };
         let red = ReductionCounters { blocks_written: 5, checkpoints: 1, ..Default::default() };
-        let mut io = IoStats::default();
-        io.syncs = 3;
-        io.journal_write.bytes = 4096;
-        io.superblock_write.bytes = 8192;
+        let io = IoStats {
+            syncs: 3,
+            journal_write: IoFigure { bytes: 4096, ops: 1 },
+            superblock_write: IoFigure { bytes: 8192, ops: 2 },
+            ..Default::default()
+        };
         let now = base.plus_process(&red, &io);
         assert_eq!((now.read_write_opens, now.blocks_written, now.checkpoints), (2, 15, 1));
         assert_eq!(now.metadata_write_bytes, 12288);
