@@ -351,6 +351,8 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
 fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
     match check_report(&a) {
         Ok(code) => Ok(code),
+        // A command-line mistake is a usage error (2) here too, as in every command.
+        Err(e) if e.chain().any(|c| c.is::<crate::UsageError>()) => Err(e),
         Err(e) => {
             // fsck's "operational error": the audit itself could not run.
             eprintln!("dedupvol: error: {}", crate::error_line(&e));
