@@ -12,6 +12,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use dedupvol_core::{IoMode, OpenOptions, Volume, WritePolicy};
 use dedupvol_nbd::{Backend, ConnectionLimits, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -169,9 +170,12 @@ impl ServeCommand {
         };
         let summary = served?;
         closed?;
-        eprintln!(
+        // Not eprintln!: a stderr nobody reads any more must not turn a clean stop into a panic.
+        let _ = writeln!(
+            std::io::stderr(),
             "dedupvol: stopped after {} connection(s) ({} refused); volume closed",
-            summary.connections_served, summary.connections_refused
+            summary.connections_served,
+            summary.connections_refused
         );
         Ok(ExitCode::SUCCESS)
     }

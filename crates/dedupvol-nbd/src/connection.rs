@@ -360,15 +360,15 @@ impl ErrorLog {
     fn log(&self, what: std::fmt::Arguments<'_>) {
         let n = self.count.fetch_add(1, Ordering::Relaxed);
         if n < ERROR_LOG_LINES_MAX {
-            eprintln!("dedupvol-nbd: {what}");
+            log!("dedupvol-nbd: {what}");
         } else if n == ERROR_LOG_LINES_MAX {
-            eprintln!("dedupvol-nbd: further request errors on this connection are counted, not logged");
+            log!("dedupvol-nbd: further request errors on this connection are counted, not logged");
         }
     }
     fn finish(&self) {
         let n = self.count.load(Ordering::Relaxed);
         if n > ERROR_LOG_LINES_MAX {
-            eprintln!("dedupvol-nbd: {n} request errors on this connection in all");
+            log!("dedupvol-nbd: {n} request errors on this connection in all");
         }
     }
 }
@@ -613,7 +613,7 @@ fn transmission(
     drop(tx);
     for w in workers {
         if w.join().is_err() {
-            eprintln!("dedupvol-nbd: a worker thread panicked");
+            log!("dedupvol-nbd: a worker thread panicked");
         }
     }
     let _ = writer.stream.lock().shutdown(Shutdown::Both);

@@ -15,6 +15,16 @@
 //! is what makes `NBD_FLAG_CAN_MULTI_CONN` truthful (a flush on any connection covers the
 //! writes completed on all of them).
 
+/// Logs a line on stderr. Unlike `eprintln!`, never panics: a server whose stderr is a
+/// pipe nobody reads any more (`dedupvol serve 2>&1 | head`) must keep serving, and its
+/// connection threads must not die between taking a slot and giving it back.
+macro_rules! log {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 pub mod backend;
 pub mod connection;
 pub mod proto;

@@ -124,7 +124,7 @@ impl Server {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => continue,
                 // ECONNABORTED and friends concern one client, not the server.
                 Err(e) => {
-                    eprintln!("dedupvol-nbd: accept failed: {e}");
+                    log!("dedupvol-nbd: accept failed: {e}");
                     continue;
                 }
             };
@@ -132,7 +132,7 @@ impl Server {
             let id = next_id;
             next_id += 1;
             if live.lock().len() >= self.config.connections_max {
-                eprintln!(
+                log!(
                     "dedupvol-nbd: refusing {}: {} connections already open (--connections-max)",
                     stream.peer(),
                     self.config.connections_max
@@ -146,7 +146,7 @@ impl Server {
             let shutdown_handle = match stream.try_clone() {
                 Ok(h) => h,
                 Err(e) => {
-                    eprintln!("dedupvol-nbd: cannot track connection: {e}");
+                    log!("dedupvol-nbd: cannot track connection: {e}");
                     continue;
                 }
             };
@@ -162,7 +162,7 @@ impl Server {
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
                 let outcome = serve_connection(stream, backend, &export, &limits, &stopping);
                 if let Outcome::Dropped(why) = outcome {
-                    eprintln!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
+                    log!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
                 }
                 live2.lock().remove(&id);
             });
@@ -172,7 +172,7 @@ impl Server {
                     summary.connections_served += 1;
                 }
                 Err(e) => {
-                    eprintln!("dedupvol-nbd: cannot start a connection thread: {e}");
+                    log!("dedupvol-nbd: cannot start a connection thread: {e}");
                     live.lock().remove(&id);
                 }
             }
@@ -184,7 +184,7 @@ impl Server {
         }
         for t in threads {
             if t.join().is_err() {
-                eprintln!("dedupvol-nbd: a connection thread panicked");
+                log!("dedupvol-nbd: a connection thread panicked");
             }
         }
         let mut drain = [0u8; 64];
