@@ -237,13 +237,13 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(u8::try_from(128 + sig).unwrap_or(1)));
     }
     outln!(
-        "imported {} in {:.2}s ({:.1} MB/s); volume now {} logical in {} physical (ratio {:.2})",
+        "imported {} in {:.2}s ({:.1} MB/s); volume now {} logical in {} physical (ratio {})",
         human(copied),
         secs,
         copied as f64 / secs.max(1e-9) / 1e6,
         human(s.logical_bytes_used),
         human(s.physical_data_bytes_used),
-        s.reduction_ratio
+        crate::ratio_text(s.reduction_ratio)
     )?;
     Ok(ExitCode::SUCCESS)
 }

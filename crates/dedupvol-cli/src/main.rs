@@ -50,6 +50,16 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) -> std::io::Result<()> {
     }
 }
 
+/// A reduction ratio as users read it: "2.50:1", or "-" when there is none (nothing stored
+/// yet, or only zeros), never a misleading "0.00".
+pub fn ratio_text(ratio: f64) -> String {
+    if ratio.is_finite() && ratio > 0.0 {
+        format!("{ratio:.2}:1")
+    } else {
+        "-".into()
+    }
+}
+
 /// A command-line mistake clap cannot catch (a value's meaning, a combination of flags):
 /// exits with [`EXIT_USAGE`] like clap's own errors.
 #[derive(Debug)]

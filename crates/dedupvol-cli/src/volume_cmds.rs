@@ -319,9 +319,7 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
     )?;
     outln!("metadata            {}", human(s.metadata_bytes))?;
     // An empty volume has no ratio: "-" rather than a misleading 0.00:1.
-    let ratio = s.reduction_ratio;
-    let ratio = if ratio.is_finite() && ratio > 0.0 { format!("{ratio:.2}:1") } else { "-".into() };
-    outln!("reduction ratio     {ratio}")?;
+    outln!("reduction ratio     {}", crate::ratio_text(s.reduction_ratio))?;
     outln!("savings: zero       {}", human(s.savings.zero_bytes))?;
     outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
     outln!("savings: compress   {}", human(s.savings.compression_bytes))?;

@@ -218,6 +218,9 @@ fn import_bad_input() {
     s.run(&["import", "vol.img", "vol.img"]).expect(FAIL, "own device");
     s.run(&["import", "vol.img", "junk.bin", "--bogus"]).expect(USAGE, "--bogus");
     s.run(&["import", "vol.img"]).expect(USAGE, "<FILE>");
+    // Zeros store nothing: there is no ratio to print, not "0.00".
+    std::fs::write(s.p("zeros.bin"), vec![0u8; 1 << 20]).unwrap();
+    s.run(&["import", "vol.img", "zeros.bin"]).expect_ok("(ratio -)");
     s.run(&["import", "vol.img", "junk.bin"]).expect_ok("imported");
 }
 
