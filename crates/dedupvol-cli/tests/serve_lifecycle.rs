@@ -107,6 +107,43 @@ fn sighup_closes_the_volume_cleanly() {
 }
 
 #[test]
+fn sighup_ignored_by_the_parent_stays_ignored() {
+    // `nohup dedupvol serve …` asks for a server that outlives the terminal: SIGHUP handling
+    // must not undo an inherited SIG_IGN.
+    let test = "sighup_ignored_by_the_parent_stays_ignored";
+    if !require_engine(test, &[]) {
+        return;
+    }
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let vol = format_volume(dir.path(), "64M", "128M");
+    let socket = dir.path().join("nbd.sock");
+    let mut cmd = Command::new(dedupvol());
+    cmd.arg("serve").arg(&vol).arg("--socket").arg(&socket).stdout(std::process::Stdio::piped());
+    // SAFETY: signal(2) is async-signal-safe, as pre_exec requires.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut ready = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut ready).unwrap();
+    assert!(ready.starts_with("dedupvol: serving"), "{ready:?}");
+    // SAFETY: kill(2) on our own child's pid, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
+    // Still serving: a client completes a handshake after the hangup.
+    drop(nbd_go(&socket).expect("GO after SIGHUP"));
+    assert!(child.try_wait().unwrap().is_none(), "serve exited on a SIGHUP it was started ignoring");
+    // SAFETY: as above.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(wait_timeout(&mut child, STOP_TIMEOUT).success());
+    assert_eq!(clean_flag(&vol), 1);
+}
+
+#[test]
 fn sigterm_does_not_wait_for_a_client_that_stopped_reading() {
     let test = "sigterm_does_not_wait_for_a_client_that_stopped_reading";
     if !require_engine(test, &[]) {

@@ -95,9 +95,14 @@ impl Server {
     /// Makes SIGINT, SIGTERM and SIGHUP stop the server; a second signal exits at once (for
     /// a shutdown stuck on a dead device). SIGHUP included because its default action kills
     /// the process without closing the volume (a hung-up terminal, a `nohup`-less session).
+    /// A signal the process was started with ignored (`nohup` ignores SIGHUP) stays ignored:
+    /// whoever started it asked for the server to outlive that signal.
     pub fn stop_on_signals(&self) -> io::Result<()> {
         let second = Arc::new(AtomicBool::new(false));
         for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
+            if signal_ignored(sig)? {
+                continue;
+            }
             signal_hook::flag::register_conditional_shutdown(sig, 130, second.clone())?;
             signal_hook::flag::register(sig, second.clone())?;
             signal_hook::low_level::pipe::register(sig, self.stop_write.try_clone()?)?;
@@ -223,6 +228,17 @@ impl Server {
             }
         }
     }
+}
+
+/// True when `sig`'s disposition is SIG_IGN (inherited from whoever started us).
+fn signal_ignored(sig: i32) -> io::Result<bool> {
+    // SAFETY: sigaction with a null new action only reads the current one into `old`,
+    // a zeroed (valid) sigaction owned by this frame.
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(old.sa_sigaction == libc::SIG_IGN)
 }
 
 enum Ready {
