@@ -346,6 +346,29 @@ fn index_memory_the_machine_cannot_hold_is_refused_and_open_can_lower_it() {
         let o = limited(&format!("{cmd} {v}{extra} --index-memory 64M"));
         assert_eq!(o.status.code(), Some(0), "{cmd} --index-memory 64M: {}", text(&o));
     }
+    // serve: refused, then served with a smaller index (its readiness line on stdout).
+    let o = limited(&format!("serve {v} --listen 127.0.0.1:0"));
+    assert_eq!(o.status.code(), Some(1), "serve: {}", text(&o));
+    assert!(text(&o).contains("not enough memory"), "serve: {}", text(&o));
+    let mut server = Command::new("sh")
+        .args([
+            "-c",
+            &format!("ulimit -v 3000000; exec \"$0\" serve {v} --listen 127.0.0.1:0 --index-memory 64M"),
+            env!("CARGO_BIN_EXE_dedupvol"),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("serve");
+    let mut out = std::io::BufReader::new(server.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    // The server prints its readiness line or exits (EOF): either way this returns.
+    std::io::BufRead::read_line(&mut out, &mut line).expect("read");
+    // SAFETY: kill on our own child's pid (sh exec'd the server).
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let st = server.wait().expect("wait");
+    assert!(line.contains("serving"), "serve --index-memory 64M: {line:?}");
+    assert!(st.success(), "serve stopped cleanly: {st:?}");
     let o = limited(&format!("check {v}"));
     assert_eq!(o.status.code(), Some(8), "check: {}", text(&o));
     let o = limited(&format!("check {v} --index-memory 64M"));
