@@ -170,9 +170,9 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
         (source, m)
     };
     let vol = Arc::new(open(&a.vol, false)?);
-    refuse_volume_itself(&vol, &a.vol, &src_meta, &name, "imported from itself")?;
     let start = std::time::Instant::now();
     let copy = || -> anyhow::Result<u64> {
+        refuse_volume_itself(&vol, &a.vol, &src_meta, &name, "imported from itself")?;
         Ok(match &source {
             Source::Positioned { file, len } => {
                 if a.input_offset > *len {
