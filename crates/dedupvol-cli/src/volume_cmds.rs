@@ -370,24 +370,12 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
         None => None,
     };
-    let copts = dedupvol_core::CheckOptions { repair: a.repair, unmap_lost: a.unmap_lost };
-    let r = match a.vol.index_memory {
-        None => dedupvol_core::check_volume_with(data, meta, copts),
-        // check_volume_with's open, with the index this machine can hold.
-        Some(index_memory_bytes) => (|| {
-            let opts = OpenOptions {
-                read_only: !a.repair,
-                content_cache_bytes: 0,
-                block_map_cache_bytes: 16 << 20,
-                index_memory_bytes: Some(index_memory_bytes),
-                ..OpenOptions::default()
-            };
-            let vol = Volume::open(data, meta, &opts)?;
-            let report = vol.audit_with(copts)?;
-            vol.close()?;
-            Ok(report)
-        })(),
-    }
+    let copts = dedupvol_core::CheckOptions {
+        repair: a.repair,
+        unmap_lost: a.unmap_lost,
+        index_memory_bytes: a.vol.index_memory,
+    };
+    let r = dedupvol_core::check_volume_with(data, meta, copts)
     .with_context(|| format!("checking {}", a.vol.path.display()))?;
     let repaired = a.repair && r.unrepaired.is_empty();
     let code = if r.is_clean() {

@@ -185,6 +185,9 @@ pub struct CheckOptions {
     /// With `repair`: unmap logical blocks whose data is lost (they then read as zeros),
     /// so the volume is clean again. Off by default: zeros are not the data written.
     pub unmap_lost: bool,
+    /// Fingerprint index memory for this open (None: the volume's setting), for a volume
+    /// whose index this machine cannot hold.
+    pub index_memory_bytes: Option<u64>,
 }
 
 /// Result of auditing a volume.
@@ -234,7 +237,7 @@ impl CheckReport {
 /// Opens the volume on `data` (and `meta`), audits it, and (with `repair`) fixes what can
 /// be recomputed, then closes it.
 pub fn check_volume(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, repair: bool) -> Result<CheckReport> {
-    check_volume_with(data, meta, CheckOptions { repair, unmap_lost: false })
+    check_volume_with(data, meta, CheckOptions { repair, ..CheckOptions::default() })
 }
 
 /// `check_volume` with every option.
@@ -248,6 +251,7 @@ pub fn check_volume_with(
         read_only: !repair,
         content_cache_bytes: 0,
         block_map_cache_bytes: 16 << 20,
+        index_memory_bytes: copts.index_memory_bytes,
         ..OpenOptions::default()
     };
     let vol = Volume::open(data, meta, &opts)?;
@@ -259,7 +263,7 @@ pub fn check_volume_with(
 impl Volume {
     /// Audits the open volume (best run with no concurrent writers).
     pub fn audit(&self, repair: bool) -> Result<CheckReport> {
-        self.audit_with(CheckOptions { repair, unmap_lost: false })
+        self.audit_with(CheckOptions { repair, ..CheckOptions::default() })
     }
 
     /// Audits the open volume with every option (best run with no concurrent writers).
