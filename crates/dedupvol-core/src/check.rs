@@ -23,6 +23,8 @@ use std::sync::Arc;
 const PROBLEMS_LISTED_MAX: usize = 100;
 /// Lost logical ranges listed in full before the report only counts them.
 const LOST_RANGES_LISTED_MAX: usize = 1000;
+/// Data blocks read with one request by the audit (1 MiB).
+const CHECK_READ_BLOCKS_MAX: usize = 256;
 /// Logical blocks named in one checksum problem.
 const PROBLEM_LBAS_MAX: usize = 8;
 
@@ -381,16 +383,37 @@ impl Volume {
         let mut out = vec![0u8; BLOCK_SIZE];
         // Damaged locations: (pbn, slot); slot None on an unreadable block means every slot.
         let mut damaged: Vec<(u64, Option<u8>, bool)> = Vec::new();
-        for (pbn, &r) in refs.iter().enumerate() {
-            if r == 0 {
+        // Used blocks are read in runs of up to CHECK_READ_BLOCKS_MAX (one request each, not
+        // one per 4 KiB: under direct I/O that is 10x faster); a run that fails to read is
+        // read again block by block, to name the unreadable ones.
+        let mut run = vec![0u8; CHECK_READ_BLOCKS_MAX * BLOCK_SIZE];
+        let mut run_pbns = 0u64..0u64;
+        let used = |p: u64| refs.get(p as usize).is_some_and(|&r| r > 0);
+        for pbn in 0..geo.data_blocks {
+            if !used(pbn) {
                 continue;
             }
-            let pbn = pbn as u64;
             report.blocks_verified += 1;
-            if let Err(e) = self.data.read(IoKind::Verify, &mut buf, geo.data_offset(pbn)) {
-                report.problem(Problem::Unreadable { pbn, error: e.to_string() });
-                damaged.push((pbn, None, true));
-                continue;
+            if !run_pbns.contains(&pbn) {
+                let end = (pbn + CHECK_READ_BLOCKS_MAX as u64).min(geo.data_blocks);
+                let last = (pbn..end).rev().find(|&p| used(p)).unwrap_or(pbn);
+                let len = (last - pbn + 1) as usize * BLOCK_SIZE;
+                let dst = run.get_mut(..len).ok_or_else(|| crate::Error::InvalidArgument("check run".into()))?;
+                run_pbns = match self.data.read(IoKind::Verify, dst, geo.data_offset(pbn)) {
+                    Ok(()) => pbn..last + 1,
+                    Err(_) => 0..0,
+                };
+            }
+            let at = (pbn - run_pbns.start) as usize * BLOCK_SIZE;
+            match run.get(at..at + BLOCK_SIZE).filter(|_| run_pbns.contains(&pbn)) {
+                Some(b) => buf.copy_from_slice(b),
+                None => {
+                    if let Err(e) = self.data.read(IoKind::Verify, &mut buf, geo.data_offset(pbn)) {
+                        report.problem(Problem::Unreadable { pbn, error: e.to_string() });
+                        damaged.push((pbn, None, true));
+                        continue;
+                    }
+                }
             }
             let mut check = |slot: Option<u8>, crc: u32, report: &mut CheckReport| {
                 let ok = match slot {
