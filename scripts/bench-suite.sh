@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dedupvol side-by-side benchmark suite (issue 5; see docs/workloads.md and docs/benchmarks/).
+# dedupvol side-by-side benchmark suite (see docs/workloads.md and docs/benchmarks/).
 #
 #   scripts/bench-suite.sh --quick        # CI smoke test, under 3 minutes, report in /var/tmp/dedupvol-suite/report
 #   scripts/bench-suite.sh                # full run (~30-60 min), report in docs/benchmarks/DATE/

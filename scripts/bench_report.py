@@ -174,7 +174,7 @@ def main():
                      "not measured" if r is None else ("met" if r >= tgt else "**not met**")])
     rows.append(["write amplification (device bytes written / ideal unique compressed bytes), random 4 KiB writes, 90% reducible",
                  "<= 1.5", f(wa, 2), "not measured" if wa is None else ("met" if wa <= 1.5 else "**not met**")])
-    md.append("\n## Targets (issue 5)\n\n" + table(["target", "goal", "measured", "status"], rows))
+    md.append("\n## Targets\n\n" + table(["target", "goal", "measured", "status"], rows))
 
     tg = res.get("targets")
     if tg:

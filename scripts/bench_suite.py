@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""dedupvol side-by-side benchmark suite (issue 5). Run it through scripts/bench-suite.sh.
+"""dedupvol side-by-side benchmark suite. Run it through scripts/bench-suite.sh.
 
 Runs, in one go and on one disk:
   1. the machine's limits: BLAKE3 / LZ4 / zstd-1 MB/s on one core (dedupvol bench --mode
@@ -7,7 +7,7 @@ Runs, in one go and on one disk:
   2. fio over NBD against `dedupvol serve` and against `nbdkit file` (the no-reduction
      baseline) on the same disk: sequential 1 MiB writes, random 4 KiB writes (QD 32),
      random 4 KiB reads (QD 32), SQL and VDI access mixes, at 0/50/75/90 % reducible data;
-  3. the in-process targets of issue 2 (dedupvol bench --mode targets) and the I/O overhead
+  3. the in-process speed targets (dedupvol bench --mode targets) and the I/O overhead
      breakdown of random 4 KiB writes with 90 % reducible data;
   4. ingest of real data (full mode): several linux-source-6.1 tars and an ext4 image of a
      Debian tree, into dedupvol, borg, restic and `qemu-img convert -c`;
@@ -438,7 +438,7 @@ def main():
         except Exception as e:
             results["ingest_error"] = f"kernel sources: {e}"
     if "targets" not in skip:
-        log("issue 2 targets (in-process)")
+        log("speed targets (in-process)")
         args = ["--mode", "targets", "--size", cfg["seq_size"], "--range", cfg["ow_range"], "--writes", str(cfg["ow_writes"])]
         if tars:
             args += ["--file", tars[0]]
