@@ -72,9 +72,8 @@ fn read_at(f: &File, offset: u64, len: u64, path: &Path) -> anyhow::Result<Vec<u
     let mut buf = vec![0u8; len as usize];
     let mut done = 0;
     while done < buf.len() {
-        let n = f
-            .read_at(&mut buf[done..], offset + done as u64)
-            .with_context(|| format!("reading {}", path.display()))?;
+        let n =
+            f.read_at(&mut buf[done..], offset + done as u64).with_context(|| format!("reading {}", path.display()))?;
         if n == 0 {
             break;
         }

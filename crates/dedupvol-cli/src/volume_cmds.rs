@@ -376,7 +376,7 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         index_memory_bytes: a.vol.index_memory,
     };
     let r = dedupvol_core::check_volume_with(data, meta, copts)
-    .with_context(|| format!("checking {}", a.vol.path.display()))?;
+        .with_context(|| format!("checking {}", a.vol.path.display()))?;
     let repaired = a.repair && r.unrepaired.is_empty();
     let code = if r.is_clean() {
         CHECK_CLEAN

@@ -507,9 +507,7 @@ impl Volume {
 
     /// Every logical block mapped to a damaged location, as merged runs of block numbers.
     fn lost_lbas(&self, damaged: &[(u64, Option<u8>, bool)]) -> Result<Vec<std::ops::Range<u64>>> {
-        let hit = |e: &MapEntry| {
-            damaged.iter().any(|&(pbn, slot, whole)| e.pbn == pbn && (whole || e.slot() == slot))
-        };
+        let hit = |e: &MapEntry| damaged.iter().any(|&(pbn, slot, whole)| e.pbn == pbn && (whole || e.slot() == slot));
         let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
         let mut st = self.state.lock();
         for lba in 0..self.geo.logical_blocks {

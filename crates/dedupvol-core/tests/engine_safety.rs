@@ -19,9 +19,7 @@ mod common;
 
 use common::{block, mem_volume, small_open};
 use dedupvol_core::refcount::REFCOUNT_MAX;
-use dedupvol_core::{
-    check_volume, check_volume_with, CheckOptions, DedupVerify, MemStorage, Problem, Storage, Volume,
-};
+use dedupvol_core::{check_volume, check_volume_with, CheckOptions, DedupVerify, MemStorage, Problem, Storage, Volume};
 use std::sync::Arc;
 
 const B: usize = 4096;
@@ -154,7 +152,8 @@ fn check_repair_takes_a_rotten_block_out_of_dedup_and_can_unmap_what_was_lost() 
 
     // --repair: counts are fine, the lost data stays reported, the block leaves the index
     // saved at close, so a write of its content after the repair stores a fresh copy.
-    let r = check_volume_with(data.clone(), None, CheckOptions { repair: true, ..CheckOptions::default() }).expect("repair");
+    let r = check_volume_with(data.clone(), None, CheckOptions { repair: true, ..CheckOptions::default() })
+        .expect("repair");
     assert!(!r.unrepaired.is_empty() && !r.lost_unmapped);
     let vol = reopen(&dev);
     vol.write(8 * B as u64, &content, false).expect("write after repair");
@@ -166,7 +165,12 @@ fn check_repair_takes_a_rotten_block_out_of_dedup_and_can_unmap_what_was_lost() 
 
     // --repair --unmap-lost: the lost blocks read as zeros, the volume is clean, the
     // damaged block is freed, and nothing else changed.
-    let r = check_volume_with(data.clone(), None, CheckOptions { repair: true, unmap_lost: true, ..CheckOptions::default() }).expect("unmap");
+    let r = check_volume_with(
+        data.clone(),
+        None,
+        CheckOptions { repair: true, unmap_lost: true, ..CheckOptions::default() },
+    )
+    .expect("unmap");
     assert!(r.unrepaired.is_empty() && r.lost_unmapped, "{:?}", r.unrepaired);
     assert_eq!(r.lost_blocks, 2);
     let r = check_volume(data.clone(), None, false).expect("check after unmap");

@@ -1064,7 +1064,11 @@ impl<E: SimEngine> Run<'_, E> {
                         if !found_damage || attempt == HEAL_ATTEMPTS_MAX {
                             return Err(format!(
                                 "{what}: attempt {attempt} was acknowledged but reads back an error{}: {}",
-                                if found_damage { "" } else { " with no damaged block read (a copy seen damaged was shared?)" },
+                                if found_damage {
+                                    ""
+                                } else {
+                                    " with no damaged block read (a copy seen damaged was shared?)"
+                                },
                                 short(&e)
                             ));
                         }

@@ -8,7 +8,7 @@
 //! - Those interpretations err towards failing a seed: a problem the parser does not
 //!   recognise is never excused.
 
-use dedupvol_core::{check_volume, CheckReport, Error, Problem, FormatOptions, OpenOptions, Result, Storage, Volume};
+use dedupvol_core::{check_volume, CheckReport, Error, FormatOptions, OpenOptions, Problem, Result, Storage, Volume};
 use std::ops::Range;
 use std::sync::Arc;
 
