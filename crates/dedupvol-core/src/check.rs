@@ -169,6 +169,15 @@ impl std::fmt::Display for Problem {
     }
 }
 
+/// A damaged location found by the audit.
+struct Damage {
+    pbn: u64,
+    /// The packed slot whose fragment failed its checksum (None: a raw block).
+    slot: Option<u8>,
+    /// The block could not be read at all: every slot is lost.
+    unreadable: bool,
+}
+
 /// A run of logical blocks whose data is lost, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct LostRange {
@@ -381,8 +390,7 @@ impl Volume {
         drop(st);
         let mut buf = vec![0u8; BLOCK_SIZE];
         let mut out = vec![0u8; BLOCK_SIZE];
-        // Damaged locations: (pbn, slot); slot None on an unreadable block means every slot.
-        let mut damaged: Vec<(u64, Option<u8>, bool)> = Vec::new();
+        let mut damaged: Vec<Damage> = Vec::new();
         // Used blocks are read in runs of up to CHECK_READ_BLOCKS_MAX (one request each, not
         // one per 4 KiB: under direct I/O that is 10x faster); a run that fails to read is
         // read again block by block, to name the unreadable ones.
@@ -410,7 +418,7 @@ impl Volume {
                 None => {
                     if let Err(e) = self.data.read(IoKind::Verify, &mut buf, geo.data_offset(pbn)) {
                         report.problem(Problem::Unreadable { pbn, error: e.to_string() });
-                        damaged.push((pbn, None, true));
+                        damaged.push(Damage { pbn, slot: None, unreadable: true });
                         continue;
                     }
                 }
@@ -428,7 +436,7 @@ impl Volume {
                         })
                         .unwrap_or_default();
                     report.problem(Problem::ChecksumMismatch { pbn, slot, lbas });
-                    damaged.push((pbn, slot, false));
+                    damaged.push(Damage { pbn, slot, unreadable: false });
                 }
             };
             if let Some(&crc) = raw_crc.get(&pbn) {
@@ -444,7 +452,8 @@ impl Volume {
         // `repair` the index saved at close no longer holds them either).
         if !damaged.is_empty() {
             let mut st = self.state.lock();
-            for &(pbn, _, _) in &damaged {
+            let pbns: std::collections::BTreeSet<u64> = damaged.iter().map(|d| d.pbn).collect();
+            for pbn in pbns {
                 self.forget_damaged(&mut st, pbn);
             }
         }
@@ -456,9 +465,9 @@ impl Volume {
             .map(|r| LostRange { offset: r.start * BLOCK_SIZE_U64, len: (r.end - r.start) * BLOCK_SIZE_U64 })
             .collect();
         let unmap = repair && copts.unmap_lost && !self.read_only;
-        for &(pbn, slot, unreadable) in &damaged {
-            let what = block_name(pbn, slot);
-            let why = if unreadable { "cannot be read" } else { "does not match its checksum" };
+        for d in &damaged {
+            let what = block_name(d.pbn, d.slot);
+            let why = if d.unreadable { "cannot be read" } else { "does not match its checksum" };
             if unmap {
                 report.repaired.push(format!("{what}: data lost ({why}); its logical blocks were unmapped"));
             } else {
@@ -506,8 +515,11 @@ impl Volume {
     }
 
     /// Every logical block mapped to a damaged location, as merged runs of block numbers.
-    fn lost_lbas(&self, damaged: &[(u64, Option<u8>, bool)]) -> Result<Vec<std::ops::Range<u64>>> {
-        let hit = |e: &MapEntry| damaged.iter().any(|&(pbn, slot, whole)| e.pbn == pbn && (whole || e.slot() == slot));
+    fn lost_lbas(&self, damaged: &[Damage]) -> Result<Vec<std::ops::Range<u64>>> {
+        // (pbn, None) stands for the whole block: a raw block, or one that cannot be read.
+        let lost: std::collections::HashSet<(u64, Option<u8>)> =
+            damaged.iter().map(|d| (d.pbn, if d.unreadable { None } else { d.slot })).collect();
+        let hit = |e: &MapEntry| lost.contains(&(e.pbn, None)) || lost.contains(&(e.pbn, e.slot()));
         let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
         let mut st = self.state.lock();
         for lba in 0..self.geo.logical_blocks {

@@ -133,13 +133,12 @@ impl FileStorage {
 
     /// Opens an existing file or block device with the given I/O mode.
     pub fn open_with(path: &Path, read_only: bool, mode: IoMode) -> Result<Self> {
-        let file =
-            OpenOptions::new().read(true).write(!read_only).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| {
-                match e.raw_os_error() {
-                    Some(libc::EISDIR) => not_a_directory(path),
-                    _ => Error::io(format!("opening {}", path.display()), e),
-                }
-            })?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| open_error(path, e))?;
         Self::from_file(file, path, read_only, mode)
     }
 
@@ -158,10 +157,7 @@ impl FileStorage {
             .truncate(false)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::EISDIR) => not_a_directory(path),
-                _ => Error::io(format!("opening {}", path.display()), e),
-            })?;
+            .map_err(|e| open_error(path, e))?;
         // Locked before the file is extended: a volume another process has open must not
         // change size under it (`from_file` takes the same lock again, which is a no-op).
         lock(&file, path, false)?;
@@ -398,6 +394,14 @@ fn lock_holders(md: &std::fs::Metadata) -> Vec<String> {
             }
         })
         .collect()
+}
+
+/// An open that failed: a directory said plainly, anything else as the OS error.
+fn open_error(path: &Path, e: io::Error) -> Error {
+    match e.raw_os_error() {
+        Some(libc::EISDIR) => not_a_directory(path),
+        _ => Error::io(format!("opening {}", path.display()), e),
+    }
 }
 
 fn not_a_directory(path: &Path) -> Error {

@@ -382,13 +382,9 @@ impl Volume {
             rc.note_synced();
             journal.head_block_seq = journal.next_block_seq;
             sb.clean = false;
-            sb.generation += 1;
             sb.lifetime.read_write_opens += 1;
             sb.lifetime.recoveries += u64::from(!was_clean);
-            if separate {
-                write_copies(&meta, &sb, 1)?;
-            }
-            write_copies(&data, &sb, 0)?;
+            write_superblock(&data, separate.then_some(&meta), &mut sb)?;
         }
         if map.damaged_pages > 0 || rc.damaged_pages > 0 {
             notes.push(format!(
@@ -475,12 +471,7 @@ impl Volume {
         sb.mapped_blocks = st.counters.mapped_blocks;
         sb.zero_blocks = st.counters.zero_blocks;
         sb.lifetime = self.lifetime_now(&st);
-        sb.generation += 1;
-        if self.geo.meta_dev_blocks > 0 {
-            write_copies(&self.meta, &sb, 1)?;
-        }
-        write_copies(&self.data, &sb, 0)?;
-        Ok(())
+        write_superblock(&self.data, self.separate_meta(), &mut sb)
     }
 
     // ----------------------------------------------------------------------------------
@@ -1618,12 +1609,23 @@ impl Volume {
     fn persist_lifetime(&self, st: &State) -> Result<()> {
         let mut sb = self.sb.lock();
         sb.lifetime = self.lifetime_now(st);
-        sb.generation += 1;
-        if self.geo.meta_dev_blocks > 0 {
-            write_copies(&self.meta, &sb, 1)?;
-        }
-        write_copies(&self.data, &sb, 0)
+        write_superblock(&self.data, self.separate_meta(), &mut sb)
     }
+
+    /// The metadata device when it is not the data device.
+    fn separate_meta(&self) -> Option<&Dev> {
+        (self.geo.meta_dev_blocks > 0).then_some(&self.meta)
+    }
+}
+
+/// Writes a new generation of the superblock: the metadata device's copies first (when
+/// separate), then the data device's, in the order `format` writes them.
+fn write_superblock(data: &Dev, meta: Option<&Dev>, sb: &mut Superblock) -> Result<()> {
+    sb.generation += 1;
+    if let Some(m) = meta {
+        write_copies(m, sb, 1)?;
+    }
+    write_copies(data, sb, 0)
 }
 
 /// Writes both superblock copies (A, sync, B, sync).
