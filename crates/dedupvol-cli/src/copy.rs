@@ -126,13 +126,6 @@ fn stdio_file(fd: std::os::fd::BorrowedFd<'_>, what: &str) -> anyhow::Result<Fil
     Ok(File::from(fd.try_clone_to_owned().with_context(|| format!("duplicating {what}"))?))
 }
 
-/// Size of a block device (its metadata says 0).
-fn device_len(f: &File, name: &Path) -> anyhow::Result<u64> {
-    use std::io::Seek;
-    let mut g = f;
-    g.seek(std::io::SeekFrom::End(0)).with_context(|| format!("measuring {}", name.display()))
-}
-
 // ----------------------------------------------------------------------------------------
 // import
 // ----------------------------------------------------------------------------------------
@@ -163,7 +156,7 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
         let source = if t.is_file() {
             Source::Positioned { len: m.len(), file }
         } else if t.is_block_device() {
-            Source::Positioned { len: device_len(&file, &a.file)?, file }
+            Source::Positioned { len: crate::probe::device_len(&file, &a.file)?, file }
         } else {
             Source::Stream(file)
         };
@@ -378,7 +371,7 @@ pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
                         .open(&a.file)
                         .with_context(|| format!("opening {}", a.file.display()))?;
                     if t.is_block_device() {
-                        let have = device_len(&f, &a.file)?;
+                        let have = crate::probe::device_len(&f, &a.file)?;
                         if have < size {
                             bail!(
                                 "{} holds {have} bytes, less than the volume's logical size {size}",
@@ -403,22 +396,18 @@ pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
     let never = || false;
     let written = |what: &str| format!("writing {what}");
     match &sink {
-        Sink::File(out) => {
-            out.set_len(size).context("sizing the output")?;
+        Sink::File(out) | Sink::Device(out) => {
+            // A regular file is sized first and stays sparse where the volume reads as
+            // zeros; a device is never resized, and its old content must be overwritten.
+            let sparse = matches!(sink, Sink::File(_));
+            if sparse {
+                out.set_len(size).context("sizing the output")?;
+            }
             for_each_chunk(size, never, |pos, buf| {
                 read(pos, buf)?;
-                if buf.iter().any(|&b| b != 0) {
+                if !sparse || buf.iter().any(|&b| b != 0) {
                     out.write_all_at(buf, pos).with_context(|| written(&out_name))?;
                 }
-                pb.inc(buf.len() as u64);
-                Ok(())
-            })?;
-            out.sync_all().with_context(|| format!("syncing {}", a.file.display()))?;
-        }
-        Sink::Device(out) => {
-            for_each_chunk(size, never, |pos, buf| {
-                read(pos, buf)?;
-                out.write_all_at(buf, pos).with_context(|| written(&out_name))?;
                 pb.inc(buf.len() as u64);
                 Ok(())
             })?;

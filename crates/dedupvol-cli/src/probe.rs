@@ -39,11 +39,7 @@ pub fn foreign_content(path: &Path) -> anyhow::Result<Option<String>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
     };
-    let len = {
-        use std::io::Seek;
-        let mut g = &f;
-        g.seek(std::io::SeekFrom::End(0)).with_context(|| format!("measuring {}", path.display()))?
-    };
+    let len = device_len(&f, path)?;
     if len == 0 {
         return Ok(None);
     }
@@ -66,6 +62,13 @@ pub fn foreign_content(path: &Path) -> anyhow::Result<Option<String>> {
         return Ok(Some("holds data (it is not all zeros and not a dedupvol volume)".into()));
     }
     Ok(None)
+}
+
+/// Size in bytes of an open file or block device (a device's metadata says 0).
+pub fn device_len(f: &File, name: &Path) -> anyhow::Result<u64> {
+    use std::io::Seek;
+    let mut g = f;
+    g.seek(std::io::SeekFrom::End(0)).with_context(|| format!("measuring {}", name.display()))
 }
 
 fn read_at(f: &File, offset: u64, len: u64, path: &Path) -> anyhow::Result<Vec<u8>> {

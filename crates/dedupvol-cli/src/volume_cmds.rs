@@ -204,7 +204,8 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     if let (Some(m), Some(want)) = (&before, a.physical_size) {
         use std::os::unix::fs::FileTypeExt;
         if m.file_type().is_block_device() {
-            let have = device_len(&a.path)?;
+            let dev = File::open(&a.path).with_context(|| format!("opening {}", a.path.display()))?;
+            let have = crate::probe::device_len(&dev, &a.path)?;
             if have != want {
                 bail!(
                     "{} is a block device of {} bytes; --physical-size {want} cannot change it (leave the option out)",
@@ -437,13 +438,6 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::from(code))
-}
-
-/// Size in bytes of a file or block device.
-fn device_len(path: &Path) -> anyhow::Result<u64> {
-    use std::io::Seek;
-    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    Ok(f.seek(std::io::SeekFrom::End(0)).with_context(|| format!("measuring {}", path.display()))?)
 }
 
 /// Resident set size of this process (Linux /proc).
