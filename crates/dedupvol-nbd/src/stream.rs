@@ -16,6 +16,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// Buffers one [`Stream::send_all`] call may gather (a reply is a header and a payload).
+const SEND_PARTS_MAX: usize = 4;
 /// Longest single wait in [`Stream::send_all`] before it re-reads its stall limit, so a
 /// limit lowered from another thread (server shutdown) takes effect promptly.
 const SEND_POLL_SLICE: Duration = Duration::from_millis(100);
@@ -68,12 +70,18 @@ impl Stream {
     /// stopped reading was dropped after two timeouts (~122 s for 60 s). Here the limit runs
     /// from the last byte the peer took.
     pub fn send_all(&self, parts: &[&[u8]], stall_limit: impl Fn() -> Duration) -> io::Result<()> {
+        if parts.len() > SEND_PARTS_MAX {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many parts for one reply"));
+        }
         let fd = self.as_raw_fd();
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut sent = 0usize;
         let mut progress_at = Instant::now();
+        // On the stack: this runs once per reply, on the read path's hot loop.
+        let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+        let mut iov = [empty; SEND_PARTS_MAX];
         while sent < total {
-            let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len());
+            let mut used = 0;
             let mut skip = sent;
             for p in parts {
                 if skip >= p.len() {
@@ -82,12 +90,13 @@ impl Stream {
                 }
                 let rest = &p[skip..];
                 skip = 0;
-                iov.push(libc::iovec { iov_base: rest.as_ptr() as *mut libc::c_void, iov_len: rest.len() });
+                iov[used] = libc::iovec { iov_base: rest.as_ptr() as *mut libc::c_void, iov_len: rest.len() };
+                used += 1;
             }
             // SAFETY: msghdr is plain data; zeroed is a valid empty header.
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
             msg.msg_iov = iov.as_mut_ptr();
-            msg.msg_iovlen = iov.len() as _;
+            msg.msg_iovlen = used as _;
             // SAFETY: `msg` points at `iov`, whose entries point into `parts`; all outlive the
             // call. MSG_DONTWAIT: we wait in poll, where the stall limit is enforced;
             // MSG_NOSIGNAL: a vanished client is an error, not a SIGPIPE.
