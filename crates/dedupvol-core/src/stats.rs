@@ -112,103 +112,76 @@ pub struct Stats {
     pub io: IoStats,
 }
 
-/// Counters over a volume's whole life, persisted in the superblock: every read-write
-/// open adds what its process did. Read-only opens (`stats`, `info`, `check`, `export`)
-/// add nothing. The field order is the on-disk order (`to_words`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct LifetimeCounters {
+/// Declares `LifetimeCounters` from one list of fields, in on-disk order, with the
+/// conversions to and from the on-disk words (so the order is written down once).
+macro_rules! lifetime_counters {
+    ($($(#[$doc:meta])* $field:ident,)*) => {
+        /// Counters over a volume's whole life, persisted in the superblock: every read-write
+        /// open adds what its process did. Read-only opens (`stats`, `info`, `check`, `export`)
+        /// add nothing. The field order is the on-disk order (`to_words`).
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+        pub struct LifetimeCounters {
+            $($(#[$doc])* pub $field: u64,)*
+        }
+
+        impl LifetimeCounters {
+            /// Counters stored on disk.
+            pub const WORDS: usize = [$(stringify!($field)),*].len();
+
+            /// The counters in on-disk order.
+            pub fn to_words(&self) -> [u64; Self::WORDS] {
+                [$(self.$field),*]
+            }
+
+            /// The inverse of `to_words`.
+            pub fn from_words(w: [u64; Self::WORDS]) -> Self {
+                let [$($field),*] = w;
+                Self { $($field),* }
+            }
+        }
+    };
+}
+
+lifetime_counters! {
     /// Read-write opens, this one included.
-    pub read_write_opens: u64,
+    read_write_opens,
     /// Read-write opens that found the volume not closed cleanly (journal replayed).
-    pub recoveries: u64,
+    recoveries,
     /// 4 KiB blocks written by clients.
-    pub blocks_written: u64,
+    blocks_written,
     /// Of those, all-zero blocks.
-    pub zero_blocks: u64,
+    zero_blocks,
     /// Of those, blocks shared with existing data.
-    pub dedup_hits: u64,
+    dedup_hits,
     /// Index candidates rejected by verification.
-    pub dedup_verify_failures: u64,
+    dedup_verify_failures,
     /// Duplicates written as a new copy because the reference count was at its cap.
-    pub refcount_cap_copies: u64,
+    refcount_cap_copies,
     /// Unique blocks stored compressed in packed blocks.
-    pub compressed_blocks: u64,
+    compressed_blocks,
     /// Unique blocks stored raw.
-    pub raw_blocks: u64,
+    raw_blocks,
     /// Packed physical blocks written.
-    pub packed_blocks_written: u64,
+    packed_blocks_written,
     /// Group commits.
-    pub commits: u64,
+    commits,
     /// Checkpoints.
-    pub checkpoints: u64,
+    checkpoints,
     /// Full index scans after a reuse stamp wrapped.
-    pub stamp_wrap_scans: u64,
+    stamp_wrap_scans,
     /// Bytes written to the data device for client data.
-    pub data_write_bytes: u64,
+    data_write_bytes,
     /// Bytes of data read to serve client reads.
-    pub data_read_bytes: u64,
+    data_read_bytes,
     /// Bytes of data read to verify duplicates.
-    pub verify_read_bytes: u64,
+    verify_read_bytes,
     /// Bytes of metadata written (journal, block map, refcounts, index, superblocks).
-    pub metadata_write_bytes: u64,
+    metadata_write_bytes,
     /// Durability barriers (fdatasync) issued.
-    pub syncs: u64,
+    syncs,
 }
 
 impl LifetimeCounters {
-    /// Counters stored on disk.
-    pub const WORDS: usize = 18;
-
-    /// The counters in on-disk order.
-    pub fn to_words(&self) -> [u64; Self::WORDS] {
-        [
-            self.read_write_opens,
-            self.recoveries,
-            self.blocks_written,
-            self.zero_blocks,
-            self.dedup_hits,
-            self.dedup_verify_failures,
-            self.refcount_cap_copies,
-            self.compressed_blocks,
-            self.raw_blocks,
-            self.packed_blocks_written,
-            self.commits,
-            self.checkpoints,
-            self.stamp_wrap_scans,
-            self.data_write_bytes,
-            self.data_read_bytes,
-            self.verify_read_bytes,
-            self.metadata_write_bytes,
-            self.syncs,
-        ]
-    }
-
-    /// The inverse of `to_words`.
-    pub fn from_words(w: [u64; Self::WORDS]) -> Self {
-        let [read_write_opens, recoveries, blocks_written, zero_blocks, dedup_hits, dedup_verify_failures, refcount_cap_copies, compressed_blocks, raw_blocks, packed_blocks_written, commits, checkpoints, stamp_wrap_scans, data_write_bytes, data_read_bytes, verify_read_bytes, metadata_write_bytes, syncs] =
-            w;
-        Self {
-            read_write_opens,
-            recoveries,
-            blocks_written,
-            zero_blocks,
-            dedup_hits,
-            dedup_verify_failures,
-            refcount_cap_copies,
-            compressed_blocks,
-            raw_blocks,
-            packed_blocks_written,
-            commits,
-            checkpoints,
-            stamp_wrap_scans,
-            data_write_bytes,
-            data_read_bytes,
-            verify_read_bytes,
-            metadata_write_bytes,
-            syncs,
-        }
-    }
-
     /// These counters plus one process's (saturating: a damaged record must not panic).
     pub fn plus_process(&self, red: &ReductionCounters, io: &IoStats) -> Self {
         let add = |a: u64, b: u64| a.saturating_add(b);
