@@ -44,7 +44,7 @@ pub fn foreign_content(path: &Path) -> anyhow::Result<Option<String>> {
         return Ok(None);
     }
     let head = read_at(&f, 0, PROBE_BYTES.min(len), path)?;
-    if head.starts_with(&dedupvol_core::superblock::SUPERBLOCK_MAGIC) {
+    if head.starts_with(&dedupvol_core::format::SUPERBLOCK_MAGIC) {
         return Ok(None);
     }
     for &(off, magic, name) in SIGNATURES {

@@ -362,7 +362,7 @@ fn refuse_if_holding_data(p: &Path) -> anyhow::Result<()> {
     if f.metadata().is_ok_and(|m| m.is_dir()) {
         bail!("--volume {} is a directory", p.display());
     }
-    let magic = dedupvol_core::superblock::SUPERBLOCK_MAGIC;
+    let magic = dedupvol_core::format::SUPERBLOCK_MAGIC;
     let mut head = vec![0u8; magic.len()];
     let holds_volume = f.read_exact_at(&mut head, 0).is_ok() && head[..] == magic[..];
     let what =

@@ -228,7 +228,7 @@ pub struct OpenOptions {
     pub index_memory_bytes: Option<u64>,
     /// How `Volume::open_path` opens its devices (`Auto` by default: direct I/O for hash
     /// verification, buffered for byte verification).
-    pub io_mode: crate::storage::IoMode,
+    pub io_mode: crate::io::IoMode,
     /// Write full staging batches from a background thread (default). Off, the writer
     /// that fills a batch writes it: slower, but every device call happens on a caller's
     /// thread in a reproducible order (the simulator needs that).
@@ -260,7 +260,7 @@ impl Default for OpenOptions {
             block_map_cache_bytes: 128 << 20,
             content_cache_bytes: 64 << 20,
             index_memory_bytes: None,
-            io_mode: crate::storage::IoMode::Auto,
+            io_mode: crate::io::IoMode::Auto,
             background_writes: true,
             cache_writes: None,
         }

@@ -11,29 +11,41 @@
 //!
 //! The crate has no network dependencies; the NBD server and the CLI build on it.
 
-pub mod aligned;
-pub mod allocator;
-pub mod block_map;
-pub mod cache;
-pub mod check;
-pub mod codec;
-pub mod config;
-mod data_writer;
-pub mod error;
-pub mod hugemem;
-pub mod index;
-pub mod journal;
-pub mod layout;
-pub mod packer;
-pub mod refcount;
-pub mod stats;
-pub mod storage;
-pub mod superblock;
-pub mod volume;
+mod check;
+mod codec;
+mod config;
+mod data;
+mod dedup;
+mod error;
+mod io;
+mod metadata;
+mod obs;
+mod read;
+mod volume;
 
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE};
 pub use error::{Error, Result};
-pub use stats::{LifetimeCounters, Stats};
-pub use storage::{FileStorage, IoKind, IoMode, IoStats, MemStorage, Storage};
+pub use io::{FileStorage, IoMode, MemStorage, Storage};
+pub use metadata::layout::Geometry;
+pub use obs::io::{IoFigure, IoKind, IoStats};
+pub use obs::stats::{LifetimeCounters, ReductionCounters, Savings, Stats};
 pub use volume::Volume;
+
+/// The on-disk format: its constants and the superblock decoder, for tools that inspect
+/// devices. `docs/format.md` describes every byte; a test checks it against these names.
+pub mod format {
+    pub use crate::data::packer::{OPEN_BLOCKS_MAX, PACKED_HEADER_BYTES};
+    pub use crate::dedup::index::{
+        ENTRY_BYTES as INDEX_ENTRY_BYTES, ENTRY_BYTES_FULL_HASH as INDEX_ENTRY_BYTES_FULL_HASH,
+    };
+    pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
+    pub use crate::metadata::journal::{
+        JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,
+    };
+    pub use crate::metadata::layout::{BM_ENTRIES_PER_PAGE, RC_ENTRIES_PER_PAGE};
+    pub use crate::metadata::refcount::REFCOUNT_MAX;
+    pub use crate::metadata::superblock::{
+        LifetimeRaw, Superblock, SuperblockRaw, LIFETIME_RECORD_OFFSET, SUPERBLOCK_MAGIC,
+    };
+}

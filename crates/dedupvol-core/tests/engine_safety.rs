@@ -18,7 +18,7 @@
 mod common;
 
 use common::{block, mem_volume, small_open};
-use dedupvol_core::refcount::REFCOUNT_MAX;
+use dedupvol_core::format::REFCOUNT_MAX;
 use dedupvol_core::{check_volume, check_volume_with, CheckOptions, DedupVerify, MemStorage, Problem, Storage, Volume};
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
 //! docs/format.md's constants table must match the code (so the two cannot drift).
-use dedupvol_core::{block_map, index, journal, layout, packer, refcount, superblock};
+use dedupvol_core::format;
 
 #[test]
 fn format_doc_constants_match_code() {
@@ -7,22 +7,22 @@ fn format_doc_constants_match_code() {
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/format.md")).expect("docs/format.md");
     let code: &[(&str, u64)] = &[
         ("BLOCK_SIZE", dedupvol_core::BLOCK_SIZE as u64),
-        ("SUPERBLOCK_RAW_BYTES", std::mem::size_of::<superblock::SuperblockRaw>() as u64),
-        ("LIFETIME_RECORD_OFFSET", superblock::LIFETIME_RECORD_OFFSET as u64),
-        ("LIFETIME_RECORD_BYTES", std::mem::size_of::<superblock::LifetimeRaw>() as u64),
+        ("SUPERBLOCK_RAW_BYTES", std::mem::size_of::<format::SuperblockRaw>() as u64),
+        ("LIFETIME_RECORD_OFFSET", format::LIFETIME_RECORD_OFFSET as u64),
+        ("LIFETIME_RECORD_BYTES", std::mem::size_of::<format::LifetimeRaw>() as u64),
         ("LIFETIME_COUNTERS", dedupvol_core::LifetimeCounters::WORDS as u64),
-        ("PAGE_HEADER_BYTES", block_map::PAGE_HEADER_BYTES as u64),
-        ("MAP_ENTRY_BYTES", block_map::MAP_ENTRY_BYTES as u64),
-        ("BM_ENTRIES_PER_PAGE", layout::BM_ENTRIES_PER_PAGE),
-        ("RC_ENTRIES_PER_PAGE", layout::RC_ENTRIES_PER_PAGE),
-        ("JOURNAL_HEADER_BYTES", journal::JOURNAL_HEADER_BYTES as u64),
-        ("JOURNAL_ENTRY_BYTES", journal::JOURNAL_ENTRY_BYTES as u64),
-        ("JOURNAL_ENTRIES_PER_BLOCK", journal::JOURNAL_ENTRIES_PER_BLOCK as u64),
-        ("PACKED_HEADER_BYTES", packer::PACKED_HEADER_BYTES as u64),
-        ("PACKED_SLOTS_MAX", u64::from(block_map::PACKED_SLOTS_MAX)),
-        ("REFCOUNT_MAX", u64::from(refcount::REFCOUNT_MAX)),
-        ("INDEX_ENTRY_BYTES", index::ENTRY_BYTES),
-        ("INDEX_ENTRY_BYTES_FULL_HASH", index::ENTRY_BYTES_FULL_HASH),
+        ("PAGE_HEADER_BYTES", format::PAGE_HEADER_BYTES as u64),
+        ("MAP_ENTRY_BYTES", format::MAP_ENTRY_BYTES as u64),
+        ("BM_ENTRIES_PER_PAGE", format::BM_ENTRIES_PER_PAGE),
+        ("RC_ENTRIES_PER_PAGE", format::RC_ENTRIES_PER_PAGE),
+        ("JOURNAL_HEADER_BYTES", format::JOURNAL_HEADER_BYTES as u64),
+        ("JOURNAL_ENTRY_BYTES", format::JOURNAL_ENTRY_BYTES as u64),
+        ("JOURNAL_ENTRIES_PER_BLOCK", format::JOURNAL_ENTRIES_PER_BLOCK as u64),
+        ("PACKED_HEADER_BYTES", format::PACKED_HEADER_BYTES as u64),
+        ("PACKED_SLOTS_MAX", u64::from(format::PACKED_SLOTS_MAX)),
+        ("REFCOUNT_MAX", u64::from(format::REFCOUNT_MAX)),
+        ("INDEX_ENTRY_BYTES", format::INDEX_ENTRY_BYTES),
+        ("INDEX_ENTRY_BYTES_FULL_HASH", format::INDEX_ENTRY_BYTES_FULL_HASH),
     ];
     for (name, value) in code {
         let row = doc
@@ -46,7 +46,7 @@ fn format_doc_constants_match_code() {
     let order = serde_json::to_value(from_words).expect("json");
     for name in names {
         let i = order[name.as_str()].as_u64().expect("u64");
-        let off = superblock::LIFETIME_RECORD_OFFSET as u64 + 8 + 8 * i;
+        let off = format::LIFETIME_RECORD_OFFSET as u64 + 8 + 8 * i;
         let row = format!("| {off} | 8 | `{name}` |");
         assert!(doc.contains(&row), "docs/format.md lacks the lifetime counter row {row}");
     }

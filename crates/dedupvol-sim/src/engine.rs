@@ -143,7 +143,7 @@ impl SimEngine for Volume {
             if data.read_at(&mut buf, copy * 4096).is_err() {
                 continue;
             }
-            if let Ok(Some(sb)) = dedupvol_core::superblock::Superblock::decode(&buf, 0) {
+            if let Ok(Some(sb)) = dedupvol_core::format::Superblock::decode(&buf, 0) {
                 let g = sb.geometry;
                 return Some(g.data_start * 4096..(g.data_start + g.data_blocks) * 4096);
             }
@@ -151,7 +151,7 @@ impl SimEngine for Volume {
         None
     }
     fn corruptible_superblock_copy(copies: [&[u8]; 2], role: u8) -> Option<usize> {
-        use dedupvol_core::superblock::Superblock;
+        use dedupvol_core::format::Superblock;
         let a = Superblock::decode(copies[0], role).ok()??;
         let b = Superblock::decode(copies[1], role).ok()??;
         // Equal generations hold the same state: either copy may go. Otherwise only the

@@ -2,8 +2,8 @@
 //! Tests of bugs not yet fixed in the engine are `#[ignore]`d with the reason, so that
 //! `cargo test` stays green while `cargo test -- --ignored` shows them failing.
 
-use dedupvol_core::journal::JOURNAL_MAGIC;
-use dedupvol_core::superblock::Superblock;
+use dedupvol_core::format::Superblock;
+use dedupvol_core::format::JOURNAL_MAGIC;
 use dedupvol_core::{check_volume, FormatOptions, MemStorage, OpenOptions, Storage, Volume};
 use std::sync::Arc;
 

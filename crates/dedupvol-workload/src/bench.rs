@@ -26,7 +26,7 @@ use crate::estimate::{EstimateOptions, EstimateReport, Estimator};
 use crate::primitives::{measure_cpu, measure_disk_seq_write, CpuPrimitives, DiskFigure, RemoveOnDrop};
 use crate::rng::WyRand;
 use dedupvol_core::{
-    config::DedupVerify, Compression, FileStorage, FormatOptions, IoMode, IoStats, OpenOptions, Stats, Storage, Volume,
+    Compression, DedupVerify, FileStorage, FormatOptions, IoMode, IoStats, OpenOptions, Stats, Storage, Volume,
     WritePolicy,
 };
 use serde::Serialize;

@@ -45,7 +45,7 @@ pub const PACKED_FRAGMENTS_MAX: u32 = 14;
 /// Largest compressed fragment the engine packs, in bytes (a block minus its header).
 pub const FRAGMENT_BYTES_MAX: u64 = PHYSICAL_BLOCK_BYTES - PACKED_HEADER_BYTES;
 /// Packed blocks the engine keeps open at once.
-pub const PACKED_OPEN_BLOCKS_MAX: usize = dedupvol_core::packer::OPEN_BLOCKS_MAX;
+pub const PACKED_OPEN_BLOCKS_MAX: usize = dedupvol_core::format::OPEN_BLOCKS_MAX;
 /// Smallest and largest chunk sizes accepted, in bytes.
 pub const CHUNK_BYTES_MIN: usize = 4096;
 /// See [`CHUNK_BYTES_MIN`].

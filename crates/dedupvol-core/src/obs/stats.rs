@@ -12,7 +12,7 @@
 //!   at every checkpoint and at close. After a crash they stand as of the last checkpoint.
 
 use crate::config::{Compression, DedupVerify, WritePolicy};
-use crate::storage::IoStats;
+use crate::obs::io::IoStats;
 use serde::Serialize;
 
 /// Savings split by mechanism, in logical bytes that did not become physical bytes.
@@ -214,7 +214,7 @@ impl LifetimeCounters {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::IoFigure;
+    use crate::obs::io::IoFigure;
 
     #[test]
     fn words_round_trip_in_field_order() {

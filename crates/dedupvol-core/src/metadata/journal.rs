@@ -13,12 +13,12 @@
 //! - Space between `head_block_seq` and `next_block_seq` is live; the head advances only
 //!   after a checkpoint has synced every page holding an entry older than the new head.
 
-use crate::block_map::{MapEntry, MAP_ENTRY_BYTES};
 use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
-use crate::layout::Geometry;
-use crate::storage::{Dev, IoKind};
+use crate::io::{Dev, IoKind};
+use crate::metadata::block_map::{MapEntry, MAP_ENTRY_BYTES};
+use crate::metadata::layout::Geometry;
 use std::collections::HashMap;
 
 /// Magic at offset 0 of a journal block.
@@ -62,12 +62,12 @@ impl Counters {
     pub fn apply(&mut self, old: &MapEntry, new: &MapEntry) {
         if old.is_data() {
             self.mapped_blocks = self.mapped_blocks.saturating_sub(1);
-        } else if old.state == crate::block_map::STATE_ZERO {
+        } else if old.state == crate::metadata::block_map::STATE_ZERO {
             self.zero_blocks = self.zero_blocks.saturating_sub(1);
         }
         if new.is_data() {
             self.mapped_blocks += 1;
-        } else if new.state == crate::block_map::STATE_ZERO {
+        } else if new.state == crate::metadata::block_map::STATE_ZERO {
             self.zero_blocks += 1;
         }
     }

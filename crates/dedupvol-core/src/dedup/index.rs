@@ -44,7 +44,7 @@ impl Location {
 pub struct Index {
     /// Populates `words` and `rest` in the background; declared first so it is dropped
     /// (joined) before them.
-    prefault: Vec<crate::hugemem::Prefault>,
+    prefault: Vec<crate::io::hugemem::Prefault>,
     /// Per bucket: 8 tags, then 8 location words (tag 0 = empty slot).
     words: Vec<u64>,
     rest: Option<Vec<[u8; 24]>>,
@@ -73,18 +73,20 @@ fn rest_of(h: &[u8; 32]) -> [u8; 24] {
 
 impl Index {
     /// An index using at most `memory_bytes`, its memory populated in the background.
+    #[cfg(test)]
     pub fn new(memory_bytes: u64, full_hash: bool) -> Self {
         Self::with_prefault(memory_bytes, full_hash, true)
     }
 
     /// An index using at most `memory_bytes`; with `prefault`, a background thread
     /// populates its memory (a read-only volume never inserts, so it skips that).
+    #[cfg(test)]
     pub fn with_prefault(memory_bytes: u64, full_hash: bool, prefault: bool) -> Self {
         let per = if full_hash { ENTRY_BYTES_FULL_HASH } else { ENTRY_BYTES };
         let buckets = ((memory_bytes / per) as usize / BUCKET_ENTRIES).max(1);
         let cap = buckets * BUCKET_ENTRIES;
-        let words: Vec<u64> = crate::hugemem::zeroed(2 * cap);
-        let rest: Option<Vec<[u8; 24]>> = full_hash.then(|| crate::hugemem::zeroed(cap));
+        let words: Vec<u64> = crate::io::hugemem::zeroed(2 * cap);
+        let rest: Option<Vec<[u8; 24]>> = full_hash.then(|| crate::io::hugemem::zeroed(cap));
         Self::from_tables(words, rest, buckets, prefault)
     }
 
@@ -99,7 +101,7 @@ impl Index {
                 "the fingerprint index needs {memory_bytes} bytes, which this machine cannot allocate; open with a smaller index memory (--index-memory)"
             ))
         };
-        if let Some(machine) = crate::hugemem::physical_memory_bytes().filter(|&m| memory_bytes > m) {
+        if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| memory_bytes > m) {
             // Checked first: with overcommit the allocation itself may succeed and the
             // process be killed later, on first touch.
             return Err(crate::Error::OutOfMemory(format!(
@@ -108,9 +110,9 @@ impl Index {
         }
         let cap = buckets.checked_mul(BUCKET_ENTRIES).ok_or_else(refused)?;
         let words: Vec<u64> =
-            crate::hugemem::try_zeroed(cap.checked_mul(2).ok_or_else(refused)?).ok_or_else(refused)?;
+            crate::io::hugemem::try_zeroed(cap.checked_mul(2).ok_or_else(refused)?).ok_or_else(refused)?;
         let rest: Option<Vec<[u8; 24]>> = match full_hash {
-            true => Some(crate::hugemem::try_zeroed(cap).ok_or_else(refused)?),
+            true => Some(crate::io::hugemem::try_zeroed(cap).ok_or_else(refused)?),
             false => None,
         };
         Ok(Self::from_tables(words, rest, buckets, prefault))
@@ -119,15 +121,15 @@ impl Index {
     fn from_tables(words: Vec<u64>, rest: Option<Vec<[u8; 24]>>, buckets: usize, prefault: bool) -> Self {
         let mut threads = Vec::new();
         if prefault {
-            threads.push(crate::hugemem::Prefault::start(&words));
-            threads.extend(rest.as_deref().map(crate::hugemem::Prefault::start));
+            threads.push(crate::io::hugemem::Prefault::start(&words));
+            threads.extend(rest.as_deref().map(crate::io::hugemem::Prefault::start));
         }
         Index { prefault: threads, words, rest, buckets, entries: 0 }
     }
 
     /// Waits for the background population of the table's memory to finish.
     pub fn wait_prefault(&mut self) {
-        self.prefault.iter_mut().for_each(crate::hugemem::Prefault::wait);
+        self.prefault.iter_mut().for_each(crate::io::hugemem::Prefault::wait);
     }
 
     /// Entries the index can hold.
@@ -161,11 +163,6 @@ impl Index {
     /// Entries held now.
     pub fn len(&self) -> u64 {
         self.entries
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries == 0
     }
 
     /// Bytes per entry.

@@ -139,11 +139,6 @@ impl ContentCache {
     pub fn len(&self) -> usize {
         self.map.len()
     }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
 }
 
 #[cfg(test)]

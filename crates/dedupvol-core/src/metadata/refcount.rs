@@ -9,12 +9,12 @@
 //! - Pages follow the block map's rules: applied-seq idempotency, the write-ahead rule,
 //!   and two slots never both unsynced.
 
-use crate::block_map::{pick_slot, seal_page, MapEntry, PAGE_HEADER_BYTES};
-use crate::cache::PbnSet;
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
-use crate::layout::{Geometry, RC_ENTRIES_PER_PAGE};
-use crate::storage::{Dev, IoKind};
+use crate::io::{Dev, IoKind};
+use crate::metadata::block_map::{pick_slot, seal_page, MapEntry, PAGE_HEADER_BYTES};
+use crate::metadata::layout::{Geometry, RC_ENTRIES_PER_PAGE};
+use crate::read::cache::PbnSet;
 
 /// Largest reference count; a duplicate of a block at the cap is stored as a new copy.
 pub const REFCOUNT_MAX: u8 = 254;
@@ -51,8 +51,8 @@ impl Refcounts {
             geo,
             uuid_lo,
             meta,
-            count: crate::hugemem::zeroed(n),
-            frags: crate::hugemem::zeroed(n),
+            count: crate::io::hugemem::zeroed(n),
+            frags: crate::io::hugemem::zeroed(n),
             page_seq: vec![0; pages as usize],
             page_dirty: vec![false; pages as usize],
             latest_slot: vec![None; pages as usize],
@@ -276,11 +276,6 @@ impl Refcounts {
             written += 1;
         }
         Ok(written)
-    }
-
-    /// True when some page holds unwritten changes.
-    pub fn has_dirty(&self) -> bool {
-        self.page_dirty.iter().any(|&d| d)
     }
 
     /// Called after a metadata sync.

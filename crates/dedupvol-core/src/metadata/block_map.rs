@@ -16,12 +16,12 @@
 //! - A page read ahead is only inserted where the cache holds no copy (a cached copy is
 //!   never older than the device's), so read-ahead never replaces newer state.
 
-use crate::cache::{PbnMap, PbnSet};
 use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
-use crate::layout::{Geometry, BM_ENTRIES_PER_PAGE};
-use crate::storage::{Dev, IoKind};
+use crate::io::{Dev, IoKind};
+use crate::metadata::layout::{Geometry, BM_ENTRIES_PER_PAGE};
+use crate::read::cache::{PbnMap, PbnSet};
 
 /// Pages read with one request on a cache miss at most (see `load_with_readahead`).
 const READAHEAD_PAGES: u64 = 16;
@@ -354,11 +354,6 @@ impl BlockMap {
         Ok(dirty.len() as u64)
     }
 
-    /// True when some cached page holds changes not yet written.
-    pub fn has_dirty(&self) -> bool {
-        self.pages.values().any(|p| p.dirty)
-    }
-
     /// Called after a metadata sync: every written copy is now durable.
     pub fn note_synced(&mut self) {
         self.written_unsynced.clear();
@@ -367,11 +362,6 @@ impl BlockMap {
     /// Pages in the cache.
     pub fn cached_pages(&self) -> usize {
         self.pages.len()
-    }
-
-    /// Drops every clean page (after a whole-map scan, so the cache does not stay inflated).
-    pub fn drop_clean(&mut self) {
-        self.pages.retain(|_, p| p.dirty);
     }
 }
 

@@ -13,11 +13,11 @@
 //!   while the queue is full); the thread merges at most `MERGE_BATCHES` per write.
 //! - Dropping the `DataWriter` writes what is queued, then joins the thread.
 
-use crate::cache::Block;
 use crate::config::BLOCK_SIZE;
 use crate::error::{Error, Result};
-use crate::layout::Geometry;
-use crate::storage::{Dev, IoKind};
+use crate::io::{Dev, IoKind};
+use crate::metadata::layout::Geometry;
+use crate::read::cache::Block;
 use parking_lot::{Condvar, Mutex};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,112 +1,25 @@
-//! The storage trait the engine sits on, and its real and in-memory implementations.
+//! A regular file or block device, read and written with `pread`/`pwrite`, optionally
+//! with `O_DIRECT`.
 //!
 //! Invariants:
-//! - `write_at` may be cached by the device; only `sync` makes earlier writes durable
-//!   (a disk with a volatile write cache, docs/design.md, durability contract).
-//! - Reads and writes are whole and positioned: a short read or write is an error.
-//! - Every byte the engine moves is counted in `IoCounters` under exactly one category, so
-//!   write amplification and the overhead breakdown are computed from real traffic.
 //! - A `FileStorage` in direct mode moves every aligned request with `O_DIRECT` (through a
 //!   bounce buffer when the memory is not aligned) and only requests direct I/O cannot take
 //!   through the page cache; the kernel keeps the two coherent (a direct write writes back
 //!   and drops cached pages of its range), and the engine never has both kinds in flight
 //!   on one block.
+//! - The device is locked (`flock`) while open: a second process gets `Error::InUse`.
 
-use crate::aligned::{self, BOUNCE_BYTES};
+use super::aligned::{self, BOUNCE_BYTES};
+use super::{IoMode, Storage};
 use crate::error::{Error, Result};
-use parking_lot::RwLock;
-use serde::Serialize;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
-/// A block device as the engine sees it: positioned reads/writes plus a durability barrier.
-pub trait Storage: Send + Sync {
-    /// Reads exactly `buf.len()` bytes at `offset`.
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
-    /// Writes all of `buf` at `offset` (possibly into a volatile cache).
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
-    /// Writes the buffers back to back starting at `offset` (one `pwritev` where the
-    /// device supports it, so merged blocks need no joining copy).
-    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
-        self.write_at(&bufs.concat(), offset)
-    }
-    /// Makes every write that completed before this call durable.
-    fn sync(&self) -> io::Result<()>;
-    /// Hint: start writing `[offset, offset + len)` back to stable storage now, without
-    /// waiting, so the next `sync` has less to do. Guarantees nothing; errors surface at `sync`.
-    fn start_writeback(&self, _offset: u64, _len: u64) {}
-    /// True when data bypasses the kernel page cache (`O_DIRECT`).
-    fn is_direct(&self) -> bool {
-        false
-    }
-    /// Size of the device in bytes.
-    fn len(&self) -> u64;
-    /// True when the device has no bytes.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// A human-readable name for error messages.
-    fn name(&self) -> String {
-        "device".to_string()
-    }
-}
 
 /// Buffers per `pwritev` call (Linux's IOV_MAX).
 const IOVECS_PER_CALL: usize = 1024;
-
-/// How a `FileStorage` moves data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IoMode {
-    /// `Volume::open_path` picks: direct for a hash-verified volume, buffered for a
-    /// byte-verified one (its verification reads are served from the page cache). A
-    /// `FileStorage` opened with it is direct.
-    #[default]
-    Auto,
-    /// `O_DIRECT` where the file system supports it (else buffered): no page-cache copy and
-    /// no page-cache memory; the engine's content cache is the only data cache.
-    Direct,
-    /// Through the kernel page cache.
-    Buffered,
-}
-
-impl IoMode {
-    /// The mode `Auto` stands for on a volume with (`true`) or without hash verification.
-    pub fn for_verify(self, hash_verified: bool) -> IoMode {
-        match self {
-            IoMode::Auto if hash_verified => IoMode::Direct,
-            IoMode::Auto => IoMode::Buffered,
-            m => m,
-        }
-    }
-}
-
-impl std::str::FromStr for IoMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(IoMode::Auto),
-            "direct" => Ok(IoMode::Direct),
-            "buffered" => Ok(IoMode::Buffered),
-            other => Err(Error::InvalidArgument(format!("I/O mode must be auto, direct or buffered, not {other:?}"))),
-        }
-    }
-}
-
-/// The name users type (`direct`), for messages.
-impl std::fmt::Display for IoMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            IoMode::Auto => "auto",
-            IoMode::Direct => "direct",
-            IoMode::Buffered => "buffered",
-        })
-    }
-}
 
 /// A regular file or block device, with `pread`/`pwrite` and `fdatasync`.
 pub struct FileStorage {
@@ -510,322 +423,6 @@ impl Storage for FileStorage {
     }
 }
 
-/// A RAM-backed device. Every write is immediately "durable" (no crash model: the
-/// simulator crate provides one).
-pub struct MemStorage {
-    chunks: Vec<RwLock<Vec<u8>>>,
-    len: u64,
-}
-
-const MEM_CHUNK_BYTES: u64 = 1 << 20;
-
-impl MemStorage {
-    /// A zero-filled device of `len` bytes (memory is committed lazily per 1 MiB chunk).
-    pub fn new(len: u64) -> Self {
-        let n = len.div_ceil(MEM_CHUNK_BYTES);
-        MemStorage { chunks: (0..n).map(|_| RwLock::new(Vec::new())).collect(), len }
-    }
-
-    fn for_each_chunk(
-        &self,
-        offset: u64,
-        len: usize,
-        mut f: impl FnMut(&RwLock<Vec<u8>>, usize, usize, usize),
-    ) -> io::Result<()> {
-        if offset.checked_add(len as u64).is_none_or(|end| end > self.len) {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "access beyond end of memory device"));
-        }
-        let mut done = 0usize;
-        while done < len {
-            let pos = offset + done as u64;
-            let chunk = (pos / MEM_CHUNK_BYTES) as usize;
-            let within = (pos % MEM_CHUNK_BYTES) as usize;
-            let n = (len - done).min(MEM_CHUNK_BYTES as usize - within);
-            let lock = self.chunks.get(chunk).ok_or_else(|| io::Error::other("chunk index"))?;
-            f(lock, within, done, n);
-            done += n;
-        }
-        Ok(())
-    }
-}
-
-#[expect(clippy::indexing_slicing, reason = "for_each_chunk bounds every range to the device and the 1 MiB chunk")]
-impl Storage for MemStorage {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let len = buf.len();
-        self.for_each_chunk(offset, len, |lock, within, done, n| {
-            let c = lock.read();
-            let dst = &mut buf[done..done + n];
-            if c.is_empty() {
-                dst.fill(0);
-            } else {
-                dst.copy_from_slice(&c[within..within + n]);
-            }
-        })
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.for_each_chunk(offset, buf.len(), |lock, within, done, n| {
-            let mut c = lock.write();
-            if c.is_empty() {
-                c.resize(MEM_CHUNK_BYTES as usize, 0);
-            }
-            c[within..within + n].copy_from_slice(&buf[done..done + n]);
-        })
-    }
-    fn sync(&self) -> io::Result<()> {
-        Ok(())
-    }
-    fn len(&self) -> u64 {
-        self.len
-    }
-    fn name(&self) -> String {
-        "memory".to_string()
-    }
-}
-
-impl<T: Storage + ?Sized> Storage for Arc<T> {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        (**self).read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        (**self).write_at(buf, offset)
-    }
-    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
-        (**self).write_vectored_at(bufs, offset)
-    }
-    fn sync(&self) -> io::Result<()> {
-        (**self).sync()
-    }
-    fn start_writeback(&self, offset: u64, len: u64) {
-        (**self).start_writeback(offset, len)
-    }
-    fn is_direct(&self) -> bool {
-        (**self).is_direct()
-    }
-    fn len(&self) -> u64 {
-        (**self).len()
-    }
-    fn name(&self) -> String {
-        (**self).name()
-    }
-}
-
-/// What a device access was for: the categories of the paper's I/O overhead breakdown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IoKind {
-    /// Client data blocks (raw or packed) written or read back for a client read.
-    Data,
-    /// Recovery journal blocks.
-    Journal,
-    /// Block map pages.
-    BlockMap,
-    /// Reference count pages.
-    Refcount,
-    /// Fingerprint index save/load.
-    Index,
-    /// Reads of stored data to verify a duplicate before sharing it.
-    Verify,
-    /// Superblock copies.
-    Superblock,
-}
-
-/// Bytes and operations for one category and direction.
-#[derive(Debug, Default)]
-pub struct IoCounter {
-    /// Bytes moved.
-    pub bytes: AtomicU64,
-    /// Device operations issued.
-    pub ops: AtomicU64,
-}
-
-impl IoCounter {
-    fn add(&self, bytes: usize) {
-        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        self.ops.fetch_add(1, Ordering::Relaxed);
-    }
-    fn snapshot(&self) -> IoFigure {
-        IoFigure { bytes: self.bytes.load(Ordering::Relaxed), ops: self.ops.load(Ordering::Relaxed) }
-    }
-}
-
-/// A snapshot of one counter.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
-pub struct IoFigure {
-    /// Bytes moved.
-    pub bytes: u64,
-    /// Operations issued.
-    pub ops: u64,
-}
-
-/// Live I/O counters by category, shared by all of a volume's devices.
-#[derive(Debug, Default)]
-pub struct IoCounters {
-    data_write: IoCounter,
-    data_read: IoCounter,
-    journal_write: IoCounter,
-    journal_read: IoCounter,
-    block_map_write: IoCounter,
-    block_map_read: IoCounter,
-    refcount_write: IoCounter,
-    refcount_read: IoCounter,
-    index_write: IoCounter,
-    index_read: IoCounter,
-    verify_read: IoCounter,
-    superblock_write: IoCounter,
-    superblock_read: IoCounter,
-    syncs: AtomicU64,
-}
-
-impl IoCounters {
-    fn counter(&self, kind: IoKind, write: bool) -> &IoCounter {
-        match (kind, write) {
-            (IoKind::Data, true) => &self.data_write,
-            (IoKind::Data, false) => &self.data_read,
-            (IoKind::Journal, true) => &self.journal_write,
-            (IoKind::Journal, false) => &self.journal_read,
-            (IoKind::BlockMap, true) => &self.block_map_write,
-            (IoKind::BlockMap, false) => &self.block_map_read,
-            (IoKind::Refcount, true) => &self.refcount_write,
-            (IoKind::Refcount, false) => &self.refcount_read,
-            (IoKind::Index, true) => &self.index_write,
-            (IoKind::Index, false) => &self.index_read,
-            (IoKind::Verify, _) => &self.verify_read,
-            (IoKind::Superblock, true) => &self.superblock_write,
-            (IoKind::Superblock, false) => &self.superblock_read,
-        }
-    }
-
-    /// A point-in-time copy for stats.
-    pub fn snapshot(&self) -> IoStats {
-        IoStats {
-            data_write: self.data_write.snapshot(),
-            data_read: self.data_read.snapshot(),
-            journal_write: self.journal_write.snapshot(),
-            journal_read: self.journal_read.snapshot(),
-            block_map_write: self.block_map_write.snapshot(),
-            block_map_read: self.block_map_read.snapshot(),
-            refcount_write: self.refcount_write.snapshot(),
-            refcount_read: self.refcount_read.snapshot(),
-            index_write: self.index_write.snapshot(),
-            index_read: self.index_read.snapshot(),
-            verify_read: self.verify_read.snapshot(),
-            superblock_write: self.superblock_write.snapshot(),
-            superblock_read: self.superblock_read.snapshot(),
-            syncs: self.syncs.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// I/O counters by category (bytes and operations), as reported by `stats`.
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
-pub struct IoStats {
-    /// Client data written to the data device (raw and packed blocks).
-    pub data_write: IoFigure,
-    /// Data blocks read to serve client reads.
-    pub data_read: IoFigure,
-    /// Recovery journal blocks written.
-    pub journal_write: IoFigure,
-    /// Journal blocks read (recovery).
-    pub journal_read: IoFigure,
-    /// Block map pages written.
-    pub block_map_write: IoFigure,
-    /// Block map pages read (cache misses).
-    pub block_map_read: IoFigure,
-    /// Reference count pages written.
-    pub refcount_write: IoFigure,
-    /// Reference count pages read (open).
-    pub refcount_read: IoFigure,
-    /// Fingerprint index saved.
-    pub index_write: IoFigure,
-    /// Fingerprint index loaded.
-    pub index_read: IoFigure,
-    /// Data read to verify duplicates (cache misses only).
-    pub verify_read: IoFigure,
-    /// Superblock writes.
-    pub superblock_write: IoFigure,
-    /// Superblock reads.
-    pub superblock_read: IoFigure,
-    /// Durability barriers (fdatasync) issued, all devices.
-    pub syncs: u64,
-}
-
-impl IoStats {
-    /// Total bytes written to all devices.
-    pub fn total_written_bytes(&self) -> u64 {
-        self.data_write.bytes
-            + self.journal_write.bytes
-            + self.block_map_write.bytes
-            + self.refcount_write.bytes
-            + self.index_write.bytes
-            + self.superblock_write.bytes
-    }
-}
-
-/// A device plus the shared counters: every access names its category.
-#[derive(Clone)]
-pub struct Dev {
-    inner: Arc<dyn Storage>,
-    counters: Arc<IoCounters>,
-}
-
-impl Dev {
-    /// Wraps a device.
-    pub fn new(inner: Arc<dyn Storage>, counters: Arc<IoCounters>) -> Self {
-        Dev { inner, counters }
-    }
-    /// Counted, contextual read.
-    pub fn read(&self, kind: IoKind, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.counters.counter(kind, false).add(buf.len());
-        self.inner.read_at(buf, offset).map_err(|e| {
-            Error::io(format!("reading {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
-        })
-    }
-    /// Counted, contextual write.
-    pub fn write(&self, kind: IoKind, buf: &[u8], offset: u64) -> Result<()> {
-        self.counters.counter(kind, true).add(buf.len());
-        self.inner.write_at(buf, offset).map_err(|e| {
-            Error::io(format!("writing {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
-        })
-    }
-    /// Counted, contextual write of buffers placed back to back.
-    pub fn write_vectored(&self, kind: IoKind, bufs: &[&[u8]], offset: u64) -> Result<()> {
-        let len: usize = bufs.iter().map(|b| b.len()).sum();
-        self.counters.counter(kind, true).add(len);
-        self.inner.write_vectored_at(bufs, offset).map_err(|e| {
-            Error::io(format!("writing {len} bytes ({kind:?}) at offset {offset} of {}", self.inner.name()), e)
-        })
-    }
-    /// Starts writeback of a range just written (a hint; see `Storage::start_writeback`).
-    pub fn start_writeback(&self, offset: u64, len: u64) {
-        self.inner.start_writeback(offset, len);
-    }
-    /// Durability barrier.
-    pub fn sync(&self) -> Result<()> {
-        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
-        self.inner.sync().map_err(|e| Error::io(format!("syncing {}", self.inner.name()), e))
-    }
-    /// Device size in bytes.
-    pub fn len(&self) -> u64 {
-        self.inner.len()
-    }
-    /// True when data bypasses the kernel page cache.
-    pub fn is_direct(&self) -> bool {
-        self.inner.is_direct()
-    }
-    /// True for a zero-length device.
-    pub fn is_empty(&self) -> bool {
-        self.inner.len() == 0
-    }
-    /// Device name.
-    pub fn name(&self) -> String {
-        self.inner.name()
-    }
-    /// True when both handles are the same device object.
-    pub fn same_as(&self, other: &Dev) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -862,7 +459,7 @@ mod tests {
             let mut back = vec![0u8; data.len() + 1];
             f.read_at(&mut back[1..], 8192).expect("read");
             assert!(back[1..] == data[..]);
-            let mut al = crate::aligned::AlignedBuf::new(data.len()).expect("alloc");
+            let mut al = crate::io::aligned::AlignedBuf::new(data.len()).expect("alloc");
             let al = al.as_mut_slice();
             f.read_at(al, 8192).expect("aligned read");
             assert!(al[..] == data[..]);
@@ -881,17 +478,5 @@ mod tests {
             let allocated = std::fs::metadata(&path).expect("stat").blocks() * 512;
             assert_eq!(allocated >= 64 << 20, mode == IoMode::Direct, "{mode:?}: {allocated} bytes allocated");
         }
-    }
-
-    #[test]
-    fn mem_storage_round_trip_across_chunks() {
-        let m = MemStorage::new(3 * MEM_CHUNK_BYTES);
-        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
-        let off = MEM_CHUNK_BYTES - 5000;
-        m.write_at(&data, off).expect("write");
-        let mut back = vec![0u8; data.len()];
-        m.read_at(&mut back, off).expect("read");
-        assert_eq!(back, data);
-        assert!(m.read_at(&mut back, 3 * MEM_CHUNK_BYTES - 10).is_err());
     }
 }

@@ -23,20 +23,20 @@
 //! - The content a block map entry points to always hashes (crc32c) to the entry's crc; a
 //!   read that finds otherwise retries once from the mapping, then reports corruption.
 
-use crate::allocator::Allocator;
-use crate::block_map::{BlockMap, MapEntry, STATE_RAW};
-use crate::cache::{Block, ContentCache};
 use crate::config::{Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::data_writer::{write_merged, write_ticketed, DataWriter, Health, Tickets};
+use crate::data::packer::{self, Packer};
+use crate::data::writer::{write_merged, write_ticketed, DataWriter, Health, Tickets};
+use crate::dedup::index::{Index, Location};
 use crate::error::{Error, Result};
-use crate::index::{Index, Location};
-use crate::journal::{self, CommitBatch, Counters, Journal};
-use crate::layout::Geometry;
-use crate::packer::{self, Packer};
-use crate::refcount::{Refcounts, REFCOUNT_MAX};
-use crate::stats::{LifetimeCounters, ReductionCounters, Savings, Stats};
-use crate::storage::{Dev, FileStorage, IoCounters, IoKind, Storage};
-use crate::superblock::Superblock;
+use crate::io::{Dev, FileStorage, IoCounters, IoKind, Storage};
+use crate::metadata::allocator::Allocator;
+use crate::metadata::block_map::{BlockMap, MapEntry, STATE_RAW};
+use crate::metadata::journal::{self, CommitBatch, Counters, Journal};
+use crate::metadata::layout::Geometry;
+use crate::metadata::refcount::{Refcounts, REFCOUNT_MAX};
+use crate::metadata::superblock::Superblock;
+use crate::obs::stats::{LifetimeCounters, ReductionCounters, Savings, Stats};
+use crate::read::cache::{Block, ContentCache};
 use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -184,7 +184,7 @@ impl Volume {
         meta_path: Option<String>,
     ) -> Result<()> {
         opts.validate()?;
-        if let Some(machine) = crate::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
+        if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
             // A volume whose index cannot be allocated here could never be opened here.
             return Err(Error::InvalidArgument(format!(
                 "index memory {} exceeds this machine's {machine} bytes of memory",
@@ -269,7 +269,7 @@ impl Volume {
         let mode = opts.io_mode.for_verify(sb.verify == DedupVerify::Hash);
         let file = Arc::try_unwrap(file).map_err(|_| Error::InvalidArgument("device still shared".into()))?;
         let data: Arc<dyn Storage> =
-            Arc::new(if mode == crate::storage::IoMode::Buffered { file.into_buffered() } else { file });
+            Arc::new(if mode == crate::io::IoMode::Buffered { file.into_buffered() } else { file });
         let meta_path = match meta_device {
             Some(m) => Some(m.to_path_buf()),
             None if sb.geometry.meta_dev_blocks > 0 => match sb.meta_path {
@@ -399,7 +399,7 @@ impl Volume {
             journal,
             packer: Packer::new(sb.compression),
             index,
-            stamps: full_hash.then(|| crate::hugemem::zeroed(geo.data_blocks as usize)),
+            stamps: full_hash.then(|| crate::io::hugemem::zeroed(geo.data_blocks as usize)),
             reuse_gen: 0,
             counters,
             red: ReductionCounters::default(),
@@ -1642,7 +1642,7 @@ fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
 mod tests {
     use super::*;
     use crate::config::DedupVerify;
-    use crate::storage::MemStorage;
+    use crate::io::MemStorage;
 
     /// With hash verification, a block whose 16-bit reuse stamp wraps must lose every index
     /// entry pointing at it: an entry made 65536 reuses ago would match the stamp again and

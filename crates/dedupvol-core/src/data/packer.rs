@@ -11,10 +11,10 @@
 //!   written ("sealed") when full or when a commit needs its data durable.
 //! - A fragment decompresses to exactly 4096 bytes, or the block is reported corrupt.
 
-use crate::block_map::PACKED_SLOTS_MAX;
 use crate::codec::{get_u16, put_u16, put_u32, seal_crc};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::error::{Error, Result};
+use crate::metadata::block_map::PACKED_SLOTS_MAX;
 
 /// Magic of a packed block.
 pub const PACKED_MAGIC: u32 = u32::from_le_bytes(*b"DVPK");
@@ -112,7 +112,7 @@ pub struct OpenBlock {
     pub pbn: u64,
     /// Unshared while open (written through `Arc::make_mut`, which then never copies), so sealing hands the block to
     /// the write path and the content cache without a copy.
-    buf: crate::cache::Block,
+    buf: crate::read::cache::Block,
     count: u8,
     used: usize,
 }
@@ -180,7 +180,7 @@ impl Packer {
     /// Opens a new block at `pbn` (the caller checks `can_open`).
     pub fn open(&mut self, pbn: u64) {
         debug_assert!(self.can_open() && !self.is_open(pbn));
-        let mut buf: crate::cache::Block = std::iter::repeat_n(0u8, BLOCK_SIZE).collect();
+        let mut buf: crate::read::cache::Block = std::iter::repeat_n(0u8, BLOCK_SIZE).collect();
         let b = std::sync::Arc::make_mut(&mut buf);
         put_u32(b, 0, PACKED_MAGIC);
         if let Some(c) = b.get_mut(9) {
@@ -189,7 +189,7 @@ impl Packer {
         self.open.push(OpenBlock { pbn, buf, count: 0, used: PACKED_HEADER_BYTES });
     }
 
-    fn finish(mut o: OpenBlock) -> (u64, crate::cache::Block, u8) {
+    fn finish(mut o: OpenBlock) -> (u64, crate::read::cache::Block, u8) {
         // make_mut copies only if the block was shared, which the packer never does.
         let b = std::sync::Arc::make_mut(&mut o.buf);
         if let Some(c) = b.get_mut(8) {
@@ -201,7 +201,7 @@ impl Packer {
 
     /// Closes the oldest open block (the first opened, so the lowest-numbered of a
     /// sequential allocation) and returns it ready to write.
-    pub fn seal_oldest(&mut self) -> Option<(u64, crate::cache::Block, u8)> {
+    pub fn seal_oldest(&mut self) -> Option<(u64, crate::read::cache::Block, u8)> {
         if self.open.is_empty() {
             return None;
         }
@@ -210,7 +210,7 @@ impl Packer {
 
     /// Closes every open block (a commit needs their data durable). A block returned with
     /// `count == 0` was never used and its pbn can be unreserved.
-    pub fn seal_all(&mut self) -> Vec<(u64, crate::cache::Block, u8)> {
+    pub fn seal_all(&mut self) -> Vec<(u64, crate::read::cache::Block, u8)> {
         std::mem::take(&mut self.open).into_iter().map(Self::finish).collect()
     }
 

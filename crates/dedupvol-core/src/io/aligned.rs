@@ -85,7 +85,7 @@ pub fn with_bounce<R>(f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
         Some(b) => b,
         None => {
             let mut b = AlignedBuf::with_align(BOUNCE_BYTES, BOUNCE_ALIGN)?;
-            crate::hugemem::advise(b.as_mut_slice());
+            crate::io::hugemem::advise(b.as_mut_slice());
             b
         }
     };

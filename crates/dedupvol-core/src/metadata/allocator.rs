@@ -188,11 +188,6 @@ impl Allocator {
         }
         Ok(())
     }
-
-    /// Blocks available now.
-    pub fn free_blocks(&self) -> u64 {
-        self.free_total
-    }
 }
 
 #[cfg(test)]

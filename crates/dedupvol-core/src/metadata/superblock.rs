@@ -13,9 +13,9 @@
 
 use crate::config::{Compression, DedupVerify, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
-use crate::layout::Geometry;
-use crate::stats::LifetimeCounters;
-use crate::storage::{Dev, IoKind};
+use crate::io::{Dev, IoKind};
+use crate::metadata::layout::Geometry;
+use crate::obs::stats::LifetimeCounters;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 

@@ -7,13 +7,13 @@
 //! - `repair` only changes what can be recomputed from the block map (reference counts,
 //!   counters, superblock copies); mappings to unreadable data are reported, not dropped.
 
-use crate::block_map::MapEntry;
 use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::data::packer;
 use crate::error::Result;
-use crate::journal::Counters;
-use crate::packer;
-use crate::refcount::REFCOUNT_MAX;
-use crate::storage::{IoKind, Storage};
+use crate::io::{IoKind, Storage};
+use crate::metadata::block_map::MapEntry;
+use crate::metadata::journal::Counters;
+use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::volume::Volume;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -490,7 +490,7 @@ impl Volume {
                 st.journal.reset_counters(counted);
                 report.repaired.push("space counters recomputed".into());
             }
-            st.alloc = crate::allocator::Allocator::from_counts(st.rc.counts(), geo.slab_blocks);
+            st.alloc = crate::metadata::allocator::Allocator::from_counts(st.rc.counts(), geo.slab_blocks);
             if self.open_notes.iter().any(|n| n.contains("superblock")) {
                 report.repaired.push("superblock copies rewritten".into());
             }

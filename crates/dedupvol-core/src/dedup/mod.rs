@@ -1,0 +1,3 @@
+//! Deduplication: the fingerprint index.
+
+pub(crate) mod index;

@@ -1,0 +1,135 @@
+//! Device access: the storage trait the engine sits on, its file and memory
+//! implementations, the counted device handle, aligned buffers for direct I/O and large
+//! zeroed allocations.
+//!
+//! Invariants:
+//! - `write_at` may be cached by the device; only `sync` makes earlier writes durable
+//!   (a disk with a volatile write cache, docs/design.md, durability contract).
+//! - Reads and writes are whole and positioned: a short read or write is an error.
+//! - Every byte the engine moves goes through a `Dev` and is counted under exactly one
+//!   `IoKind`, so write amplification and the overhead breakdown come from real traffic.
+
+pub(crate) mod aligned;
+mod dev;
+mod file;
+pub(crate) mod hugemem;
+mod memory;
+
+pub(crate) use crate::obs::io::{IoCounters, IoKind};
+pub(crate) use dev::Dev;
+pub use file::FileStorage;
+pub use memory::MemStorage;
+
+use crate::error::{Error, Result};
+use serde::Serialize;
+use std::io;
+use std::sync::Arc;
+
+/// A block device as the engine sees it: positioned reads/writes plus a durability barrier.
+pub trait Storage: Send + Sync {
+    /// Reads exactly `buf.len()` bytes at `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `offset` (possibly into a volatile cache).
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Writes the buffers back to back starting at `offset` (one `pwritev` where the
+    /// device supports it, so merged blocks need no joining copy).
+    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        self.write_at(&bufs.concat(), offset)
+    }
+    /// Makes every write that completed before this call durable.
+    fn sync(&self) -> io::Result<()>;
+    /// Hint: start writing `[offset, offset + len)` back to stable storage now, without
+    /// waiting, so the next `sync` has less to do. Guarantees nothing; errors surface at `sync`.
+    fn start_writeback(&self, _offset: u64, _len: u64) {}
+    /// True when data bypasses the kernel page cache (`O_DIRECT`).
+    fn is_direct(&self) -> bool {
+        false
+    }
+    /// Size of the device in bytes.
+    fn len(&self) -> u64;
+    /// True when the device has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A human-readable name for error messages.
+    fn name(&self) -> String {
+        "device".to_string()
+    }
+}
+
+/// How a `FileStorage` moves data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoMode {
+    /// `Volume::open_path` picks: direct for a hash-verified volume, buffered for a
+    /// byte-verified one (its verification reads are served from the page cache). A
+    /// `FileStorage` opened with it is direct.
+    #[default]
+    Auto,
+    /// `O_DIRECT` where the file system supports it (else buffered): no page-cache copy and
+    /// no page-cache memory; the engine's content cache is the only data cache.
+    Direct,
+    /// Through the kernel page cache.
+    Buffered,
+}
+
+impl IoMode {
+    /// The mode `Auto` stands for on a volume with (`true`) or without hash verification.
+    pub fn for_verify(self, hash_verified: bool) -> IoMode {
+        match self {
+            IoMode::Auto if hash_verified => IoMode::Direct,
+            IoMode::Auto => IoMode::Buffered,
+            m => m,
+        }
+    }
+}
+
+impl std::str::FromStr for IoMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(IoMode::Auto),
+            "direct" => Ok(IoMode::Direct),
+            "buffered" => Ok(IoMode::Buffered),
+            other => Err(Error::InvalidArgument(format!("I/O mode must be auto, direct or buffered, not {other:?}"))),
+        }
+    }
+}
+
+/// The name users type (`direct`), for messages.
+impl std::fmt::Display for IoMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IoMode::Auto => "auto",
+            IoMode::Direct => "direct",
+            IoMode::Buffered => "buffered",
+        })
+    }
+}
+
+impl<T: Storage + ?Sized> Storage for Arc<T> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        (**self).read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        (**self).write_at(buf, offset)
+    }
+    fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        (**self).write_vectored_at(bufs, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        (**self).sync()
+    }
+    fn start_writeback(&self, offset: u64, len: u64) {
+        (**self).start_writeback(offset, len)
+    }
+    fn is_direct(&self) -> bool {
+        (**self).is_direct()
+    }
+    fn len(&self) -> u64 {
+        (**self).len()
+    }
+    fn name(&self) -> String {
+        (**self).name()
+    }
+}

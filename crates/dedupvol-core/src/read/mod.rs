@@ -1,0 +1,3 @@
+//! The read side: the content cache.
+
+pub(crate) mod cache;
