@@ -26,6 +26,10 @@ pub enum Error {
     /// A checksum or structural check failed: the affected data cannot be trusted.
     #[error("corruption detected: {0}")]
     Corrupt(String),
+    /// A structure read from a device is not what it must be: which structure, where,
+    /// what it should have held and what it held.
+    #[error("corruption detected: {0}")]
+    Corruption(Corruption),
     /// No free physical block is left.
     #[error("no space left on volume: {0}")]
     NoSpace(String),
@@ -62,6 +66,26 @@ pub enum Error {
     Failed(String),
 }
 
+/// Corruption found in one structure at one address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Corruption {
+    /// The structure that is damaged (or that pointed at the damage).
+    pub structure: &'static str,
+    /// Its address: a logical block, a physical block, a page or a journal sequence,
+    /// as `structure` says.
+    pub address: u64,
+    /// What it should have held.
+    pub expected: String,
+    /// What it held.
+    pub found: String,
+}
+
+impl std::fmt::Display for Corruption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: expected {}, found {}", self.structure, self.address, self.expected, self.found)
+    }
+}
+
 impl Error {
     /// Wraps an `io::Error` with context.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
@@ -71,7 +95,7 @@ impl Error {
     /// The POSIX errno a block frontend should report for this error.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Io { .. } | Error::Corrupt(_) | Error::Failed(_) => libc::EIO,
+            Error::Io { .. } | Error::Corrupt(_) | Error::Corruption(_) | Error::Failed(_) => libc::EIO,
             Error::NoSpace(_) => libc::ENOSPC,
             Error::OutOfRange { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             Error::ReadOnly => libc::EROFS,

@@ -20,12 +20,13 @@ mod error;
 mod io;
 mod metadata;
 mod obs;
+mod pipeline;
 mod read;
 mod volume;
 
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE};
-pub use error::{Error, Result};
+pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
 pub use metadata::layout::Geometry;
 pub use obs::io::{IoFigure, IoKind, IoStats};

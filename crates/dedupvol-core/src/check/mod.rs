@@ -14,7 +14,7 @@ use crate::io::{IoKind, Storage};
 use crate::metadata::block_map::MapEntry;
 use crate::metadata::journal::Counters;
 use crate::metadata::refcount::REFCOUNT_MAX;
-use crate::volume::Volume;
+use crate::volume::{OpenNote, Volume};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -282,9 +282,9 @@ impl Volume {
         let repair = copts.repair;
         let mut report = CheckReport::default();
         for n in &self.open_notes {
-            match n.strip_prefix("note: ") {
-                Some(note) => report.notes.push(note.to_string()),
-                None => report.problem(Problem::Open { message: n.clone() }),
+            match n {
+                OpenNote::Info(note) => report.notes.push(note.clone()),
+                OpenNote::SuperblockCopy(m) => report.problem(Problem::Open { message: m.clone() }),
             }
         }
         let geo = self.geo;
@@ -307,7 +307,7 @@ impl Volume {
             };
             counted.apply(&MapEntry::UNMAPPED, &e);
             if lba % 65536 == 65535 {
-                let d = st.journal.durable_seq;
+                let d = st.journal.durable_seq();
                 st.map.evict(d)?;
             }
             if !e.is_data() {
@@ -407,7 +407,7 @@ impl Volume {
                 let last = (pbn..end).rev().find(|&p| used(p)).unwrap_or(pbn);
                 let len = (last - pbn + 1) as usize * BLOCK_SIZE;
                 let dst = run.get_mut(..len).ok_or_else(|| crate::Error::InvalidArgument("check run".into()))?;
-                run_pbns = match self.data.read(IoKind::Verify, dst, geo.data_offset(pbn)) {
+                run_pbns = match self.data.read(IoKind::Verify, pbn, dst, "block map entry") {
                     Ok(()) => pbn..last + 1,
                     Err(_) => 0..0,
                 };
@@ -416,7 +416,7 @@ impl Volume {
             match run.get(at..at + BLOCK_SIZE).filter(|_| run_pbns.contains(&pbn)) {
                 Some(b) => buf.copy_from_slice(b),
                 None => {
-                    if let Err(e) = self.data.read(IoKind::Verify, &mut buf, geo.data_offset(pbn)) {
+                    if let Err(e) = self.data.read(IoKind::Verify, pbn, &mut buf, "block map entry") {
                         report.problem(Problem::Unreadable { pbn, error: e.to_string() });
                         damaged.push(Damage { pbn, slot: None, unreadable: true });
                         continue;
@@ -478,9 +478,7 @@ impl Volume {
             let mut st = self.state.lock();
             // Repaired pages need a sequence above every journal entry, so that neither a
             // replay nor the older copy in the other slot (same seq) can win over them.
-            let seq = st.journal.next_entry_seq;
-            st.journal.next_entry_seq += 1;
-            st.journal.durable_seq = seq;
+            let seq = st.journal.assign_written_seq();
             for &(pbn, count, frags) in &fixes {
                 st.rc.set_for_repair(pbn, count, frags, seq);
                 report.repaired.push(format!("physical block {pbn}: reference count set to {count}"));
@@ -491,7 +489,7 @@ impl Volume {
                 report.repaired.push("space counters recomputed".into());
             }
             st.alloc = crate::metadata::allocator::Allocator::from_counts(st.rc.counts(), geo.slab_blocks);
-            if self.open_notes.iter().any(|n| n.contains("superblock")) {
+            if self.open_notes.iter().any(|n| matches!(n, OpenNote::SuperblockCopy(_))) {
                 report.repaired.push("superblock copies rewritten".into());
             }
             if !damaged.is_empty() {
@@ -526,7 +524,7 @@ impl Volume {
             // An unreadable map page was reported already; its blocks cannot be named.
             let Ok(e) = st.map.get(lba) else { continue };
             if lba % 65536 == 65535 {
-                let d = st.journal.durable_seq;
+                let d = st.journal.durable_seq();
                 st.map.evict(d)?;
             }
             if !(e.is_data() && hit(&e)) {

@@ -13,10 +13,8 @@
 //!   while the queue is full); the thread merges at most `MERGE_BATCHES` per write.
 //! - Dropping the `DataWriter` writes what is queued, then joins the thread.
 
-use crate::config::BLOCK_SIZE;
+use crate::data::placement::DataDevice;
 use crate::error::{Error, Result};
-use crate::io::{Dev, IoKind};
-use crate::metadata::layout::Geometry;
 use crate::read::cache::Block;
 use parking_lot::{Condvar, Mutex};
 use std::collections::BTreeSet;
@@ -87,10 +85,19 @@ impl Tickets {
         self.inner.lock().next
     }
 
-    /// Keeps the entries of `items` whose ticket is still active (one lock for all).
-    pub(crate) fn retain_active<T>(&self, items: &mut Vec<(u64, T)>) {
+    /// Keeps the entries of `items` whose ticket is still active (one lock for all) and
+    /// hands the others to `retired`.
+    pub(crate) fn retain_active_or<T>(&self, items: &mut Vec<(u64, T)>, mut retired: impl FnMut(T)) {
         let g = self.inner.lock();
-        items.retain(|(t, _)| g.active.contains(t));
+        let mut kept = Vec::with_capacity(items.len());
+        for (t, item) in items.drain(..) {
+            if g.active.contains(&t) {
+                kept.push((t, item));
+            } else {
+                retired(item);
+            }
+        }
+        *items = kept;
     }
 
     /// Retires finished writes' tickets and wakes commits waiting for them.
@@ -116,24 +123,18 @@ impl Tickets {
 /// Writes blocks, merging blocks adjacent on the device into one write. With `writeback`,
 /// also starts their writeback (buffered storage: the data region is written
 /// sequentially, so the device streams it while the commit that will sync it is filling).
-pub(crate) fn write_merged(data: &Dev, geo: &Geometry, mut blocks: Batch, writeback: bool) -> Result<()> {
+pub(crate) fn write_merged(data: &DataDevice, mut blocks: Batch, writeback: bool) -> Result<()> {
     blocks.sort_unstable_by_key(|(p, _)| *p);
-    let mut k = 0;
-    while let Some((start, first)) = blocks.get(k) {
-        let mut run = 1usize;
-        while blocks.get(k + run).is_some_and(|(p, _)| *p == start + run as u64) {
-            run += 1;
-        }
-        if run == 1 {
-            data.write(IoKind::Data, first, geo.data_offset(*start))?;
-        } else {
-            let bufs: Vec<&[u8]> = blocks.get(k..k + run).unwrap_or(&[]).iter().map(|(_, b)| &b[..]).collect();
-            data.write_vectored(IoKind::Data, &bufs, geo.data_offset(*start))?;
-        }
+    let mut rest = blocks.as_slice();
+    while let Some(((start, _), _)) = rest.split_first() {
+        let run = 1 + rest.iter().skip(1).zip(1u64..).take_while(|((p, _), k)| *p == start + k).count();
+        let (head, tail) = rest.split_at(run);
+        let bufs: Vec<&[u8]> = head.iter().map(|(_, b)| &b[..]).collect();
+        data.write_run(*start, &bufs)?;
         if writeback {
-            data.start_writeback(geo.data_offset(*start), (run * BLOCK_SIZE) as u64);
+            data.start_writeback(*start, run as u64);
         }
-        k += run;
+        rest = tail;
     }
     Ok(())
 }
@@ -146,11 +147,11 @@ pub(crate) struct DataWriter {
 
 impl DataWriter {
     /// Starts the thread; None when it cannot be spawned (writers then write inline).
-    pub(crate) fn start(data: Dev, geo: Geometry, tickets: Arc<Tickets>, health: Arc<Health>) -> Option<Self> {
+    pub(crate) fn start(data: DataDevice, tickets: Arc<Tickets>, health: Arc<Health>) -> Option<Self> {
         let (tx, rx) = sync_channel::<(u64, Batch)>(QUEUE_BATCHES);
         let handle = std::thread::Builder::new()
             .name("dedupvol-data".into())
-            .spawn(move || run(rx, &data, &geo, &tickets, &health))
+            .spawn(move || run(rx, &data, &tickets, &health))
             .ok()?;
         Some(DataWriter { tx: Some(tx), handle: Some(handle) })
     }
@@ -175,7 +176,7 @@ impl Drop for DataWriter {
     }
 }
 
-fn run(rx: Receiver<(u64, Batch)>, data: &Dev, geo: &Geometry, tickets: &Tickets, health: &Health) {
+fn run(rx: Receiver<(u64, Batch)>, data: &DataDevice, tickets: &Tickets, health: &Health) {
     while let Ok((t, mut blocks)) = rx.recv() {
         let mut done = vec![t];
         while done.len() < MERGE_BATCHES {
@@ -188,7 +189,7 @@ fn run(rx: Receiver<(u64, Batch)>, data: &Dev, geo: &Geometry, tickets: &Tickets
             }
         }
         // The error is recorded in `health`, where the next commit or write finds it.
-        let _ = write_ticketed(data, geo, blocks, &done, tickets, health);
+        let _ = write_ticketed(data, blocks, &done, tickets, health);
     }
 }
 
@@ -197,14 +198,13 @@ fn run(rx: Receiver<(u64, Batch)>, data: &Dev, geo: &Geometry, tickets: &Tickets
 /// for them sees it. After a failure nothing more is written: what reached the device is
 /// unknown, and the volume refuses every later commit anyway.
 pub(crate) fn write_ticketed(
-    data: &Dev,
-    geo: &Geometry,
+    data: &DataDevice,
     blocks: Batch,
     done: &[u64],
     tickets: &Tickets,
     health: &Health,
 ) -> Result<()> {
-    let r = health.check().and_then(|()| write_merged(data, geo, blocks, true));
+    let r = health.check().and_then(|()| write_merged(data, blocks, true));
     if let Err(e) = &r {
         health.fail(e);
     }

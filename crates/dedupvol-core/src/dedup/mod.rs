@@ -1,3 +1,203 @@
-//! Deduplication: the fingerprint index.
+//! Deduplication: one `Deduper` owns the whole decision to share a chunk with a stored
+//! copy — lookup, verification, claim — and the staleness rules it rests on: reuse
+//! stamps (hash verification) and the reuse generation (byte verification).
+//!
+//! A chunk's path (docs/design.md, "Sharing or storing a chunk"):
+//! 1. `lookup` (state lock): a candidate from the index, only if its block is in use and,
+//!    with hash verification, its reuse stamp still matches;
+//! 2. verification: with hash verification the 256-bit fingerprint and the stamp are the
+//!    proof; with byte verification the candidate's content is compared, from memory when
+//!    it is not on the device yet (decided in step 1) or by `verify::by_read` (no lock);
+//! 3. `claim` (state lock, at placement): re-checks the candidate against everything that
+//!    may have changed since step 1, or finds a duplicate stored meanwhile.
+//!
+//! Invariants:
+//! - Sharing never rests on a stale entry: a block freed since an entry was made has a
+//!   new stamp (hash verification), or a new reuse generation voids every byte
+//!   verification done before it; a stamp that wraps purges the block's entries.
+//! - A block's reference count never exceeds `REFCOUNT_MAX` through sharing: a candidate at
+//!   the cap is refused and the chunk stored as a new copy.
+//! - The index is advisory: losing it loses dedup, never data.
 
 pub(crate) mod index;
+pub(crate) mod saved;
+pub(crate) mod verify;
+
+use crate::dedup::index::{Index, Location};
+use crate::metadata::block_map::MapEntry;
+use crate::metadata::refcount::{Refcounts, REFCOUNT_MAX};
+use crate::obs::stats::ReductionCounters;
+
+/// The dedup decision's state (guarded by the volume's state lock).
+pub(crate) struct Deduper {
+    index: Index,
+    /// Per-block reuse stamps (hash verification only).
+    stamps: Option<Vec<u16>>,
+    /// Bumped whenever freed blocks become reusable; a byte verification done before a
+    /// bump is stale.
+    reuse_gen: u64,
+}
+
+/// What `claim` decided for a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// Share this stored copy.
+    Share(Location),
+    /// Store the chunk as a new copy.
+    Store,
+}
+
+/// A chunk's candidate after lookup and verification.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Candidate {
+    /// The index's candidate, if any.
+    pub(crate) loc: Option<Location>,
+    /// True once the candidate is proven to hold the chunk.
+    pub(crate) verified: bool,
+}
+
+impl Deduper {
+    /// A deduper over `index`; `hash_mode` keeps a reuse stamp per data block.
+    pub(crate) fn new(index: Index, hash_mode: bool, data_blocks: u64) -> Self {
+        let stamps = hash_mode.then(|| crate::io::hugemem::zeroed(data_blocks as usize));
+        Deduper { index, stamps, reuse_gen: 0 }
+    }
+
+    /// True when fingerprints are trusted on full 256-bit equality plus the reuse stamp.
+    pub(crate) fn hash_mode(&self) -> bool {
+        self.stamps.is_some()
+    }
+
+    /// The reuse generation now; `claim` compares it with the one seen at lookup.
+    pub(crate) fn generation(&self) -> u64 {
+        self.reuse_gen
+    }
+
+    /// True when `loc`'s reuse stamp is its block's current one (always, without stamps):
+    /// the block has not been freed since the index entry was made.
+    fn stamp_matches(&self, loc: &Location) -> bool {
+        self.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp))
+    }
+
+    /// Step 1: the candidate for `hash`, if its block is in use now (a free block could be
+    /// reallocated before placement without any generation bump) and its stamp matches.
+    /// With hash verification the candidate comes back verified.
+    pub(crate) fn lookup(&self, hash: &[u8; 32], rc: &Refcounts) -> Candidate {
+        let loc = self.index.lookup(hash).filter(|l| rc.get(l.pbn) > 0 && self.stamp_matches(l));
+        Candidate { loc, verified: loc.is_some() && self.hash_mode() }
+    }
+
+    /// Step 3: the final decision at placement, by the table in docs/design.md.
+    /// `looked_up_at` is the generation `lookup` ran under; `in_memory` verifies a location
+    /// from memory only (unwritten blocks, the content cache), never with I/O.
+    pub(crate) fn claim(
+        &mut self,
+        hash: &[u8; 32],
+        cand: Candidate,
+        looked_up_at: u64,
+        rc: &Refcounts,
+        red: &mut ReductionCounters,
+        in_memory: impl Fn(Location) -> bool,
+    ) -> Claim {
+        let stale = self.reuse_gen != looked_up_at;
+        match cand {
+            Candidate { loc: Some(loc), verified: true } => {
+                let c = rc.get(loc.pbn);
+                if c >= REFCOUNT_MAX {
+                    red.refcount_cap_copies += 1;
+                } else if c > 0 && self.stamp_matches(&loc) && (!stale || self.hash_mode()) {
+                    return Claim::Share(loc);
+                }
+            }
+            Candidate { loc: Some(loc), verified: false } => {
+                red.dedup_verify_failures += 1;
+                self.index.remove(hash, loc);
+            }
+            Candidate { loc: None, .. } => {}
+        }
+        // A duplicate stored by this request or a concurrent writer since the lookup: only
+        // taken when it can be verified from memory.
+        let Some(loc) = self.index.lookup(hash).filter(|l| Some(*l) != cand.loc) else {
+            return Claim::Store;
+        };
+        let c = rc.get(loc.pbn);
+        if c == 0 || c >= REFCOUNT_MAX {
+            return Claim::Store;
+        }
+        let proven = if self.hash_mode() { self.stamp_matches(&loc) } else { in_memory(loc) };
+        if proven {
+            Claim::Share(loc)
+        } else {
+            Claim::Store
+        }
+    }
+
+    /// Records a newly stored chunk under its fingerprint, stamped with its block's stamp.
+    pub(crate) fn record(&mut self, hash: &[u8; 32], e: &MapEntry) {
+        let stamp = self.stamps.as_ref().and_then(|s| s.get(e.pbn as usize).copied()).unwrap_or(0);
+        self.index.insert(hash, Location { pbn: e.pbn, state: e.state, stamp });
+    }
+
+    /// Freed blocks became reusable: every byte verification done before now is stale.
+    pub(crate) fn note_reuse(&mut self) {
+        self.reuse_gen += 1;
+    }
+
+    /// A block lost its last reference: its index entries become stale (new stamp; a
+    /// stamp that wraps to a value an old entry may carry purges the block's entries).
+    /// Returns true when that needed the scan.
+    pub(crate) fn note_freed(&mut self, pbn: u64) -> bool {
+        let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
+            *s = s.wrapping_add(1);
+            *s == 0
+        });
+        if wrapped {
+            self.index.remove_pbn(pbn);
+        }
+        wrapped
+    }
+
+    /// Takes a block whose stored content failed its checksum out of deduplication: no
+    /// index entry may lead a new write to it, since hash verification would trust the
+    /// entry and share the damaged copy.
+    pub(crate) fn forget_damaged(&mut self, pbn: u64) {
+        // With reuse stamps, a new stamp makes every entry for the block stale at once; a
+        // stamp that wraps to an old value needs the full scan, as at reuse.
+        let stale_by_stamp = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
+            *s = s.wrapping_add(1);
+            *s != 0
+        });
+        if !stale_by_stamp {
+            self.index.remove_pbn(pbn);
+        }
+    }
+
+    /// Waits for the index memory to be populated (see `Volume::wait_ready`).
+    pub(crate) fn wait_ready(&mut self) {
+        self.index.wait_prefault();
+    }
+
+    /// The index, for statistics.
+    pub(crate) fn index(&self) -> &Index {
+        &self.index
+    }
+
+    /// Memory of the reuse stamps in bytes.
+    pub(crate) fn stamp_bytes(&self) -> u64 {
+        self.stamps.as_ref().map_or(0, |s| 2 * s.len() as u64)
+    }
+
+    /// The current reuse stamp of `pbn` (tests).
+    #[cfg(test)]
+    pub(crate) fn stamp(&self, pbn: u64) -> Option<u16> {
+        self.stamps.as_ref().and_then(|s| s.get(pbn as usize).copied())
+    }
+
+    /// Sets the reuse stamp of `pbn`, as if it had been reused that often (tests).
+    #[cfg(test)]
+    pub(crate) fn set_stamp(&mut self, pbn: u64, stamp: u16) {
+        if let Some(s) = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)) {
+            *s = stamp;
+        }
+    }
+}

@@ -87,13 +87,13 @@ pub struct Journal {
     geo: Geometry,
     uuid: [u8; 16],
     /// Next entry sequence to assign.
-    pub next_entry_seq: u64,
+    next_entry_seq: u64,
     /// Next block sequence to write.
-    pub next_block_seq: u64,
+    next_block_seq: u64,
     /// Oldest block still needed by recovery.
-    pub head_block_seq: u64,
+    head_block_seq: u64,
     /// Newest entry sequence known durable.
-    pub durable_seq: u64,
+    durable_seq: u64,
     pending: Vec<JournalEntry>,
     encoded: Counters,
 }
@@ -117,6 +117,49 @@ impl Journal {
     /// Replaces the running counters (repair).
     pub fn reset_counters(&mut self, c: Counters) {
         self.encoded = c;
+    }
+
+    /// The newest entry sequence assigned (0 before the first).
+    pub fn last_assigned_seq(&self) -> u64 {
+        self.next_entry_seq.saturating_sub(1)
+    }
+
+    /// The next entry sequence `append` will assign.
+    pub fn next_entry_seq(&self) -> u64 {
+        self.next_entry_seq
+    }
+
+    /// The next block sequence a commit will write.
+    pub fn next_block_seq(&self) -> u64 {
+        self.next_block_seq
+    }
+
+    /// The newest entry sequence known durable.
+    pub fn durable_seq(&self) -> u64 {
+        self.durable_seq
+    }
+
+    /// Records that every entry up to `seq` is durable (a batch's journal blocks synced).
+    pub fn mark_durable(&mut self, seq: u64) {
+        assert!(seq < self.next_entry_seq, "journal: entry {seq} made durable before it was assigned");
+        self.durable_seq = self.durable_seq.max(seq);
+    }
+
+    /// Records that every page the live journal blocks describe is written and synced:
+    /// recovery needs none of them, and their space is free again.
+    pub fn note_checkpointed(&mut self) {
+        assert!(self.pending.is_empty(), "journal: checkpoint with {} entries not committed", self.pending.len());
+        self.head_block_seq = self.next_block_seq;
+    }
+
+    /// A sequence for a change made outside the journal and written straight to the pages
+    /// (repair): assigned and durable at once.
+    pub fn assign_written_seq(&mut self) -> u64 {
+        assert!(self.pending.is_empty(), "journal: repair with {} entries not committed", self.pending.len());
+        let seq = self.next_entry_seq;
+        self.next_entry_seq += 1;
+        self.durable_seq = seq;
+        seq
     }
 
     /// Records a change; returns its sequence.

@@ -318,6 +318,26 @@ impl Superblock {
         }))
     }
 
+    /// True when either superblock copy on `dev` carries the dedupvol magic, whatever its
+    /// role, version or checksum: `format` refuses to overwrite such a device without
+    /// `force`. A copy that cannot be read may hold a volume, so an unreadable device with
+    /// no magic seen is an error, never "no volume".
+    pub fn probe(dev: &Dev) -> Result<bool> {
+        if dev.len() < 2 * BLOCK_SIZE_U64 {
+            return Ok(false);
+        }
+        let mut io_error = None;
+        for copy in 0..2u64 {
+            let mut buf = vec![0u8; BLOCK_SIZE];
+            match dev.read(IoKind::Superblock, &mut buf, copy * BLOCK_SIZE_U64) {
+                Ok(()) if buf.starts_with(&SUPERBLOCK_MAGIC) => return Ok(true),
+                Ok(()) => {}
+                Err(e) => io_error = Some(e),
+            }
+        }
+        io_error.map_or(Ok(false), Err)
+    }
+
     /// Reads both copies from `dev` and returns the newest valid one, plus a note for each
     /// copy that was unreadable or corrupt (for `check`).
     pub fn read(dev: &Dev, role: u8) -> Result<(Superblock, Vec<String>)> {

@@ -16,6 +16,11 @@ use std::sync::Arc;
 /// A cached 4 KiB physical block.
 pub type Block = Arc<[u8]>;
 
+/// A zeroed, unshared block, allocated once (`Arc::from(Vec)` would copy it).
+pub(crate) fn new_block() -> Block {
+    std::iter::repeat_n(0u8, crate::config::BLOCK_SIZE).collect()
+}
+
 /// The content cache.
 pub struct ContentCache {
     map: PbnMap<(Block, bool)>,

@@ -1,3 +1,277 @@
-//! The read side: the content cache.
+//! The read path, and the content cache it shares with verification.
+//!
+//! A read (docs/design.md, "A read"), per call of at most 4 MiB of whole blocks:
+//! 1. `lookup` (state lock, one hold for the whole request): every mapping; blocks not on
+//!    the device yet are answered from memory (`Staging`, open packed blocks) in constant
+//!    time;
+//! 2. `fetch` (no lock): raw blocks consecutive both logically and physically and missing
+//!    from the cache are read with one request straight into the caller's buffer; other
+//!    blocks go through the content cache, so a packed block's fragments cost one read;
+//! 3. every block's crc32c is checked; a mismatch drops the cached copy and retries from a
+//!    fresh mapping (the block may have been freed and reused meanwhile), then reports
+//!    corruption and takes the block out of deduplication.
+//!
+//! Invariants:
+//! - No device read happens under the state lock.
+//! - Merged runs are not cached: a long scan does not evict the blocks verification needs.
+//! - Whatever a read returns matched its map entry's crc.
 
 pub(crate) mod cache;
+
+use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::data::packer;
+use crate::error::{Error, Result};
+use crate::io::IoKind;
+use crate::metadata::block_map::MapEntry;
+use crate::pipeline::segments;
+use crate::volume::state::State;
+use crate::volume::Volume;
+use cache::{new_block, Block};
+use std::sync::Arc;
+
+/// Raw blocks read with one device request at most (1 MiB).
+const READ_RUN_BLOCKS_MAX: usize = 256;
+/// Attempts to read a block whose content does not match its checksum (reuse races).
+const READ_ATTEMPTS: usize = 2;
+/// Blocks read per call to `read_blocks` (4 MiB): bounds how much of the block map cache
+/// one huge read pins.
+const READ_BLOCKS_PER_CALL: u64 = 1024;
+
+/// A block's mapping as step 1 found it.
+#[derive(Clone, Copy)]
+struct Looked {
+    /// Index of the block in the request.
+    i: usize,
+    e: MapEntry,
+    /// Already answered (from memory, or zeros).
+    done: bool,
+}
+
+impl Volume {
+    /// Reads a checked byte range: partial blocks through a bounce block, whole blocks
+    /// straight into `buf`.
+    pub(crate) fn read_range(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        for seg in segments(offset, buf.len() as u64, READ_BLOCKS_PER_CALL) {
+            let size = buf.len() as u64;
+            let dst = buf.get_mut(seg.pos as usize..(seg.pos + seg.len) as usize).ok_or(Error::OutOfRange {
+                offset: seg.pos,
+                len: seg.len,
+                size,
+            })?;
+            if seg.whole {
+                self.read_blocks(seg.lba, dst.len() / BLOCK_SIZE, dst)?;
+            } else {
+                let mut block = vec![0u8; BLOCK_SIZE];
+                self.read_blocks(seg.lba, 1, &mut block)?;
+                let src = block.get(seg.within..seg.within + dst.len()).ok_or(Error::OutOfRange {
+                    offset: seg.within as u64,
+                    len: dst.len() as u64,
+                    size: BLOCK_SIZE_U64,
+                })?;
+                dst.copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads whole blocks into `out` (len = n * 4096).
+    pub(crate) fn read_blocks(&self, lba0: u64, n: usize, out: &mut [u8]) -> Result<()> {
+        assert_eq!(out.len(), n * BLOCK_SIZE, "read_blocks: buffer of {} bytes for {n} blocks", out.len());
+        let mut attempts = vec![0usize; n];
+        let mut todo: Vec<usize> = (0..n).collect();
+        while !todo.is_empty() {
+            let looked = self.lookup(lba0, &todo, out)?;
+            let mut retry = Vec::new();
+            self.fetch(lba0, &looked, out, &mut attempts, &mut retry)?;
+            todo = retry;
+        }
+        Ok(())
+    }
+
+    /// Step 1 (one state-lock hold): the mappings of blocks `todo`; unwritten blocks are
+    /// decoded into `out` here and zero or unmapped blocks filled.
+    fn lookup(&self, lba0: u64, todo: &[usize], out: &mut [u8]) -> Result<Vec<Looked>> {
+        let mut looked = Vec::with_capacity(todo.len());
+        let mut st = self.state.lock();
+        for &i in todo {
+            let lba = lba0 + i as u64;
+            let e = st.map.get(lba)?;
+            let dst = block_mut(out, i)?;
+            let done = if e.is_data() { decode_unwritten(&st, lba, &e, dst)? } else { true };
+            if !e.is_data() {
+                dst.fill(0);
+            }
+            looked.push(Looked { i, e, done });
+        }
+        let durable = st.journal.durable_seq();
+        st.map.evict(durable)?;
+        Ok(looked)
+    }
+
+    /// Steps 2 and 3 (no lock): reads what `lookup` left, in runs or through the cache,
+    /// and checks every block; blocks to retry are pushed to `retry`.
+    fn fetch(
+        &self,
+        lba0: u64,
+        looked: &[Looked],
+        out: &mut [u8],
+        attempts: &mut [usize],
+        retry: &mut Vec<usize>,
+    ) -> Result<()> {
+        let mut k = 0;
+        while let Some(&Looked { i, e, done }) = looked.get(k) {
+            if done {
+                k += 1;
+                continue;
+            }
+            if !self.data.contains(e.pbn) {
+                return Err(Error::Corruption(crate::error::Corruption {
+                    structure: "block map entry of logical block",
+                    address: lba0 + i as u64,
+                    expected: format!("a physical block below {}", self.geo.data_blocks),
+                    found: format!("physical block {}", e.pbn),
+                }));
+            }
+            let cached = self.cache.lock().get(e.pbn);
+            let run = if cached.is_none() && e.slot().is_none() { self.raw_run(looked, k) } else { 0 };
+            // A lone block goes through the cache (random re-reads hit it).
+            if run >= 2 {
+                let size = out.len() as u64;
+                let dst = out.get_mut(i * BLOCK_SIZE..(i + run) * BLOCK_SIZE).ok_or(Error::OutOfRange {
+                    offset: (i * BLOCK_SIZE) as u64,
+                    len: (run * BLOCK_SIZE) as u64,
+                    size,
+                })?;
+                self.data.read(IoKind::Data, e.pbn, dst, "block map entry")?;
+                for (j, l) in looked.iter().skip(k).take(run).enumerate() {
+                    let got = dst.get(j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                    if crc32c::crc32c(got) != l.e.crc {
+                        self.read_mismatch(lba0, l.i, l.e, attempts, retry)?;
+                    }
+                }
+                k += run;
+                continue;
+            }
+            let block = match cached {
+                Some(b) => b,
+                None => self.physical_block(e.pbn)?,
+            };
+            let dst = block_mut(out, i)?;
+            let ok = match e.slot() {
+                None => {
+                    dst.copy_from_slice(&block);
+                    true
+                }
+                Some(slot) => packer::unpack(&block, slot, dst).is_ok(),
+            };
+            if !(ok && crc32c::crc32c(dst) == e.crc) {
+                self.read_mismatch(lba0, i, e, attempts, retry)?;
+            }
+            k += 1;
+        }
+        Ok(())
+    }
+
+    /// Length of the run of raw blocks starting at `looked[k]` that are consecutive both
+    /// in the request and on the device, in the data region and not cached.
+    fn raw_run(&self, looked: &[Looked], k: usize) -> usize {
+        let Some(first) = looked.get(k) else { return 0 };
+        let cache = self.cache.lock();
+        let mut run = 1usize;
+        while run < READ_RUN_BLOCKS_MAX {
+            match looked.get(k + run) {
+                Some(l)
+                    if !l.done
+                        && l.i == first.i + run
+                        && l.e.is_data()
+                        && l.e.slot().is_none()
+                        && l.e.pbn == first.e.pbn + run as u64
+                        && self.data.contains(l.e.pbn)
+                        && !cache.contains(l.e.pbn) =>
+                {
+                    run += 1
+                }
+                _ => break,
+            }
+        }
+        run
+    }
+
+    /// A block read back with the wrong checksum: drops any cached copy and queues a retry
+    /// from a fresh mapping (the block may have been freed and reused meanwhile), or
+    /// reports corruption once the attempts are spent.
+    fn read_mismatch(
+        &self,
+        lba0: u64,
+        i: usize,
+        e: MapEntry,
+        attempts: &mut [usize],
+        retry: &mut Vec<usize>,
+    ) -> Result<()> {
+        self.cache.lock().remove(e.pbn);
+        let spent = attempts.get_mut(i).map(|a| {
+            *a += 1;
+            *a >= READ_ATTEMPTS
+        });
+        if spent != Some(false) {
+            self.forget_damaged(&mut self.state.lock(), e.pbn);
+            return Err(Error::Corruption(crate::error::Corruption {
+                structure: "stored data of logical block",
+                address: lba0 + i as u64,
+                expected: format!("content matching its checksum (crc32c {:#010x})", e.crc),
+                found: format!(
+                    "other content in physical block {}{}",
+                    e.pbn,
+                    e.slot().map(|s| format!(" slot {s}")).unwrap_or_default()
+                ),
+            }));
+        }
+        retry.push(i);
+        Ok(())
+    }
+
+    /// Takes a block whose stored content failed its checksum out of deduplication (and
+    /// the cache): a write of the same content then stores a fresh copy, and a rewrite of
+    /// the damaged logical block heals it. State lock held.
+    pub(crate) fn forget_damaged(&self, st: &mut State, pbn: u64) {
+        self.cache.lock().remove(pbn);
+        st.dedup.forget_damaged(pbn);
+    }
+
+    /// A physical block, from the content cache or the device (then cached).
+    fn physical_block(&self, pbn: u64) -> Result<Block> {
+        if let Some(b) = self.cache.lock().get(pbn) {
+            return Ok(b);
+        }
+        let mut b = new_block();
+        let buf = Arc::get_mut(&mut b).ok_or(Error::Failed("a fresh block is shared".into()))?;
+        self.data.read(IoKind::Data, pbn, buf, "block map entry")?;
+        self.cache.lock().fill(pbn, b.clone());
+        Ok(b)
+    }
+}
+
+/// The `i`th block of `out`.
+fn block_mut(out: &mut [u8], i: usize) -> Result<&mut [u8]> {
+    let len = out.len() as u64;
+    out.get_mut(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).ok_or(Error::OutOfRange {
+        offset: (i * BLOCK_SIZE) as u64,
+        len: BLOCK_SIZE_U64,
+        size: len,
+    })
+}
+
+/// Decodes an unwritten block into `dst`: Ok(true) when it was unwritten (and matched),
+/// Ok(false) when the device holds it.
+fn decode_unwritten(st: &State, lba: u64, e: &MapEntry, dst: &mut [u8]) -> Result<bool> {
+    match st.unwritten(e, dst) {
+        None => Ok(false),
+        Some(true) if crc32c::crc32c(dst) == e.crc => Ok(true),
+        Some(_) => Err(Error::Corruption(crate::error::Corruption {
+            structure: "unwritten data of logical block",
+            address: lba,
+            expected: format!("content matching its checksum (crc32c {:#010x})", e.crc),
+            found: format!("other content in unwritten physical block {}", e.pbn),
+        })),
+    }
+}

@@ -1,0 +1,83 @@
+//! Where a physical block lives: the placement layer between physical block numbers and
+//! devices. Every data access goes through `DataDevice`, which turns a pbn into
+//! (device, byte offset); a fast tier, a second device or a stripe plugs in here.
+//!
+//! Invariants:
+//! - A pbn outside `0..data_blocks` is never turned into an offset: the request is refused
+//!   with `Error::Corruption` naming the structure that pointed there (a map entry or an
+//!   index entry read from disk), so a damaged pointer cannot reach the superblock,
+//!   the journal or another device's bytes.
+//! - A run of blocks is contiguous on one device: a request never spans two devices.
+
+use crate::config::BLOCK_SIZE_U64;
+use crate::error::{Error, Result};
+use crate::io::{Dev, IoKind};
+use crate::metadata::layout::Geometry;
+
+/// The data region: one device today, addressed by pbn.
+#[derive(Clone)]
+pub(crate) struct DataDevice {
+    dev: Dev,
+    /// First block of the data region on `dev`.
+    start: u64,
+    /// Physical blocks in the data region.
+    blocks: u64,
+}
+
+impl DataDevice {
+    pub(crate) fn new(dev: Dev, geo: &Geometry) -> Self {
+        DataDevice { dev, start: geo.data_start, blocks: geo.data_blocks }
+    }
+
+    /// Byte offset of the run `pbn..pbn + n` on its device, after checking that the
+    /// whole run lies in the data region.
+    fn locate(&self, pbn: u64, n: u64, what: &'static str) -> Result<u64> {
+        match pbn.checked_add(n) {
+            Some(end) if end <= self.blocks => Ok((self.start + pbn) * BLOCK_SIZE_U64),
+            _ => Err(Error::Corruption(crate::error::Corruption {
+                structure: what,
+                address: pbn,
+                expected: format!("a physical block below {}", self.blocks),
+                found: format!("blocks {pbn}..{}", pbn.saturating_add(n)),
+            })),
+        }
+    }
+
+    /// True when `pbn` is a data block.
+    pub(crate) fn contains(&self, pbn: u64) -> bool {
+        pbn < self.blocks
+    }
+
+    /// Reads whole blocks starting at `pbn` into `buf` (a multiple of the block size).
+    pub(crate) fn read(&self, kind: IoKind, pbn: u64, buf: &mut [u8], what: &'static str) -> Result<()> {
+        let off = self.locate(pbn, buf.len() as u64 / BLOCK_SIZE_U64, what)?;
+        self.dev.read(kind, buf, off)
+    }
+
+    /// Writes consecutive blocks starting at `pbn`, gathered from `bufs`.
+    pub(crate) fn write_run(&self, pbn: u64, bufs: &[&[u8]]) -> Result<()> {
+        let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        let off = self.locate(pbn, len / BLOCK_SIZE_U64, "data block placement")?;
+        match bufs {
+            [one] => self.dev.write(IoKind::Data, one, off),
+            _ => self.dev.write_vectored(IoKind::Data, bufs, off),
+        }
+    }
+
+    /// Starts writeback of a run just written (a hint; errors surface at `sync`).
+    pub(crate) fn start_writeback(&self, pbn: u64, n: u64) {
+        if let Ok(off) = self.locate(pbn, n, "data block placement") {
+            self.dev.start_writeback(off, n * BLOCK_SIZE_U64);
+        }
+    }
+
+    /// Makes every completed data write durable.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.dev.sync()
+    }
+
+    /// The device under the data region (superblock copies live on it too).
+    pub(crate) fn dev(&self) -> &Dev {
+        &self.dev
+    }
+}

@@ -1,0 +1,106 @@
+//! Where the pipeline's parallel stages run: behind the `Executor` trait, so batching or an
+//! offload engine can replace the CPU pool without touching the stages.
+//!
+//! Invariants:
+//! - `run_all` returns only when every job has finished: stages borrow the request's
+//!   buffers, which must outlive the jobs.
+//! - The pool is made once per volume (persistent threads); a request never spawns one.
+//! - Small requests stay on the caller's thread: handing 4 KiB to another core costs more
+//!   than hashing it.
+
+/// Runs a stage's jobs.
+pub(crate) trait Executor: Send + Sync {
+    /// Runs every job, in parallel where it can, and returns when all have finished.
+    fn run_all(&self, jobs: Vec<Box<dyn FnOnce() + Send + '_>>);
+    /// Jobs worth splitting a stage into (1: run on the caller's thread).
+    fn width(&self) -> usize;
+}
+
+/// Chunks per request below which a stage stays on the calling thread.
+const PARALLEL_CHUNKS_MIN: usize = 64;
+/// Threads one volume's pipeline uses at most.
+const POOL_THREADS_MAX: usize = 8;
+
+/// Runs `f` on every element, splitting large slices across the executor's workers (one
+/// request from a single-threaded client, such as an import, still uses every core).
+pub(crate) fn for_each<T: Send>(exec: &dyn Executor, items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+    let width = exec.width();
+    if items.len() < PARALLEL_CHUNKS_MIN || width < 2 {
+        for (i, t) in items.iter_mut().enumerate() {
+            f(i, t);
+        }
+        return;
+    }
+    let per = items.len().div_ceil(width);
+    let f = &f;
+    let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = items
+        .chunks_mut(per)
+        .enumerate()
+        .map(|(k, part)| {
+            Box::new(move || {
+                for (j, t) in part.iter_mut().enumerate() {
+                    f(k * per + j, t);
+                }
+            }) as Box<dyn FnOnce() + Send + '_>
+        })
+        .collect();
+    exec.run_all(jobs);
+}
+
+/// A pool of CPU threads kept for the volume's lifetime.
+pub(crate) struct CpuPool {
+    /// None when the machine has one core or the pool could not be built: jobs then run
+    /// on the caller's thread.
+    pool: Option<rayon::ThreadPool>,
+    width: usize,
+}
+
+impl CpuPool {
+    /// A pool as wide as the cores this process may use (at most `POOL_THREADS_MAX`).
+    pub(crate) fn new() -> Self {
+        let width = std::thread::available_parallelism().map_or(1, |n| n.get()).min(POOL_THREADS_MAX);
+        let pool = (width >= 2)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(width)
+                    .thread_name(|i| format!("dedupvol-cpu-{i}"))
+                    .build()
+                    .ok()
+            })
+            .flatten();
+        let width = if pool.is_some() { width } else { 1 };
+        CpuPool { pool, width }
+    }
+}
+
+impl Executor for CpuPool {
+    fn run_all(&self, jobs: Vec<Box<dyn FnOnce() + Send + '_>>) {
+        match &self.pool {
+            Some(pool) => pool.scope(|s| {
+                for job in jobs {
+                    s.spawn(move |_| job());
+                }
+            }),
+            None => jobs.into_iter().for_each(|job| job()),
+        }
+    }
+
+    fn width(&self) -> usize {
+        self.width
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_element_is_visited_once_with_its_index() {
+        let pool = CpuPool::new();
+        for n in [0usize, 1, 63, 64, 65, 1000, 1024] {
+            let mut v = vec![usize::MAX; n];
+            for_each(&pool, &mut v, |i, x| *x = i);
+            assert!(v.iter().enumerate().all(|(i, &x)| i == x), "n = {n}");
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! The reduction pipeline: how a batch of whole 4 KiB chunks becomes mapping changes.
+//!
+//! Stages, in the order `Volume::write_blocks_once` runs them (docs/design.md, "A write"):
+//! 1. `fingerprint` (no lock, parallel): zero check, BLAKE3 fingerprint, crc32c;
+//! 2. `reduce::find_candidates` (state lock): dedup candidates from the index;
+//! 3. `reduce::verify_and_compress` (no lock, parallel): byte verification of
+//!    candidates, compression of the chunks without a verified duplicate;
+//! 4. `place` (state lock): the dedup claim, packing or a raw block, staging, and the
+//!    journalled mapping change.
+//!
+//! Invariants:
+//! - A batch holds at most `WRITE_BLOCKS_PER_BATCH` chunks, which bounds the state-lock
+//!   hold of stages 2 and 4 and the memory of one batch's plans, whatever the request size.
+//! - Stages 1 and 3 take no volume lock; everything they decide is re-checked in stage 4.
+
+pub(crate) mod executor;
+pub(crate) mod fingerprint;
+pub(crate) mod place;
+pub(crate) mod reduce;
+
+use crate::config::BLOCK_SIZE_U64;
+use crate::dedup::Candidate;
+use crate::read::cache::Block;
+
+/// Blocks placed per state-lock hold by one write (4 MiB).
+pub(crate) const WRITE_BLOCKS_PER_BATCH: u64 = 1024;
+
+/// How one chunk of a write will be stored.
+pub(crate) enum Plan {
+    /// All zeros: mapped to the zero state, no data stored.
+    Zero,
+    /// Data to share or store.
+    Data(DataPlan),
+}
+
+/// A data chunk's fingerprints and what the stages decided for it so far.
+pub(crate) struct DataPlan {
+    /// BLAKE3 of the chunk (zero when dedup is off).
+    pub(crate) hash: [u8; 32],
+    /// crc32c of the chunk: the map entry's checksum.
+    pub(crate) crc: u32,
+    /// The dedup candidate and whether it is proven equal.
+    pub(crate) cand: Candidate,
+    /// The compressed fragment, when compression pays.
+    pub(crate) frag: Option<Vec<u8>>,
+    /// The chunk's own copy when it will be stored raw, made outside the state lock.
+    pub(crate) raw: Option<Block>,
+}
+
+/// A piece of a byte range: part of one block, or a run of whole blocks.
+pub(crate) struct Segment {
+    /// First logical block.
+    pub(crate) lba: u64,
+    /// Byte offset inside that block (0 for whole blocks).
+    pub(crate) within: usize,
+    /// Offset of the piece from the start of the range.
+    pub(crate) pos: u64,
+    /// Length of the piece in bytes.
+    pub(crate) len: u64,
+    /// True for a run of whole blocks.
+    pub(crate) whole: bool,
+}
+
+/// Splits `offset..offset+len` into partial-block pieces and whole-block runs of at most
+/// `max_blocks` blocks, in order.
+pub(crate) fn segments(offset: u64, len: u64, max_blocks: u64) -> impl Iterator<Item = Segment> {
+    let mut pos = 0u64;
+    std::iter::from_fn(move || {
+        if pos >= len {
+            return None;
+        }
+        let off = offset + pos;
+        let lba = off / BLOCK_SIZE_U64;
+        let within = (off % BLOCK_SIZE_U64) as usize;
+        let left = len - pos;
+        let seg = if within != 0 || left < BLOCK_SIZE_U64 {
+            Segment { lba, within, pos, len: (BLOCK_SIZE_U64 - within as u64).min(left), whole: false }
+        } else {
+            Segment { lba, within: 0, pos, len: (left / BLOCK_SIZE_U64).min(max_blocks) * BLOCK_SIZE_U64, whole: true }
+        };
+        pos += seg.len;
+        Some(seg)
+    })
+}
+
+/// The `i`th 4 KiB chunk of `buf` (empty past its end).
+pub(crate) fn chunk(buf: &[u8], i: usize) -> &[u8] {
+    let b = crate::config::BLOCK_SIZE;
+    buf.get(i * b..(i + 1) * b).unwrap_or(&[])
+}

@@ -1,0 +1,375 @@
+//! A volume's life: format, open (superblocks, recovery, state), close.
+//!
+//! Invariants:
+//! - Format writes the metadata device's superblocks before the data device's: a crash
+//!   mid-format leaves the data device unformatted, never pointing at a half-made one.
+//! - Open changes nothing on the devices until everything it must allocate (the
+//!   fingerprint index) is allocated and the journal is replayed: a failed open leaves
+//!   the volume as it was.
+//! - A read-write open marks the volume not clean (superblock) before any data write;
+//!   only `close` marks it clean again, after a checkpoint and the index save.
+
+use super::state::State;
+use super::Volume;
+use crate::config::{DedupVerify, FormatOptions, OpenOptions, BLOCK_SIZE_U64};
+use crate::data::packer::Packer;
+use crate::data::placement::DataDevice;
+use crate::data::staging::Staging;
+use crate::data::writer::{DataWriter, Health, Tickets};
+use crate::dedup::index::Index;
+use crate::dedup::Deduper;
+use crate::error::{Error, Result};
+use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, Storage};
+use crate::metadata::allocator::Allocator;
+use crate::metadata::layout::Geometry;
+use crate::metadata::superblock::Superblock;
+use crate::obs::stats::{LifetimeCounters, ReductionCounters};
+use crate::pipeline::executor::CpuPool;
+use crate::read::cache::ContentCache;
+use parking_lot::Mutex;
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+/// Something opening the volume noticed, for `check`.
+#[derive(Debug, Clone)]
+pub(crate) enum OpenNote {
+    /// A superblock copy is unreadable or damaged (the other one was used): a problem,
+    /// which `check --repair` fixes by rewriting both copies.
+    SuperblockCopy(String),
+    /// Harmless and informational: torn journal blocks, pages rebuilt from the journal,
+    /// a saved index ignored.
+    Info(String),
+}
+
+fn new_uuid() -> [u8; 16] {
+    let mut h = blake3::Hasher::new();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    h.update(&now.to_le_bytes());
+    h.update(&std::process::id().to_le_bytes());
+    let local = 0u8;
+    h.update(&(std::ptr::addr_of!(local) as usize).to_le_bytes());
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let mut r = [0u8; 16];
+        if std::io::Read::read_exact(&mut f, &mut r).is_ok() {
+            h.update(&r);
+        }
+    }
+    let mut u = [0u8; 16];
+    u.copy_from_slice(h.finalize().as_bytes().get(..16).unwrap_or(&[0u8; 16]));
+    u
+}
+
+/// The low 64 bits of a uuid: stamped into every metadata page to tell volumes apart.
+pub(crate) fn uuid_lo(u: &[u8; 16]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(u.get(..8).unwrap_or(&[0u8; 8]));
+    u64::from_le_bytes(b)
+}
+
+/// Formats a UUID as hex.
+pub fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Volume {
+    /// Formats `data` (and `meta`, when given) as a new, empty volume. Refuses to overwrite
+    /// an existing volume unless `force`.
+    pub fn format(
+        data: Arc<dyn Storage>,
+        meta: Option<Arc<dyn Storage>>,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<()> {
+        Self::format_with_hint(data, meta, opts, force, None)
+    }
+
+    fn format_with_hint(
+        data: Arc<dyn Storage>,
+        meta: Option<Arc<dyn Storage>>,
+        opts: &FormatOptions,
+        force: bool,
+        meta_path: Option<String>,
+    ) -> Result<()> {
+        opts.validate()?;
+        if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
+            // A volume whose index cannot be allocated here could never be opened here.
+            return Err(Error::InvalidArgument(format!(
+                "index memory {} exceeds this machine's {machine} bytes of memory",
+                opts.index_memory_bytes
+            )));
+        }
+        let io = Arc::new(IoCounters::default());
+        let data = Dev::new(data, io.clone());
+        let meta = meta.map(|m| Dev::new(m, io));
+        if !force {
+            for dev in std::iter::once(&data).chain(meta.iter()) {
+                if Superblock::probe(dev)? {
+                    return Err(Error::AlreadyFormatted(dev.name()));
+                }
+            }
+        }
+        let geo = Geometry::compute(
+            opts.logical_size_bytes / BLOCK_SIZE_U64,
+            data.len(),
+            meta.as_ref().map(|m| m.len()),
+            opts.slab_size_bytes / BLOCK_SIZE_U64,
+            opts.journal_size_bytes,
+            opts.index_memory_bytes,
+        )?;
+        let sb = Superblock {
+            uuid: new_uuid(),
+            generation: 1,
+            compression: opts.compression,
+            dedup: opts.dedup,
+            verify: opts.verify,
+            write_policy: opts.write_policy,
+            clean: true,
+            geometry: geo,
+            index_memory_bytes: opts.index_memory_bytes,
+            next_entry_seq: 1,
+            next_block_seq: 0,
+            mapped_blocks: 0,
+            zero_blocks: 0,
+            index_saved_entries: 0,
+            meta_path,
+            lifetime: LifetimeCounters::default(),
+        };
+        if let Some(m) = &meta {
+            write_copies(m, &sb, 1)?;
+        }
+        write_copies(&data, &sb, 0)
+    }
+
+    /// Formats a file or block device by path; `physical_size` creates or extends a file.
+    pub fn format_path(
+        path: &Path,
+        physical_size: Option<u64>,
+        meta_device: Option<&Path>,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<()> {
+        let data: Arc<dyn Storage> = Arc::new(FileStorage::create(path, physical_size)?);
+        let meta: Option<Arc<dyn Storage>> = match meta_device {
+            Some(m) => Some(Arc::new(FileStorage::open(m, false)?)),
+            None => None,
+        };
+        let hint = meta_device.and_then(|m| std::fs::canonicalize(m).ok()).map(|p| p.display().to_string());
+        Self::format_with_hint(data, meta, opts, force, hint)
+    }
+
+    /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
+    /// `meta_device` overrides it.
+    pub fn open_path(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Volume> {
+        let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
+        let sb = {
+            let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+            Superblock::read(&dev, 0)?.0
+        };
+        // `auto` resolves from the volume: byte verification reads every candidate, and the
+        // page cache serves those reads from RAM; hash verification reads nothing.
+        let mode = opts.io_mode.for_verify(sb.verify == DedupVerify::Hash);
+        let file = Arc::try_unwrap(file).map_err(|_| Error::InvalidArgument("device still shared".into()))?;
+        let data: Arc<dyn Storage> = Arc::new(if mode == IoMode::Buffered { file.into_buffered() } else { file });
+        let meta_path = match meta_device {
+            Some(m) => Some(m.to_path_buf()),
+            None if sb.geometry.meta_dev_blocks > 0 => match sb.meta_path {
+                Some(p) => Some(std::path::PathBuf::from(p)),
+                None => {
+                    return Err(Error::InvalidArgument(
+                        "this volume keeps its metadata on a separate device: pass --meta-device".into(),
+                    ))
+                }
+            },
+            None => None,
+        };
+        let meta: Option<Arc<dyn Storage>> = match meta_path {
+            Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, mode)?)),
+            None => None,
+        };
+        Self::open(data, meta, opts)
+    }
+
+    /// Opens a volume, replaying the journal if it was not closed cleanly:
+    /// 1. superblocks of both devices (`open_devices`);
+    /// 2. the fingerprint index is allocated (nothing written yet);
+    /// 3. recovery: journal replay into the block map and reference counts, made durable
+    ///    in their pages (`recover`);
+    /// 4. the in-memory state, the saved index, the data writer.
+    pub fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Volume> {
+        let io = Arc::new(IoCounters::default());
+        let (data, meta, mut sb, mut notes) = open_devices(data, meta, &io)?;
+        let geo = sb.geometry;
+        let ulo = uuid_lo(&sb.uuid);
+        let was_clean = sb.clean;
+        // Allocated before anything is written: an index this machine cannot hold is a
+        // clear error that leaves the volume exactly as it was (still clean, its saved
+        // index still valid), and `index_memory_bytes` can lower it.
+        let hash_mode = sb.verify == DedupVerify::Hash;
+        let index = Index::try_with_prefault(
+            opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes),
+            hash_mode,
+            !opts.read_only,
+        )?;
+        let rec = super::recovery::recover(&data, &meta, &mut sb, opts.read_only, opts.block_map_cache_bytes)?;
+        notes.extend(rec.notes.into_iter().map(OpenNote::Info));
+        let mut dedup = Deduper::new(index, hash_mode, geo.data_blocks);
+        // The saved index is from the last clean close. With byte verification a stale
+        // entry is harmless (it fails verification), so it is used after a crash too; with
+        // hash verification only a clean volume's index is trusted.
+        let saved = if was_clean || !hash_mode { sb.index_saved_entries } else { 0 };
+        if saved > 0 && sb.dedup {
+            if let Err(e) = dedup.load(&meta, &geo, ulo, saved) {
+                notes.push(OpenNote::Info(format!("saved fingerprint index ignored (it is advisory): {e}")));
+            }
+        }
+        let state = State {
+            alloc: Allocator::from_counts(rec.rc.counts(), geo.slab_blocks),
+            map: rec.map,
+            rc: rec.rc,
+            journal: rec.journal,
+            packer: Packer::new(sb.compression),
+            dedup,
+            counters: rec.counters,
+            red: ReductionCounters::default(),
+            staging: Staging::default(),
+        };
+        let data = DataDevice::new(data, &geo);
+        let tickets = Arc::new(Tickets::default());
+        let health = Arc::new(Health::default());
+        let writer = (!opts.read_only && opts.background_writes)
+            .then(|| DataWriter::start(data.clone(), tickets.clone(), health.clone()))
+            .flatten();
+        Ok(Volume {
+            data,
+            meta,
+            geo,
+            policy: opts.write_policy.unwrap_or(sb.write_policy),
+            dedup: sb.dedup,
+            compression: sb.compression,
+            cache_writes: opts.writes_cached(sb.verify),
+            lifetime_base: sb.lifetime,
+            sb: Mutex::new(sb),
+            state: Mutex::new(state),
+            commit_lock: Mutex::new(()),
+            tickets,
+            writer,
+            exec: CpuPool::new(),
+            cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
+            rmw: std::array::from_fn(|_| Mutex::new(())),
+            io,
+            read_only: opts.read_only,
+            health,
+            journal_pressure: AtomicBool::new(false),
+            open_notes: notes,
+        })
+    }
+
+    /// Makes everything durable, writes all metadata and marks the volume clean.
+    pub fn close(self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.check_not_failed()?;
+        let _c = self.commit_lock.lock();
+        let mut st = self.state.lock();
+        self.checkpoint(&mut st)?;
+        let saved = if self.dedup {
+            let ulo = uuid_lo(&self.sb.lock().uuid);
+            st.dedup.save(&self.meta, &self.geo, ulo, &st.rc)?
+        } else {
+            0
+        };
+        let mut sb = self.sb.lock();
+        sb.clean = true;
+        sb.index_saved_entries = saved;
+        sb.next_entry_seq = st.journal.next_entry_seq();
+        sb.next_block_seq = st.journal.next_block_seq();
+        sb.mapped_blocks = st.counters.mapped_blocks;
+        sb.zero_blocks = st.counters.zero_blocks;
+        sb.lifetime = self.lifetime_now(&st);
+        write_superblock(self.data.dev(), self.separate_meta(), &mut sb)
+    }
+
+    /// Writes the superblock copies with the lifetime counters as of now (after a
+    /// checkpoint; close writes them too), so a crash loses at most the counts since the
+    /// last checkpoint. Rare enough to cost nothing: a checkpoint frees half the journal.
+    pub(crate) fn persist_lifetime(&self, st: &State) -> Result<()> {
+        let mut sb = self.sb.lock();
+        sb.lifetime = self.lifetime_now(st);
+        write_superblock(self.data.dev(), self.separate_meta(), &mut sb)
+    }
+
+    /// The metadata device when it is not the data device.
+    fn separate_meta(&self) -> Option<&Dev> {
+        (self.geo.meta_dev_blocks > 0).then_some(&self.meta)
+    }
+}
+
+/// Reads the superblocks of the data device and, when the volume has one, the metadata
+/// device, and checks that they belong together and are large enough.
+fn open_devices(
+    data: Arc<dyn Storage>,
+    meta: Option<Arc<dyn Storage>>,
+    io: &Arc<IoCounters>,
+) -> Result<(Dev, Dev, Superblock, Vec<OpenNote>)> {
+    let data = Dev::new(data, io.clone());
+    let (sb, data_notes) = Superblock::read(&data, 0)?;
+    let mut notes: Vec<OpenNote> = data_notes.into_iter().map(OpenNote::SuperblockCopy).collect();
+    let geo = sb.geometry;
+    let separate = geo.meta_dev_blocks > 0;
+    let meta = match (meta, separate) {
+        (Some(m), true) => {
+            let m = Dev::new(m, io.clone());
+            let (msb, mnotes) = Superblock::read(&m, 1)?;
+            if msb.uuid != sb.uuid {
+                return Err(Error::NotAVolume(format!(
+                    "metadata device {} belongs to volume {}, not {}",
+                    m.name(),
+                    uuid_hex(&msb.uuid),
+                    uuid_hex(&sb.uuid)
+                )));
+            }
+            notes.extend(mnotes.into_iter().map(OpenNote::SuperblockCopy));
+            m
+        }
+        (None, true) => {
+            return Err(Error::InvalidArgument(
+                "this volume keeps its metadata on a separate device, which was not given".into(),
+            ))
+        }
+        (Some(_), false) => {
+            return Err(Error::InvalidArgument("this volume has no separate metadata device".into()));
+        }
+        (None, false) => data.clone(),
+    };
+    if data.len() < geo.data_dev_blocks * BLOCK_SIZE_U64
+        || (separate && meta.len() < geo.meta_dev_blocks * BLOCK_SIZE_U64)
+    {
+        return Err(Error::Corrupt(format!(
+            "device {} is smaller than the volume's recorded geometry (was it truncated?)",
+            data.name()
+        )));
+    }
+    Ok((data, meta, sb, notes))
+}
+
+/// Writes a new generation of the superblock: the metadata device's copies first (when
+/// separate), then the data device's, in the order `format` writes them.
+pub(crate) fn write_superblock(data: &Dev, meta: Option<&Dev>, sb: &mut Superblock) -> Result<()> {
+    sb.generation += 1;
+    if let Some(m) = meta {
+        write_copies(m, sb, 1)?;
+    }
+    write_copies(data, sb, 0)
+}
+
+/// Writes both superblock copies (A, sync, B, sync).
+fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
+    let buf = sb.encode(role);
+    for copy in 0..2u64 {
+        dev.write(IoKind::Superblock, &buf, copy * BLOCK_SIZE_U64)?;
+        dev.sync()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! Mapping changes: the one place where a logical block's mapping, the reference counts
+//! and the journal change together, and the unmapping requests built on it (discard,
+//! write-zeroes).
+//!
+//! Invariants:
+//! - Every change is checked before anything changes (`check_inc`/`check_dec`): a refused
+//!   reference leaves map, counts and journal as they were, so the request fails alone.
+//! - Map, counts and journal change together under the state lock, with the entry's
+//!   journal sequence: replay reproduces exactly this change.
+//! - A block whose last reference goes is freed only once the change is durable
+//!   (`free_later`), and leaves deduplication and the content cache at once.
+
+use super::state::State;
+use super::Volume;
+use crate::config::BLOCK_SIZE_U64;
+use crate::error::{Error, Result};
+use crate::metadata::block_map::MapEntry;
+use crate::pipeline::segments;
+
+/// Blocks handled per state-lock hold for discard / write-zeroes of large ranges.
+const UNMAP_BLOCKS_PER_LOCK: u64 = 8192;
+
+impl Volume {
+    /// Journals and applies one mapping change; None when it changes nothing.
+    pub(crate) fn apply_entry(&self, st: &mut State, lba: u64, new: MapEntry) -> Result<Option<u64>> {
+        let old = st.map.get(lba)?;
+        if old == new {
+            return Ok(None);
+        }
+        if new.is_data() {
+            st.rc.check_inc(&new)?;
+        }
+        if old.is_data() {
+            st.rc.check_dec(&old)?;
+        }
+        let seq = st.journal.append(lba, new, old);
+        st.map.set(lba, new, seq)?;
+        if new.is_data() {
+            st.rc.inc(&new, seq)?;
+        }
+        if old.is_data() && st.rc.dec(&old, seq)? {
+            st.alloc.free_later(old.pbn, seq);
+            // Nothing can read a block without references: its cached copy only takes
+            // room from live blocks (under overwrites, the cache would fill with them).
+            self.cache.lock().remove(old.pbn);
+            if st.dedup.note_freed(old.pbn) {
+                st.red.stamp_wrap_scans += 1;
+            }
+        }
+        st.counters.apply(&old, &new);
+        Ok(Some(seq))
+    }
+
+    /// Maps a byte range to `to` (unmapped or zero); partial blocks are zeroed in place.
+    pub(crate) fn unmap(&self, offset: u64, len: u64, to: MapEntry, fua: bool) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        let mut last_seq = 0;
+        for seg in segments(offset, len, UNMAP_BLOCKS_PER_LOCK) {
+            if !seg.whole {
+                let zeros = vec![0u8; seg.len as usize];
+                last_seq = last_seq.max(self.rmw(seg.lba, seg.within, &zeros)?);
+                continue;
+            }
+            {
+                let mut st = self.state.lock();
+                for i in 0..seg.len / BLOCK_SIZE_U64 {
+                    match self.apply_entry(&mut st, seg.lba + i, to) {
+                        Ok(s) => last_seq = last_seq.max(s.unwrap_or(0)),
+                        // Nothing changed yet: a read error loading the first page is clean.
+                        Err(e @ Error::Io { .. }) if i == 0 => return Err(e),
+                        Err(e) => return self.fail(e),
+                    }
+                }
+                self.note_pressure(&st);
+                let durable = st.journal.durable_seq();
+                let r = st.map.evict(durable);
+                self.guard(r)?;
+            }
+            self.after_write(false, last_seq)?;
+        }
+        self.after_write(fua, last_seq)
+    }
+}

@@ -1,0 +1,119 @@
+//! What a volume reports about itself: statistics, memory by structure, lifetime
+//! counters, and the in-memory audit tests and the simulator run.
+
+use super::lifecycle::uuid_hex;
+use super::state::State;
+use super::Volume;
+use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::data::packer;
+use crate::io::IoKind;
+use crate::obs::stats::{LifetimeCounters, Savings, Stats};
+
+impl Volume {
+    /// Memory held by the volume's structures now, in bytes, by structure.
+    pub fn memory_usage(&self) -> Vec<(&'static str, u64)> {
+        let st = self.state.lock();
+        let blocks = self.geo.data_blocks;
+        vec![
+            ("reference + fragment counts", 2 * blocks),
+            ("allocator bitmap", blocks.div_ceil(64) * 8),
+            ("reuse stamps", st.dedup.stamp_bytes()),
+            ("fingerprint index", st.dedup.index().memory_bytes()),
+            ("block map cache (pages held now)", st.map.cached_pages() as u64 * BLOCK_SIZE_U64),
+            ("content cache (blocks held now)", self.cache.lock().len() as u64 * BLOCK_SIZE_U64),
+        ]
+    }
+
+    /// Audits the in-memory structures against each other and every mapping against its
+    /// stored content; for tests and the simulator. Returns the first violation.
+    pub fn audit_memory(&self) -> std::result::Result<(), String> {
+        let mut st = self.state.lock();
+        st.alloc.audit(st.rc.counts(), &st.packer.open_pbns())?;
+        #[cfg(feature = "verify")]
+        st.staging.audit()?;
+        // Every mapping's content, read from the device (or memory when unwritten), must
+        // match its checksum: the cache must never hide a divergence.
+        for lba in 0..self.geo.logical_blocks {
+            let e = st.map.get(lba).map_err(|e| e.to_string())?;
+            if !e.is_data() {
+                continue;
+            }
+            let mut out = vec![0u8; BLOCK_SIZE];
+            let ok = match st.unwritten(&e, &mut out) {
+                Some(ok) => ok,
+                None => {
+                    let mut b = vec![0u8; BLOCK_SIZE];
+                    self.data.read(IoKind::Verify, e.pbn, &mut b, "block map entry").map_err(|e| e.to_string())?;
+                    match e.slot() {
+                        None => {
+                            out = b;
+                            true
+                        }
+                        Some(s) => packer::unpack(&b, s, &mut out).is_ok(),
+                    }
+                }
+            };
+            if !ok || crc32c::crc32c(&out) != e.crc {
+                return Err(format!(
+                    "lba {lba} -> {e:?}: device content does not match (open packed blocks {:?})",
+                    st.packer.open_pbns()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A statistics snapshot.
+    pub fn stats(&self) -> Stats {
+        let sb = self.sb.lock().clone();
+        let st = self.state.lock();
+        let mut red = st.red.clone();
+        {
+            let c = self.cache.lock();
+            red.content_cache_hits = c.hits;
+            red.content_cache_misses = c.misses;
+        }
+        red.block_map_cache_hits = st.map.hits;
+        red.block_map_cache_misses = st.map.misses;
+        let used = st.rc.used_blocks();
+        let frags = st.rc.fragments();
+        let mapped = st.counters.mapped_blocks;
+        let logical_used = mapped * BLOCK_SIZE_U64;
+        let physical_used = used * BLOCK_SIZE_U64;
+        let index = st.dedup.index();
+        Stats {
+            uuid: uuid_hex(&sb.uuid),
+            logical_size_bytes: self.logical_size(),
+            logical_bytes_used: logical_used,
+            physical_size_bytes: self.data.dev().len(),
+            data_blocks_total: self.geo.data_blocks,
+            data_blocks_used: used,
+            physical_data_bytes_used: physical_used,
+            metadata_bytes: self.geo.metadata_bytes(),
+            separate_metadata_device: self.geo.meta_dev_blocks > 0,
+            reduction_ratio: if physical_used == 0 { 0.0 } else { logical_used as f64 / physical_used as f64 },
+            savings: Savings {
+                zero_bytes: st.counters.zero_blocks * BLOCK_SIZE_U64,
+                dedup_bytes: mapped.saturating_sub(frags) * BLOCK_SIZE_U64,
+                compression_bytes: frags.saturating_sub(used) * BLOCK_SIZE_U64,
+            },
+            lifetime: self.lifetime_now(&st),
+            counters: red,
+            index_entries: index.len(),
+            index_capacity: index.capacity(),
+            index_memory_bytes: index.memory_bytes(),
+            index_bytes_per_entry: index.bytes_per_entry(),
+            block_map_cached_pages: st.map.cached_pages() as u64,
+            compression: sb.compression,
+            dedup: sb.dedup,
+            verify: sb.verify,
+            write_policy: self.policy,
+            io: self.io.snapshot(),
+        }
+    }
+
+    /// The lifetime counters as of now: those loaded at open plus this process's.
+    pub(crate) fn lifetime_now(&self, st: &State) -> LifetimeCounters {
+        self.lifetime_base.plus_process(&st.red, &self.io.snapshot())
+    }
+}

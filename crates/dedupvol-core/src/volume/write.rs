@@ -1,0 +1,121 @@
+//! The write path's driver: a batch of whole blocks through the pipeline's stages, the
+//! read-modify-write of partial blocks, and what follows a write (hand-off of full staging
+//! buffers, FUA and policy commits).
+
+use super::Volume;
+use crate::config::{WritePolicy, BLOCK_SIZE};
+use crate::data::writer::{write_ticketed, Batch};
+use crate::error::{Error, Result};
+use crate::pipeline::{fingerprint::fingerprint, reduce};
+use std::sync::atomic::Ordering;
+
+/// Data blocks staged before they are handed to the data writer as one merged write
+/// (256 KiB).
+const STAGED_BLOCKS_MAX: usize = 64;
+
+impl Volume {
+    /// Commits when the write must be durable (FUA, sync policy) or the journal's pending
+    /// entries call for it.
+    pub(crate) fn after_write(&self, fua: bool, last_seq: u64) -> Result<()> {
+        let must = fua || self.policy == WritePolicy::Sync;
+        let pressure = self.journal_pressure.load(Ordering::Acquire);
+        if must {
+            // A FUA write must also cover an earlier identical write it was found equal to,
+            // so commit everything pending rather than only this request's entries.
+            let target = self.state.lock().journal.last_assigned_seq().max(last_seq);
+            self.commit_to(target)
+        } else if pressure {
+            let target = self.state.lock().journal.last_assigned_seq();
+            self.commit_to(target)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Read-modify-write of part of one block.
+    pub(crate) fn rmw(&self, lba: u64, within: usize, piece: &[u8]) -> Result<u64> {
+        let _g = self.rmw_stripe(lba).lock();
+        let mut block = vec![0u8; BLOCK_SIZE];
+        self.read_blocks(lba, 1, &mut block)?;
+        block
+            .get_mut(within..within + piece.len())
+            .ok_or(Error::OutOfRange { offset: within as u64, len: piece.len() as u64, size: BLOCK_SIZE as u64 })?
+            .copy_from_slice(piece);
+        self.write_blocks(lba, &block)
+    }
+
+    /// The read-modify-write lock of `lba`'s stripe.
+    #[expect(clippy::indexing_slicing, reason = "the index is taken modulo the array's length")]
+    fn rmw_stripe(&self, lba: u64) -> &parking_lot::Mutex<()> {
+        &self.rmw[(lba % super::RMW_STRIPES as u64) as usize]
+    }
+
+    /// Writes whole blocks starting at `lba`; returns the last journal sequence used.
+    /// When the volume is full but freed blocks await a commit, commits and retries once
+    /// (blocks already applied are rewritten with the same content, which is a no-op).
+    pub(crate) fn write_blocks(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
+        match self.write_blocks_once(lba0, buf) {
+            Err(Error::NoSpace(_)) if self.state.lock().alloc.pending_len() > 0 => {
+                self.flush()?;
+                self.write_blocks_once(lba0, buf)
+            }
+            r => r,
+        }
+    }
+
+    /// One batch through the pipeline (see the module docs of `volume` for the steps).
+    fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
+        // 1. Fingerprints (no lock; large requests use every core).
+        let mut plans = fingerprint(&self.exec, buf, self.dedup);
+        // 2. Dedup candidates (state lock).
+        let looked_up_at = {
+            let st = self.state.lock();
+            if self.dedup {
+                reduce::find_candidates(&st, buf, &mut plans);
+            }
+            st.dedup.generation()
+        };
+        // 3. Verification reads and compression (no lock; parallel).
+        reduce::verify_and_compress(&self.exec, &self.data, &self.cache, self.compression, buf, &mut plans);
+        // 4. Claim or place, stage, journal and apply (state lock).
+        let mut st = self.state.lock();
+        match self.place_batch(&mut st, lba0, buf, &mut plans, looked_up_at) {
+            Ok(seq) => {
+                self.note_pressure(&st);
+                let durable = st.journal.durable_seq();
+                let r = st.map.evict(durable);
+                self.guard(r)?;
+                // 5. A full staging buffer is written after the lock is let go: by the
+                // data-writer thread (this writer goes on hashing and compressing), else here.
+                let pending = (st.staging.staged_len() >= STAGED_BLOCKS_MAX).then(|| {
+                    st.staging.prune(&self.tickets);
+                    let ticket = self.tickets.issue();
+                    (ticket, st.staging.hand_off(ticket))
+                });
+                drop(st);
+                if let Some((ticket, blocks)) = pending {
+                    self.hand_off(ticket, blocks)?;
+                }
+                Ok(seq)
+            }
+            // A device error while placing leaves the device state unknown: the volume is
+            // failed. Every other error is found before the chunk changes anything (see
+            // `apply_entry`), so it fails this request only, never the volume.
+            Err(e @ Error::Io { .. }) => self.fail(e),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Gives a ticketed batch to the data writer, or writes it here (no lock held) when
+    /// there is none; its ticket retires either way, failed or not.
+    fn hand_off(&self, ticket: u64, blocks: Batch) -> Result<()> {
+        let queued = match &self.writer {
+            Some(w) => w.submit(ticket, blocks),
+            None => Err((ticket, blocks)),
+        };
+        match queued {
+            Ok(()) => self.check_not_failed(),
+            Err((ticket, blocks)) => write_ticketed(&self.data, blocks, &[ticket], &self.tickets, &self.health),
+        }
+    }
+}
