@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README.md): installs the real clients the tests drive
-# (qemu-img, nbdcopy, nbdinfo, fio, nbdfuse, e2fsck) when missing, then runs every test.
+# (qemu-img, nbdcopy, nbdinfo, fio, nbdfuse, e2fsck) when missing, then lints the core and runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,5 +16,14 @@ if ((${#need[@]})); then
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+# Lints on the core library (its crate-level lint table denies unwrap and unchecked indexing).
+if ! cargo clippy --version >/dev/null 2>&1; then
+  rustup component add clippy
+fi
+cargo clippy --release -p dedupvol-core --lib -- -D warnings
+
 cargo build --release --workspace --bins
-cargo test --release --workspace -- --test-threads=2 "$@"
+# The simulator's tests run once, with the engine's whole-structure audits on (`verify`):
+# every checkpoint and every clean close of every seed audits every structure.
+cargo test --release --workspace --exclude dedupvol-sim -- --test-threads=2 "$@"
+cargo test --release -p dedupvol-sim --features verify -- --test-threads=2 "$@"
