@@ -452,7 +452,7 @@ pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
 
 /// True for read errors that mean "this block's data cannot be had" (not a usage error).
 fn unreadable(e: &Error) -> bool {
-    matches!(e, Error::Corrupt(_) | Error::Corruption(_) | Error::Io { .. })
+    matches!(e, Error::Corruption(_) | Error::Io { .. })
 }
 
 /// Reads `buf` at `pos`. When the chunk fails, reads it block by block to find the bad

@@ -23,13 +23,18 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A checksum or structural check failed: the affected data cannot be trusted.
-    #[error("corruption detected: {0}")]
-    Corrupt(String),
     /// A structure read from a device is not what it must be: which structure, where,
-    /// what it should have held and what it held.
+    /// what it should have held and what it held. The affected data cannot be trusted.
     #[error("corruption detected: {0}")]
     Corruption(Corruption),
+    /// The engine broke one of its own invariants (a bug, not bad input or a bad device).
+    #[error("internal error: {what}: {detail}")]
+    Internal {
+        /// The invariant that broke.
+        what: &'static str,
+        /// The values involved.
+        detail: String,
+    },
     /// No free physical block is left.
     #[error("no space left on volume: {0}")]
     NoSpace(String),
@@ -87,6 +92,21 @@ impl std::fmt::Display for Corruption {
 }
 
 impl Error {
+    /// Corruption of `structure` at `address`: it should have held `expected` but held `found`.
+    pub fn corruption(
+        structure: &'static str,
+        address: u64,
+        expected: impl Into<String>,
+        found: impl Into<String>,
+    ) -> Self {
+        Error::Corruption(Corruption { structure, address, expected: expected.into(), found: found.into() })
+    }
+
+    /// A broken internal invariant: `what` names it, `detail` gives the values.
+    pub fn internal(what: &'static str, detail: impl Into<String>) -> Self {
+        Error::Internal { what, detail: detail.into() }
+    }
+
     /// Wraps an `io::Error` with context.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         Error::Io { context: context.into(), source }
@@ -95,7 +115,7 @@ impl Error {
     /// The POSIX errno a block frontend should report for this error.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Io { .. } | Error::Corrupt(_) | Error::Corruption(_) | Error::Failed(_) => libc::EIO,
+            Error::Io { .. } | Error::Corruption(_) | Error::Internal { .. } | Error::Failed(_) => libc::EIO,
             Error::NoSpace(_) => libc::ENOSPC,
             Error::OutOfRange { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             Error::ReadOnly => libc::EROFS,

@@ -148,7 +148,7 @@ impl ToyVolume {
         }
         let r = f(&mut inner);
         // After an I/O error the in-memory state may be ahead of the device.
-        if matches!(r, Err(Error::Io { .. } | Error::Corrupt(_))) {
+        if matches!(r, Err(Error::Io { .. } | Error::Corruption(_))) {
             inner.failed = true;
         }
         r
@@ -283,7 +283,12 @@ impl SimEngine for ToyVolume {
                 Some(r) if r.data => {
                     self.dev.read_at(chunk, self.data_off(r.pos)).map_err(|e| io("read data", e))?;
                     if self.bug != ToyBug::NoReadChecksum && crc32c::crc32c(chunk) != r.crc {
-                        return Err(Error::Corrupt(format!("toy: lba {lba} at record {} fails its checksum", r.pos)));
+                        return Err(Error::corruption(
+                            "toy logical block",
+                            lba,
+                            format!("checksum {:#010x}", r.crc),
+                            format!("record {} fails its checksum", r.pos),
+                        ));
                     }
                 }
                 _ => chunk.fill(0),
@@ -310,7 +315,12 @@ impl SimEngine for ToyVolume {
                     Some(r) if r.data && take < B as usize => {
                         self.dev.read_at(&mut block, self.data_off(r.pos)).map_err(|e| io("read for rmw", e))?;
                         if crc32c::crc32c(&block) != r.crc {
-                            return Err(Error::Corrupt(format!("toy: lba {lba} fails its checksum")));
+                            return Err(Error::corruption(
+                                "toy logical block",
+                                lba,
+                                format!("checksum {:#010x}", r.crc),
+                                format!("record {} fails its checksum", r.pos),
+                            ));
                         }
                     }
                     _ => block.fill(0),

@@ -406,7 +406,11 @@ impl Volume {
                 let end = (pbn + CHECK_READ_BLOCKS_MAX as u64).min(geo.data_blocks);
                 let last = (pbn..end).rev().find(|&p| used(p)).unwrap_or(pbn);
                 let len = (last - pbn + 1) as usize * BLOCK_SIZE;
-                let dst = run.get_mut(..len).ok_or_else(|| crate::Error::InvalidArgument("check run".into()))?;
+                #[expect(
+                    clippy::indexing_slicing,
+                    reason = "`len` is at most CHECK_READ_BLOCKS_MAX blocks, the size of `run`"
+                )]
+                let dst = &mut run[..len];
                 run_pbns = match self.data.read(IoKind::Verify, pbn, dst, "block map entry") {
                     Ok(()) => pbn..last + 1,
                     Err(_) => 0..0,
@@ -426,7 +430,7 @@ impl Volume {
             let mut check = |slot: Option<u8>, crc: u32, report: &mut CheckReport| {
                 let ok = match slot {
                     None => crc32c::crc32c(&buf) == crc,
-                    Some(s) => packer::unpack(&buf, s, &mut out).is_ok() && crc32c::crc32c(&out) == crc,
+                    Some(s) => packer::unpack(&buf, pbn, s, &mut out).is_ok() && crc32c::crc32c(&out) == crc,
                 };
                 if !ok {
                     let lbas: Vec<u64> = referers

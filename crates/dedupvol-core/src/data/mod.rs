@@ -28,6 +28,6 @@ pub(crate) fn read_unwritten(packer: &Packer, staging: &Staging, e: &MapEntry, o
             true
         }
         None => false,
-        Some(slot) => packer::unpack(block, slot, out).is_ok(),
+        Some(slot) => packer::unpack(block, e.pbn, slot, out).is_ok(),
     })
 }

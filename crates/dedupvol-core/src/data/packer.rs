@@ -10,6 +10,9 @@
 //! - A packed block is immutable once written; the open block lives only in memory and is
 //!   written ("sealed") when full or when a commit needs its data durable.
 //! - A fragment decompresses to exactly 4096 bytes, or the block is reported corrupt.
+//! - At most `OPEN_BLOCKS_MAX` blocks are open, each at a distinct pbn, each holding at
+//!   most `PACKED_SLOTS_MAX` fragments that end at or before its `used` mark (asserted as
+//!   they change; the `verify` audit decodes every open block's header and fragments).
 
 use crate::codec::{get_u16, put_u16, put_u32, seal_crc};
 use crate::config::{Compression, BLOCK_SIZE};
@@ -54,47 +57,62 @@ pub fn compress(codec: Compression, src: &[u8]) -> Option<Vec<u8>> {
     })
 }
 
-/// Decompresses a fragment into exactly 4096 bytes.
-pub fn decompress(codec: Compression, frag: &[u8], out: &mut [u8]) -> Result<()> {
-    let n = match codec {
-        Compression::None => return Err(Error::Corrupt("packed block with codec none".into())),
-        Compression::Lz4 => {
-            lz4_flex::block::decompress_into(frag, out).map_err(|e| Error::Corrupt(format!("lz4: {e}")))?
-        }
-        Compression::Zstd => {
-            zstd::bulk::decompress_to_buffer(frag, out).map_err(|e| Error::Corrupt(format!("zstd: {e}")))?
-        }
+/// Packed block `pbn` is not what it must be (`pbn` only names it in the error).
+fn damaged(pbn: u64, expected: impl Into<String>, found: impl Into<String>) -> Error {
+    Error::corruption("packed block", pbn, expected, found)
+}
+
+/// Decompresses a fragment of packed block `pbn` into exactly 4096 bytes.
+pub fn decompress(pbn: u64, slot: u8, codec: Compression, frag: &[u8], out: &mut [u8]) -> Result<()> {
+    let decoded = match codec {
+        Compression::None => return Err(damaged(pbn, "a compression codec", "codec none")),
+        Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| e.to_string()),
+        Compression::Zstd => zstd::bulk::decompress_to_buffer(frag, out).map_err(|e| e.to_string()),
     };
-    if n != BLOCK_SIZE {
-        return Err(Error::Corrupt(format!("fragment decompressed to {n} bytes, not {BLOCK_SIZE}")));
+    match decoded {
+        Ok(BLOCK_SIZE) => Ok(()),
+        Ok(n) => Err(damaged(pbn, format!("slot {slot} to decompress to {BLOCK_SIZE} bytes"), format!("{n} bytes"))),
+        Err(e) => Err(damaged(pbn, format!("slot {slot} to decompress ({codec:?})"), e)),
     }
-    Ok(())
 }
 
 /// Returns the compressed bytes of `slot` and the codec, validating the header bounds. The
 /// block crc is not checked: callers check the decoded slot against its own crc (format.md).
-pub fn fragment(block: &[u8], slot: u8) -> Result<(Compression, &[u8])> {
-    if block.len() != BLOCK_SIZE || crate::codec::get_u32(block, 0) != PACKED_MAGIC {
-        return Err(Error::Corrupt("not a packed block".into()));
+pub fn fragment(block: &[u8], pbn: u64, slot: u8) -> Result<(Compression, &[u8])> {
+    let magic = crate::codec::get_u32(block, 0);
+    if block.len() != BLOCK_SIZE || magic != PACKED_MAGIC {
+        return Err(damaged(
+            pbn,
+            format!("a {BLOCK_SIZE}-byte block with magic {PACKED_MAGIC:#010x}"),
+            format!("{} bytes with magic {magic:#010x} (not a packed block)", block.len()),
+        ));
     }
     let count = block.get(8).copied().unwrap_or(0);
-    let codec = Compression::from_code(block.get(9).copied().unwrap_or(0xff))
-        .ok_or_else(|| Error::Corrupt("packed block with unknown codec".into()))?;
+    let code = block.get(9).copied().unwrap_or(0xff);
+    let codec = Compression::from_code(code).ok_or_else(|| damaged(pbn, "a known codec", format!("codec {code}")))?;
     if slot >= count || count > PACKED_SLOTS_MAX {
-        return Err(Error::Corrupt(format!("packed block has {count} fragments; slot {slot} requested")));
+        return Err(damaged(
+            pbn,
+            format!("slot {slot} among at most {PACKED_SLOTS_MAX} fragments"),
+            format!("{count} fragments"),
+        ));
     }
     let off = usize::from(get_u16(block, 12 + 4 * usize::from(slot)));
     let len = usize::from(get_u16(block, 14 + 4 * usize::from(slot)));
-    if off < PACKED_HEADER_BYTES || off + len > BLOCK_SIZE || len == 0 {
-        return Err(Error::Corrupt(format!("packed block slot {slot} out of bounds ({off}+{len})")));
+    match block.get(off..off + len) {
+        Some(frag) if off >= PACKED_HEADER_BYTES && len > 0 => Ok((codec, frag)),
+        _ => Err(damaged(
+            pbn,
+            format!("slot {slot} inside the fragment area {PACKED_HEADER_BYTES}..{BLOCK_SIZE}"),
+            format!("{off}+{len} (out of bounds)"),
+        )),
     }
-    Ok((codec, block.get(off..off + len).unwrap_or(&[])))
 }
 
-/// Decodes the logical 4 KiB content of `slot` of a packed block.
-pub fn unpack(block: &[u8], slot: u8, out: &mut [u8]) -> Result<()> {
-    let (codec, frag) = fragment(block, slot)?;
-    decompress(codec, frag, out)
+/// Decodes the logical 4 KiB content of `slot` of packed block `pbn` (read into `block`).
+pub fn unpack(block: &[u8], pbn: u64, slot: u8, out: &mut [u8]) -> Result<()> {
+    let (codec, frag) = fragment(block, pbn, slot)?;
+    decompress(pbn, slot, codec, frag, out)
 }
 
 /// Blocks open at once: fragments go to the best-fitting one, so a large fragment does not
@@ -109,7 +127,7 @@ pub const OPEN_BLOCKS_MAX: usize = 32;
 /// A block being filled.
 pub struct OpenBlock {
     /// Its physical block.
-    pub pbn: u64,
+    pbn: u64,
     /// Unshared while open (written through `Arc::make_mut`, which then never copies), so sealing hands the block to
     /// the write path and the content cache without a copy.
     buf: crate::read::cache::Block,
@@ -174,12 +192,14 @@ impl Packer {
         put_u16(buf, 14 + 4 * usize::from(slot), frag.len() as u16);
         o.used += frag.len();
         o.count += 1;
+        assert!(o.count <= PACKED_SLOTS_MAX && o.used <= BLOCK_SIZE, "packer: block {} overfilled", o.pbn);
         Some((o.pbn, slot))
     }
 
     /// Opens a new block at `pbn` (the caller checks `can_open`).
     pub fn open(&mut self, pbn: u64) {
-        debug_assert!(self.can_open() && !self.is_open(pbn));
+        // At most `OPEN_BLOCKS_MAX` compares, once per packed block: cheap enough for release.
+        assert!(self.can_open() && !self.is_open(pbn), "packer: opening block {pbn} (open: {:?})", self.open_pbns());
         let mut buf: crate::read::cache::Block = std::iter::repeat_n(0u8, BLOCK_SIZE).collect();
         let b = std::sync::Arc::make_mut(&mut buf);
         put_u32(b, 0, PACKED_MAGIC);
@@ -214,17 +234,69 @@ impl Packer {
         std::mem::take(&mut self.open).into_iter().map(Self::finish).collect()
     }
 
+    /// Checks every open block (the `verify` audit): distinct pbns within the bound, a
+    /// valid header, and fragments in slot order inside the filled area that decompress.
+    #[cfg(feature = "verify")]
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        if self.open.len() > OPEN_BLOCKS_MAX {
+            return Err(format!("{} packed blocks open, more than {OPEN_BLOCKS_MAX}", self.open.len()));
+        }
+        let mut out = vec![0u8; BLOCK_SIZE];
+        for (i, o) in self.open.iter().enumerate() {
+            let pbn = o.pbn;
+            if self.open.iter().skip(i + 1).any(|x| x.pbn == pbn) {
+                return Err(format!("packed block {pbn} is open twice"));
+            }
+            let header_ok = o.buf.len() == BLOCK_SIZE
+                && crate::codec::get_u32(&o.buf, 0) == PACKED_MAGIC
+                && o.buf.get(9).copied() == Some(self.codec.code());
+            if !header_ok || o.count > PACKED_SLOTS_MAX || o.used > BLOCK_SIZE || o.used < PACKED_HEADER_BYTES {
+                return Err(format!(
+                    "open packed block {pbn}: bad header, {} fragments, {} bytes used",
+                    o.count, o.used
+                ));
+            }
+            let mut end = PACKED_HEADER_BYTES;
+            for slot in 0..o.count {
+                let off = usize::from(get_u16(&o.buf, 12 + 4 * usize::from(slot)));
+                let len = usize::from(get_u16(&o.buf, 14 + 4 * usize::from(slot)));
+                if off != end || len == 0 || off + len > o.used {
+                    return Err(format!("open packed block {pbn}: slot {slot} at {off}+{len}, expected at {end}"));
+                }
+                end = off + len;
+                match self.unpack_open(pbn, slot, &mut out) {
+                    Some(Ok(())) => {}
+                    _ => return Err(format!("open packed block {pbn}: slot {slot} does not decompress")),
+                }
+            }
+            if end != o.used {
+                return Err(format!("open packed block {pbn}: fragments end at {end}, used mark at {}", o.used));
+            }
+        }
+        Ok(())
+    }
+
     /// Decodes a fragment of an open block (reads and verification of data not yet written).
     pub fn unpack_open(&self, pbn: u64, slot: u8, out: &mut [u8]) -> Option<Result<()>> {
         let o = self.open.iter().find(|o| o.pbn == pbn)?;
         if slot >= o.count {
-            return Some(Err(Error::Corrupt(format!("open packed block has no slot {slot}"))));
+            // A mapping names a slot the open block has not filled yet: a stale or damaged
+            // map entry, since slots are mapped only after they are added.
+            return Some(Err(Error::corruption(
+                "map entry to open packed block",
+                pbn,
+                format!("one of its {} filled slots", o.count),
+                format!("slot {slot}"),
+            )));
         }
         let off = usize::from(get_u16(&o.buf, 12 + 4 * usize::from(slot)));
         let len = usize::from(get_u16(&o.buf, 14 + 4 * usize::from(slot)));
         Some(match o.buf.get(off..off + len) {
-            Some(f) => decompress(self.codec, f, out),
-            None => Err(Error::Corrupt("open block fragment out of bounds".into())),
+            Some(f) => decompress(pbn, slot, self.codec, f, out),
+            None => Err(Error::internal(
+                "open packed block slot outside its buffer",
+                format!("block {pbn} slot {slot}: {off}+{len}"),
+            )),
         })
     }
 }
@@ -248,22 +320,22 @@ mod tests {
         let (pbn, buf, count) = p.seal_all().pop().expect("sealed");
         assert_eq!((pbn, count), (9, 5));
         for (i, b) in blocks.iter().enumerate() {
-            unpack(&buf, i as u8, &mut out).expect("unpack");
+            unpack(&buf, 9, i as u8, &mut out).expect("unpack");
             assert_eq!(&out, b);
         }
-        assert!(unpack(&buf, 5, &mut out).is_err());
+        assert!(unpack(&buf, 9, 5, &mut out).is_err());
         // A slot whose offset points outside the data area is refused, not decoded.
         let mut bad = buf.to_vec();
         put_u16(&mut bad, 12, 4090);
-        assert!(unpack(&bad, 0, &mut out).is_err());
+        assert!(unpack(&bad, 9, 0, &mut out).is_err());
         // Damage inside one fragment never decodes to its original content (the caller's
         // crc catches it) and leaves the other fragments readable.
         let mut bad = buf.to_vec();
         let off = usize::from(get_u16(&bad, 12 + 4));
         bad[off + 1] ^= 0x55;
-        assert!(unpack(&bad, 1, &mut out).map_or(true, |()| out != blocks[1]));
+        assert!(unpack(&bad, 9, 1, &mut out).map_or(true, |()| out != blocks[1]));
         for i in [0usize, 2, 3, 4] {
-            unpack(&bad, i as u8, &mut out).expect("undamaged slot");
+            unpack(&bad, 9, i as u8, &mut out).expect("undamaged slot");
             assert_eq!(out, blocks[i]);
         }
     }

@@ -60,21 +60,38 @@ impl Deduper {
 fn read_saved(meta: &Dev, geo: &Geometry, uuid_lo: u64, count: u64, per: u64) -> Result<Vec<u8>> {
     let mut head = vec![0u8; BLOCK_SIZE];
     meta.read(IoKind::Index, &mut head, geo.index_start * BLOCK_SIZE_U64)?;
-    if get_u32(&head, 0) != INDEX_MAGIC
-        || get_u64(&head, 24) != uuid_lo
-        || get_u64(&head, 8) != count
-        || u64::from(get_u32(&head, 16)) != per
-    {
-        return Err(Error::Corrupt("index save area header does not match the superblock".into()));
+    let (magic, uuid, saved_count, saved_per) =
+        (get_u32(&head, 0), get_u64(&head, 24), get_u64(&head, 8), u64::from(get_u32(&head, 16)));
+    if magic != INDEX_MAGIC || uuid != uuid_lo || saved_count != count || saved_per != per {
+        return Err(Error::corruption(
+            "saved index header block",
+            geo.index_start,
+            format!(
+                "magic {INDEX_MAGIC:#010x}, volume {uuid_lo:#018x}, {count} entries of {per} bytes (as the superblock says)"
+            ),
+            format!("magic {magic:#010x}, volume {uuid:#018x}, {saved_count} entries of {saved_per} bytes"),
+        ));
     }
     let len = count * per;
-    if len > geo.index_blocks.saturating_sub(1) * BLOCK_SIZE_U64 {
-        return Err(Error::Corrupt("saved index larger than its area".into()));
+    let area_bytes = geo.index_blocks.saturating_sub(1) * BLOCK_SIZE_U64;
+    if len > area_bytes {
+        return Err(Error::corruption(
+            "saved index header block",
+            geo.index_start,
+            format!("at most {area_bytes} bytes of entries (the save area)"),
+            format!("{len} bytes of entries"),
+        ));
     }
     let mut bytes = vec![0u8; len as usize];
     meta.read(IoKind::Index, &mut bytes, (geo.index_start + 1) * BLOCK_SIZE_U64)?;
-    if crc32c::crc32c(&bytes) != get_u32(&head, 4) {
-        return Err(Error::Corrupt("saved index checksum mismatch".into()));
+    let (crc, saved_crc) = (crc32c::crc32c(&bytes), get_u32(&head, 4));
+    if crc != saved_crc {
+        return Err(Error::corruption(
+            "saved index header block",
+            geo.index_start,
+            format!("checksum {saved_crc:#010x} over the entries"),
+            format!("{crc:#010x} (checksum mismatch)"),
+        ));
     }
     Ok(bytes)
 }

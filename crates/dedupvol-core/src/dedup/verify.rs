@@ -16,15 +16,15 @@ use crate::read::cache::{new_block, ContentCache};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-/// True when `block` (raw or packed, per `state`) holds `chunk`.
-pub(crate) fn content_matches(block: &[u8], state: u8, chunk: &[u8]) -> bool {
+/// True when `block` (physical block `pbn`, raw or packed per `state`) holds `chunk`.
+pub(crate) fn content_matches(block: &[u8], pbn: u64, state: u8, chunk: &[u8]) -> bool {
     if state == STATE_RAW {
         return block == chunk;
     }
     match (MapEntry { pbn: 0, state, crc: 0 }).slot() {
         Some(slot) => {
             let mut out = [0u8; BLOCK_SIZE];
-            packer::unpack(block, slot, &mut out).is_ok() && out == chunk
+            packer::unpack(block, pbn, slot, &mut out).is_ok() && out == chunk
         }
         None => false,
     }
@@ -49,5 +49,5 @@ pub(crate) fn by_read(data: &DataDevice, cache: &Mutex<ContentCache>, loc: Locat
             b
         }
     };
-    content_matches(&block, loc.state, chunk)
+    content_matches(&block, loc.pbn, loc.state, chunk)
 }

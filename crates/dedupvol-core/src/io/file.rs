@@ -387,7 +387,8 @@ impl Storage for FileStorage {
                         skip -= b.len();
                         continue;
                     }
-                    let rest = b.get(skip..).unwrap_or(&[]);
+                    #[expect(clippy::indexing_slicing, reason = "`skip < b.len()` (checked just above)")]
+                    let rest = &b[skip..];
                     self.file.write_all_at(rest, pos)?;
                     pos += rest.len() as u64;
                     skip = 0;

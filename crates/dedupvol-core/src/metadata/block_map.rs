@@ -91,18 +91,22 @@ impl MapEntry {
             o.copy_from_slice(&b);
         }
     }
-    /// Decodes 10 bytes; an unknown state is corruption.
-    pub fn decode(b: &[u8]) -> Result<MapEntry> {
+    /// Decodes one encoded entry. `Err` says what was found instead of an entry (an unknown
+    /// state, or a slice that is not one entry long); the caller knows which structure and
+    /// address it came from and reports the corruption.
+    pub fn decode(b: &[u8]) -> Result<MapEntry, String> {
+        let (Some(pbn), Some(&state), true) = (b.get(..5), b.get(5), b.len() == MAP_ENTRY_BYTES) else {
+            return Err(format!("{} bytes where a {MAP_ENTRY_BYTES}-byte entry belongs", b.len()));
+        };
         let mut p = [0u8; 8];
-        if let (Some(dst), Some(src)) = (p.get_mut(..5), b.get(..5)) {
-            dst.copy_from_slice(src);
+        if let Some(dst) = p.get_mut(..5) {
+            dst.copy_from_slice(pbn);
         }
-        let state = b.get(5).copied().unwrap_or(0);
         let e = MapEntry { pbn: u64::from_le_bytes(p), state, crc: get_u32(b, 6) };
         if state == STATE_UNMAPPED || state == STATE_ZERO || e.is_data() {
             Ok(e)
         } else {
-            Err(Error::Corrupt(format!("invalid block map entry state {state}")))
+            Err(format!("unknown entry state {state}"))
         }
     }
 }
@@ -151,6 +155,11 @@ pub fn seal_page(buf: &mut [u8], magic: u32, page_index: u64, seq: u64, uuid_lo:
     crate::codec::seal_crc(buf, PAGE_CRC_OFFSET);
 }
 
+/// A block map page whose checksum holds but whose entry for `lba` does not decode.
+fn bad_entry(page: u64, lba: u64, found: String) -> Error {
+    Error::corruption("block map page", page, "a known entry state", format!("logical block {lba}: {found}"))
+}
+
 struct CachedPage {
     buf: Box<[u8]>,
     seq: u64,
@@ -169,11 +178,11 @@ pub struct BlockMap {
     tick: u64,
     written_unsynced: PbnSet,
     /// Cache hits since open.
-    pub hits: u64,
+    hits: u64,
     /// Cache misses since open.
-    pub misses: u64,
+    misses: u64,
     /// Pages found with a damaged slot and no valid copy (treated as empty; see format.md).
-    pub damaged_pages: u64,
+    damaged_pages: u64,
 }
 
 impl BlockMap {
@@ -200,7 +209,11 @@ impl BlockMap {
 
     fn locate(&self, lba: u64) -> Result<(u64, usize)> {
         if lba >= self.geo.logical_blocks {
-            return Err(Error::InvalidArgument(format!("logical block {lba} beyond {}", self.geo.logical_blocks)));
+            // Callers check ranges (requests) or the journal scan does (replay).
+            return Err(Error::internal(
+                "block map asked for a logical block beyond the volume",
+                format!("logical block {lba}, volume of {}", self.geo.logical_blocks),
+            ));
         }
         Ok((lba / BM_ENTRIES_PER_PAGE, PAGE_HEADER_BYTES + (lba % BM_ENTRIES_PER_PAGE) as usize * MAP_ENTRY_BYTES))
     }
@@ -219,12 +232,18 @@ impl BlockMap {
             self.damaged_pages += 1;
         }
         let buf: Box<[u8]> = match pick.slot {
-            Some(s) => both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE).unwrap_or(&[]).into(),
+            // `pick_slot` only picks a slot it found whole in `both`.
+            Some(s) => match both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE) {
+                Some(b) => b.into(),
+                None => {
+                    return Err(Error::internal(
+                        "block map slot picked outside the bytes read",
+                        format!("page {page} slot {s}, {} bytes read", both.len()),
+                    ))
+                }
+            },
             None => vec![0u8; BLOCK_SIZE].into_boxed_slice(),
         };
-        if buf.len() != BLOCK_SIZE {
-            return Err(Error::Corrupt(format!("block map page {page} has an invalid size")));
-        }
         Ok((buf, pick))
     }
 
@@ -266,7 +285,10 @@ impl BlockMap {
             self.misses += 1;
             self.load_with_readahead(page, tick)?;
         }
-        let p = self.pages.get_mut(&page).ok_or_else(|| Error::Corrupt("block map cache lost a page".into()))?;
+        let p = self
+            .pages
+            .get_mut(&page)
+            .ok_or_else(|| Error::internal("block map cache lost a page it just loaded", format!("page {page}")))?;
         p.used = tick;
         Ok(p)
     }
@@ -275,8 +297,9 @@ impl BlockMap {
     pub fn get(&mut self, lba: u64) -> Result<MapEntry> {
         let (page, off) = self.locate(lba)?;
         let p = self.page_mut(page)?;
-        MapEntry::decode(p.buf.get(off..off + MAP_ENTRY_BYTES).unwrap_or(&[]))
-            .map_err(|e| Error::Corrupt(format!("logical block {lba}: {e}")))
+        #[expect(clippy::indexing_slicing, reason = "`locate` keeps the entry inside the page's BLOCK_SIZE buffer")]
+        let bytes = &p.buf[off..off + MAP_ENTRY_BYTES];
+        MapEntry::decode(bytes).map_err(|found| bad_entry(page, lba, found))
     }
 
     /// The applied seq of the page holding `lba`.
@@ -290,8 +313,9 @@ impl BlockMap {
         let (page, off) = self.locate(lba)?;
         let p = self.page_mut(page)?;
         assert!(seq >= p.seq, "journal entries must be applied in order (page {page}: {seq} < {})", p.seq);
-        let slot = p.buf.get_mut(off..off + MAP_ENTRY_BYTES).ok_or_else(|| Error::Corrupt("entry offset".into()))?;
-        let old = MapEntry::decode(slot)?;
+        #[expect(clippy::indexing_slicing, reason = "`locate` keeps the entry inside the page's BLOCK_SIZE buffer")]
+        let slot = &mut p.buf[off..off + MAP_ENTRY_BYTES];
+        let old = MapEntry::decode(slot).map_err(|found| bad_entry(page, lba, found))?;
         e.encode(slot);
         p.seq = seq;
         p.dirty = true;
@@ -306,7 +330,10 @@ impl BlockMap {
         }
         let uuid_lo = self.uuid_lo;
         let (slot, offset, buf) = {
-            let p = self.pages.get_mut(&page).ok_or_else(|| Error::Corrupt("write of uncached page".into()))?;
+            let p = self
+                .pages
+                .get_mut(&page)
+                .ok_or_else(|| Error::internal("write of a block map page not in the cache", format!("page {page}")))?;
             let slot = p.latest_slot.map_or(0, |s| 1 - s);
             let seq = p.seq;
             seal_page(&mut p.buf, BM_PAGE_MAGIC, page, seq, uuid_lo);
@@ -363,6 +390,69 @@ impl BlockMap {
     pub fn cached_pages(&self) -> usize {
         self.pages.len()
     }
+
+    /// Cache hits since open.
+    pub fn hits(&self) -> u64 {
+        self.hits
+    }
+
+    /// Cache misses since open.
+    pub fn misses(&self) -> u64 {
+        self.misses
+    }
+
+    /// Pages found with a damaged slot and no valid copy since open.
+    pub fn damaged_pages(&self) -> u64 {
+        self.damaged_pages
+    }
+
+    /// Checks every cached page (the `verify` audit): it lies inside the block map, its
+    /// entries decode, and a clean page that came from or went to a slot is that slot's
+    /// sealed copy (right page, seq and checksum), so evicting it loses nothing.
+    #[cfg(feature = "verify")]
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        for (&page, p) in &self.pages {
+            if page >= self.geo.block_map_pages {
+                return Err(format!("block map cache holds page {page} beyond {}", self.geo.block_map_pages));
+            }
+            if p.buf.len() != BLOCK_SIZE {
+                return Err(format!("block map page {page} is cached with {} bytes", p.buf.len()));
+            }
+            let first = page * BM_ENTRIES_PER_PAGE;
+            let last = (first + BM_ENTRIES_PER_PAGE).min(self.geo.logical_blocks);
+            for (k, e) in p.buf.get(PAGE_HEADER_BYTES..).unwrap_or_default().chunks_exact(MAP_ENTRY_BYTES).enumerate() {
+                let lba = first + k as u64;
+                match MapEntry::decode(e) {
+                    Ok(m) if lba >= last && m != MapEntry::UNMAPPED => {
+                        return Err(format!("block map page {page} maps logical block {lba} beyond the volume"));
+                    }
+                    Ok(_) => {}
+                    Err(err) => return Err(format!("block map page {page}, logical block {lba}: {err}")),
+                }
+            }
+            if p.dirty || p.latest_slot.is_none() {
+                if !p.dirty && p.seq != 0 {
+                    return Err(format!("clean block map page {page} with no copy on the device has seq {}", p.seq));
+                }
+                continue;
+            }
+            let sealed = get_u32(&p.buf, 0) == BM_PAGE_MAGIC
+                && get_u64(&p.buf, 8) == page
+                && get_u64(&p.buf, 16) == p.seq
+                && get_u64(&p.buf, 24) == self.uuid_lo
+                && crate::codec::crc_ok(&p.buf, PAGE_CRC_OFFSET);
+            if !sealed {
+                return Err(format!("clean block map page {page} (seq {}) is not a sealed copy", p.seq));
+            }
+        }
+        Ok(())
+    }
+
+    /// Cached pages with changes not written yet.
+    #[cfg(feature = "verify")]
+    pub fn dirty_pages(&self) -> usize {
+        self.pages.values().filter(|p| p.dirty).count()
+    }
 }
 
 #[cfg(test)]
@@ -380,7 +470,8 @@ mod tests {
         }
         let mut b = [0u8; MAP_ENTRY_BYTES];
         b[5] = 3;
-        assert!(MapEntry::decode(&b).is_err());
+        assert_eq!(MapEntry::decode(&b), Err("unknown entry state 3".into()));
+        assert!(MapEntry::decode(&b[..9]).is_err(), "a short slice is not an unmapped entry");
         b[5] = STATE_SLOT0 + PACKED_SLOTS_MAX;
         assert!(MapEntry::decode(&b).is_err());
     }

@@ -12,6 +12,10 @@
 //!   gap — everything after a gap was never synced.
 //! - Space between `head_block_seq` and `next_block_seq` is live; the head advances only
 //!   after a checkpoint has synced every page holding an entry older than the new head.
+//! - `head_block_seq <= next_block_seq <= head_block_seq + journal_blocks`, and
+//!   `durable_seq < next_entry_seq - pending.len()`: pending entries are never durable.
+//!   The journal alone moves its sequences (`append`, `take_batch`, `mark_durable`,
+//!   `note_checkpointed`, `assign_written_seq`), and each asserts what it keeps.
 
 use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
@@ -141,7 +145,10 @@ impl Journal {
 
     /// Records that every entry up to `seq` is durable (a batch's journal blocks synced).
     pub fn mark_durable(&mut self, seq: u64) {
-        assert!(seq < self.next_entry_seq, "journal: entry {seq} made durable before it was assigned");
+        assert!(
+            seq < self.next_entry_seq - self.pending.len() as u64,
+            "journal: entry {seq} made durable before it was written"
+        );
         self.durable_seq = self.durable_seq.max(seq);
     }
 
@@ -182,7 +189,30 @@ impl Journal {
 
     /// Live journal blocks.
     pub fn used_blocks(&self) -> u64 {
+        assert!(self.head_block_seq <= self.next_block_seq, "journal: head passed the next block");
         self.next_block_seq - self.head_block_seq
+    }
+
+    /// Checks the sequences against each other (the `verify` audit; each is also asserted
+    /// where it moves).
+    #[cfg(feature = "verify")]
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        let written = self.next_entry_seq.checked_sub(self.pending.len() as u64);
+        if self.head_block_seq > self.next_block_seq
+            || self.next_block_seq - self.head_block_seq > self.geo.journal_blocks
+            || written.is_none_or(|w| self.durable_seq >= w && self.durable_seq != 0)
+        {
+            return Err(format!(
+                "journal sequences out of order: head {} next block {} of {}, durable {} next entry {} pending {}",
+                self.head_block_seq,
+                self.next_block_seq,
+                self.geo.journal_blocks,
+                self.durable_seq,
+                self.next_entry_seq,
+                self.pending.len()
+            ));
+        }
+        Ok(())
     }
 
     /// True when a checkpoint should reclaim space (more than half the journal is live).
@@ -312,9 +342,34 @@ pub fn scan(meta: &Dev, geo: &Geometry, uuid: &[u8; 16]) -> Result<Replay> {
             let mut entries = Vec::with_capacity(count);
             for k in 0..count {
                 let off = JOURNAL_HEADER_BYTES + k * JOURNAL_ENTRY_BYTES;
-                let new = MapEntry::decode(b.get(off + 8..off + 8 + MAP_ENTRY_BYTES).unwrap_or(&[]))?;
-                let old = MapEntry::decode(b.get(off + 8 + MAP_ENTRY_BYTES..off + JOURNAL_ENTRY_BYTES).unwrap_or(&[]))?;
-                entries.push(JournalEntry { lba: get_u64(b, off), new, old });
+                // A block whose checksum holds but whose entry does not decode was written
+                // that way: not a torn write, so it is corruption, not a gap.
+                let bad = |half: &str, found: String| {
+                    Error::corruption(
+                        "journal block",
+                        block_seq,
+                        "entries with known mapping states",
+                        format!("entry {k} ({half} mapping): {found}"),
+                    )
+                };
+                #[expect(
+                    clippy::indexing_slicing,
+                    reason = "`count <= JOURNAL_ENTRIES_PER_BLOCK`, and that many entries fit a BLOCK_SIZE block (const assert)"
+                )]
+                let (new, old) =
+                    (&b[off + 8..off + 8 + MAP_ENTRY_BYTES], &b[off + 8 + MAP_ENTRY_BYTES..off + JOURNAL_ENTRY_BYTES]);
+                let new = MapEntry::decode(new).map_err(|f| bad("new", f))?;
+                let old = MapEntry::decode(old).map_err(|f| bad("old", f))?;
+                let lba = get_u64(b, off);
+                if lba >= geo.logical_blocks {
+                    return Err(Error::corruption(
+                        "journal block",
+                        block_seq,
+                        format!("entries for logical blocks below {}", geo.logical_blocks),
+                        format!("entry {k} for logical block {lba}"),
+                    ));
+                }
+                entries.push(JournalEntry { lba, new, old });
             }
             let s = Scanned {
                 first_entry_seq: get_u64(b, 40),

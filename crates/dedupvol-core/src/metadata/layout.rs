@@ -126,11 +126,13 @@ impl Geometry {
             data_blocks: data_dev_blocks - data_start,
             slab_blocks,
         };
-        g.validate()?;
+        // The checks above refuse every argument that could break an invariant.
+        g.validate().map_err(|e| Error::internal("computed geometry breaks its invariants", e.to_string()))?;
         Ok(g)
     }
 
-    /// Checks the invariants (also run on geometry read back from a superblock).
+    /// Checks the invariants (also run on geometry read back from a superblock). A broken
+    /// one is corruption of a "superblock copy" (address 0: `Superblock::read` names the copy).
     pub fn validate(&self) -> Result<()> {
         let meta_blocks = if self.meta_dev_blocks > 0 { self.meta_dev_blocks } else { self.data_dev_blocks };
         let ok = self.logical_blocks > 0
@@ -150,7 +152,12 @@ impl Geometry {
         if ok {
             Ok(())
         } else {
-            Err(Error::Corrupt(format!("inconsistent volume geometry: {self:?}")))
+            Err(Error::corruption(
+                "superblock copy",
+                0,
+                "a geometry whose regions fit their devices without overlapping",
+                format!("inconsistent volume geometry {self:?}"),
+            ))
         }
     }
 

@@ -5,14 +5,19 @@
 //! - `count[pbn]` equals the number of block map entries referencing `pbn` (raw or any
 //!   packed slot) once the journal is applied; it never exceeds `REFCOUNT_MAX`.
 //! - `frags[pbn]` is 0 for a free block, 1 for a raw block, and for a packed block the
-//!   number of slots its referenced fragments span (highest referenced slot + 1).
+//!   number of slots its fragments have spanned since it was stored (highest slot ever
+//!   referenced + 1; it shrinks only when the block is freed), so 1..=`PACKED_SLOTS_MAX`
+//!   for a used block. It is not bounded by the count: overwriting all but the last slot
+//!   leaves one reference to a block spanning many slots.
+//! - `used_blocks` is the number of non-zero counts and `fragments` the sum of `frags`
+//!   over used blocks (`inc` and `dec` keep both; the `verify` audit recounts them).
 //! - Pages follow the block map's rules: applied-seq idempotency, the write-ahead rule,
 //!   and two slots never both unsynced.
 
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::io::{Dev, IoKind};
-use crate::metadata::block_map::{pick_slot, seal_page, MapEntry, PAGE_HEADER_BYTES};
+use crate::metadata::block_map::{pick_slot, seal_page, MapEntry, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
 use crate::metadata::layout::{Geometry, RC_ENTRIES_PER_PAGE};
 use crate::read::cache::PbnSet;
 
@@ -39,7 +44,7 @@ pub struct Refcounts {
     used_blocks: u64,
     fragments: u64,
     /// Pages found with a damaged slot and no valid copy.
-    pub damaged_pages: u64,
+    damaged_pages: u64,
 }
 
 impl Refcounts {
@@ -68,13 +73,18 @@ impl Refcounts {
             rc.meta.read(IoKind::Refcount, &mut buf, (geo.refcount_start + 2 * first) * BLOCK_SIZE_U64)?;
             for i in 0..take {
                 let page = first + i;
-                let both = buf.get((2 * i) as usize * BLOCK_SIZE..(2 * i + 2) as usize * BLOCK_SIZE).unwrap_or(&[]);
+                #[expect(clippy::indexing_slicing, reason = "`buf` holds two blocks for each of the `take` pages")]
+                let both = &buf[(2 * i) as usize * BLOCK_SIZE..(2 * i + 2) as usize * BLOCK_SIZE];
                 let pick = pick_slot(both, RC_PAGE_MAGIC, page, uuid_lo);
                 if pick.damaged && pick.slot.is_none() {
                     rc.damaged_pages += 1;
                 }
                 let Some(s) = pick.slot else { continue };
-                let src = both.get(usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                #[expect(
+                    clippy::indexing_slicing,
+                    reason = "`pick_slot` picks slot 0 or 1 of the two blocks in `both`"
+                )]
+                let src = &both[usize::from(s) * BLOCK_SIZE..(usize::from(s) + 1) * BLOCK_SIZE];
                 let base = page * RC_ENTRIES_PER_PAGE;
                 for j in 0..RC_ENTRIES_PER_PAGE {
                     let pbn = base + j;
@@ -85,7 +95,21 @@ impl Refcounts {
                     let c = src.get(off).copied().unwrap_or(0);
                     let f = src.get(off + 1).copied().unwrap_or(0);
                     if c > REFCOUNT_MAX {
-                        return Err(Error::Corrupt(format!("refcount page {page}: block {pbn} has count {c}")));
+                        return Err(Error::corruption(
+                            "refcount page",
+                            page,
+                            format!("counts of at most {REFCOUNT_MAX}"),
+                            format!("count {c} for physical block {pbn}"),
+                        ));
+                    }
+                    // `inc` asserts the fragment bound, so a page breaking it is refused here.
+                    if f > PACKED_SLOTS_MAX {
+                        return Err(Error::corruption(
+                            "refcount page",
+                            page,
+                            format!("fragment counts of at most {PACKED_SLOTS_MAX}"),
+                            format!("{f} fragments for physical block {pbn}"),
+                        ));
                     }
                     if let (Some(cc), Some(ff)) = (rc.count.get_mut(pbn as usize), rc.frags.get_mut(pbn as usize)) {
                         *cc = c;
@@ -143,15 +167,28 @@ impl Refcounts {
         }
     }
 
+    /// A mapping names a physical block past the end of the data region.
+    fn beyond_data_region(&self, pbn: u64) -> Error {
+        Error::corruption(
+            "reference to physical block",
+            pbn,
+            format!("a block below {} (the data region)", self.geo.data_blocks),
+            "a block beyond the data region",
+        )
+    }
+
     /// Fails, changing nothing, when `inc(e)` would: `e` lies beyond the data region or
     /// its block is at `REFCOUNT_MAX`.
     pub fn check_inc(&self, e: &MapEntry) -> Result<()> {
         let pbn = e.pbn;
         match self.count.get(pbn as usize) {
-            None => Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region"))),
-            Some(&c) if c >= REFCOUNT_MAX => {
-                Err(Error::Corrupt(format!("reference count of block {pbn} would exceed {REFCOUNT_MAX}")))
-            }
+            None => Err(self.beyond_data_region(pbn)),
+            Some(&c) if c >= REFCOUNT_MAX => Err(Error::corruption(
+                "reference count of physical block",
+                pbn,
+                format!("room for one more reference (at most {REFCOUNT_MAX})"),
+                format!("count {c}"),
+            )),
             Some(_) => Ok(()),
         }
     }
@@ -161,8 +198,13 @@ impl Refcounts {
     pub fn check_dec(&self, e: &MapEntry) -> Result<()> {
         let pbn = e.pbn;
         match self.count.get(pbn as usize) {
-            None => Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region"))),
-            Some(0) => Err(Error::Corrupt(format!("reference count of block {pbn} would go below zero"))),
+            None => Err(self.beyond_data_region(pbn)),
+            Some(0) => Err(Error::corruption(
+                "reference count of physical block",
+                pbn,
+                "a reference to drop",
+                "count 0 (the reference count would go below zero)",
+            )),
             Some(_) => Ok(()),
         }
     }
@@ -173,7 +215,7 @@ impl Refcounts {
         let pbn = e.pbn;
         let i = pbn as usize;
         let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
-            return Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region")));
+            return Err(self.beyond_data_region(pbn));
         };
         let old_frags = if *c == 0 { 0 } else { *f };
         if *c == 0 {
@@ -182,6 +224,7 @@ impl Refcounts {
         *c += 1;
         let want = e.slot().map_or(1, |s| s + 1);
         *f = old_frags.max(want);
+        assert!(*c <= REFCOUNT_MAX && (1..=PACKED_SLOTS_MAX).contains(f), "refcount: block {pbn} at {c}/{f}");
         self.fragments += u64::from(*f) - u64::from(old_frags);
         self.touch(pbn, seq);
         Ok(())
@@ -193,11 +236,17 @@ impl Refcounts {
         let pbn = e.pbn;
         let i = pbn as usize;
         let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
-            return Err(Error::Corrupt(format!("reference to physical block {pbn} beyond the data region")));
+            return Err(self.beyond_data_region(pbn));
         };
         *c -= 1;
         let freed = *c == 0;
         if freed {
+            assert!(
+                self.used_blocks > 0 && self.fragments >= u64::from(*f),
+                "refcount: freeing block {pbn} with totals {} used / {} fragments",
+                self.used_blocks,
+                self.fragments
+            );
             self.used_blocks -= 1;
             self.fragments -= u64::from(*f);
             *f = 0;
@@ -286,5 +335,53 @@ impl Refcounts {
     /// Largest applied seq over all pages.
     pub fn max_seq(&self) -> u64 {
         self.page_seq.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Pages found with a damaged slot and no valid copy at load.
+    pub fn damaged_pages(&self) -> u64 {
+        self.damaged_pages
+    }
+
+    /// Pages with changes not written yet.
+    #[cfg(feature = "verify")]
+    pub fn dirty_pages(&self) -> usize {
+        self.page_dirty.iter().filter(|&&d| d).count()
+    }
+
+    /// Recounts every block (the `verify` audit): counts within the cap, fragment counts
+    /// zero exactly for free blocks and within the slot bound, and the running totals equal
+    /// to the recount.
+    #[cfg(feature = "verify")]
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        let pages = self.geo.refcount_pages as usize;
+        if self.count.len() != self.frags.len()
+            || self.count.len() as u64 != self.geo.data_blocks
+            || self.page_seq.len() != pages
+            || self.page_dirty.len() != pages
+            || self.latest_slot.len() != pages
+        {
+            return Err("refcount tables do not match the geometry".into());
+        }
+        let (mut used, mut fragments) = (0u64, 0u64);
+        for (pbn, (&c, &f)) in self.count.iter().zip(&self.frags).enumerate() {
+            let ok = match c {
+                0 => f == 0,
+                c => c <= REFCOUNT_MAX && (1..=PACKED_SLOTS_MAX).contains(&f),
+            };
+            if !ok {
+                return Err(format!("physical block {pbn} has count {c} and {f} fragments"));
+            }
+            if c > 0 {
+                used += 1;
+                fragments += u64::from(f);
+            }
+        }
+        if used != self.used_blocks || fragments != self.fragments {
+            return Err(format!(
+                "refcount totals {} used / {} fragments, recounted {used} / {fragments}",
+                self.used_blocks, self.fragments
+            ));
+        }
+        Ok(())
     }
 }

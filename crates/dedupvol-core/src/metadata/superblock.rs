@@ -12,7 +12,7 @@
 //!   lifetime counters; a record is written by every superblock write of a read-write open.
 
 use crate::config::{Compression, DedupVerify, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::error::{Error, Result};
+use crate::error::{Corruption, Error, Result};
 use crate::io::{Dev, IoKind};
 use crate::metadata::layout::Geometry;
 use crate::obs::stats::LifetimeCounters;
@@ -247,7 +247,9 @@ impl Superblock {
         buf
     }
 
-    /// Decodes one copy; `Ok(None)` when the block holds no dedupvol magic at all.
+    /// Decodes one copy; `Ok(None)` when the block holds no dedupvol magic at all. A damaged
+    /// copy is `Error::Corruption` of a "superblock copy" at address 0: the block alone does
+    /// not say which copy it is, and [`Superblock::read`] names the copy it read.
     pub fn decode(buf: &[u8], expect_role: u8) -> Result<Option<Superblock>> {
         let Ok((raw, _)) = SuperblockRaw::read_from_prefix(buf) else {
             return Ok(None);
@@ -256,7 +258,12 @@ impl Superblock {
             return Ok(None);
         }
         if !crate::codec::crc_ok(buf, SUPERBLOCK_CRC_OFFSET) {
-            return Err(Error::Corrupt("superblock checksum mismatch".into()));
+            return Err(Error::corruption(
+                "superblock copy",
+                0,
+                format!("checksum {:#010x}", crate::codec::block_crc(buf, SUPERBLOCK_CRC_OFFSET)),
+                format!("{:#010x} (checksum mismatch)", raw.checksum.get()),
+            ));
         }
         if raw.version.get() != FORMAT_VERSION {
             return Err(Error::NotAVolume(format!(
@@ -276,8 +283,14 @@ impl Superblock {
                 }
             )));
         }
-        let compression = Compression::from_code(raw.compression)
-            .ok_or_else(|| Error::Corrupt(format!("unknown compression code {}", raw.compression)))?;
+        let compression = Compression::from_code(raw.compression).ok_or_else(|| {
+            Error::corruption(
+                "superblock copy",
+                0,
+                "a known compression code",
+                format!("compression code {}", raw.compression),
+            )
+        })?;
         let geometry = Geometry {
             logical_blocks: raw.logical_blocks.get(),
             data_dev_blocks: raw.data_dev_blocks.get(),
@@ -364,25 +377,29 @@ impl Superblock {
                 }
                 Ok(None) => notes.push(format!("superblock copy {copy} of {} has no dedupvol magic", dev.name())),
                 Err(e @ Error::NotAVolume(_)) => return Err(e),
+                Err(Error::Corruption(c)) => {
+                    saw_magic = true;
+                    let c = Corruption { address: copy, ..c };
+                    notes.push(format!("superblock copy {copy} of {}: corruption detected: {c}", dev.name()));
+                }
                 Err(e) => {
                     saw_magic = true;
                     notes.push(format!("superblock copy {copy} of {}: {e}", dev.name()));
                 }
             }
         }
-        match best {
-            Some(sb) => Ok((sb, notes)),
+        match (best, io_error) {
+            (Some(sb), _) => Ok((sb, notes)),
             // A copy we could not read may hold a volume: never report "no volume" then,
             // or a format without --force would destroy it.
-            None if io_error.is_some() && !saw_magic => {
-                Err(io_error.unwrap_or_else(|| Error::Corrupt("superblock".into())))
-            }
-            None if saw_magic => Err(Error::Corrupt(format!(
-                "both superblock copies of {} are corrupt: {}",
-                dev.name(),
-                notes.join("; ")
-            ))),
-            None => Err(Error::NotAVolume(format!("{} does not hold a dedupvol volume", dev.name()))),
+            (None, Some(e)) if !saw_magic => Err(e),
+            (None, _) if saw_magic => Err(Error::corruption(
+                "superblock copy",
+                1,
+                format!("a valid copy 0 or 1 on {}", dev.name()),
+                format!("both copies corrupt: {}", notes.join("; ")),
+            )),
+            (None, _) => Err(Error::NotAVolume(format!("{} does not hold a dedupvol volume", dev.name()))),
         }
     }
 
@@ -430,7 +447,10 @@ mod tests {
         assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
         assert!(Superblock::decode(&buf, 1).is_err(), "role mismatch must be refused");
         buf[300] ^= 4;
-        assert!(matches!(Superblock::decode(&buf, 0), Err(Error::Corrupt(_))));
+        assert!(matches!(
+            Superblock::decode(&buf, 0),
+            Err(Error::Corruption(Corruption { structure: "superblock copy", .. }))
+        ));
         assert_eq!(Superblock::decode(&[0u8; 4096], 0).expect("blank"), None);
     }
 

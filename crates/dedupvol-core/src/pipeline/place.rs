@@ -64,7 +64,9 @@ impl Volume {
                 let mut out = [0u8; crate::config::BLOCK_SIZE];
                 match crate::data::read_unwritten(packer, staging, &e, &mut out) {
                     Some(ok) => ok && out == chunk,
-                    None => self.cache.lock().get(loc.pbn).is_some_and(|b| content_matches(&b, loc.state, chunk)),
+                    None => {
+                        self.cache.lock().get(loc.pbn).is_some_and(|b| content_matches(&b, loc.pbn, loc.state, chunk))
+                    }
                 }
             };
             if let Claim::Share(loc) = dedup.claim(&d.hash, d.cand, looked_up_at, rc, red, in_memory) {
@@ -125,6 +127,14 @@ impl Volume {
     /// index entry for that content verifies against it while the block is refilled.
     pub(crate) fn alloc_block(&self, st: &mut State) -> Result<u64> {
         if let Some(p) = st.alloc.alloc() {
+            // A referenced block, or one an unwritten batch still answers for, would have
+            // its content replaced under a live mapping.
+            assert!(
+                st.rc.get(p) == 0 && st.staging.get(p).is_none(),
+                "allocator handed out block {p} (count {}, unwritten copy {})",
+                st.rc.get(p),
+                st.staging.get(p).is_some()
+            );
             self.cache.lock().remove(p);
             return Ok(p);
         }

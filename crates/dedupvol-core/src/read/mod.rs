@@ -18,7 +18,7 @@
 
 pub(crate) mod cache;
 
-use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::config::BLOCK_SIZE;
 use crate::data::packer;
 use crate::error::{Error, Result};
 use crate::io::IoKind;
@@ -52,22 +52,15 @@ impl Volume {
     /// straight into `buf`.
     pub(crate) fn read_range(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         for seg in segments(offset, buf.len() as u64, READ_BLOCKS_PER_CALL) {
-            let size = buf.len() as u64;
-            let dst = buf.get_mut(seg.pos as usize..(seg.pos + seg.len) as usize).ok_or(Error::OutOfRange {
-                offset: seg.pos,
-                len: seg.len,
-                size,
-            })?;
+            #[expect(clippy::indexing_slicing, reason = "`segments` cuts `buf.len()` bytes into segments inside it")]
+            let dst = &mut buf[seg.pos as usize..(seg.pos + seg.len) as usize];
             if seg.whole {
                 self.read_blocks(seg.lba, dst.len() / BLOCK_SIZE, dst)?;
             } else {
                 let mut block = vec![0u8; BLOCK_SIZE];
                 self.read_blocks(seg.lba, 1, &mut block)?;
-                let src = block.get(seg.within..seg.within + dst.len()).ok_or(Error::OutOfRange {
-                    offset: seg.within as u64,
-                    len: dst.len() as u64,
-                    size: BLOCK_SIZE_U64,
-                })?;
+                #[expect(clippy::indexing_slicing, reason = "a partial segment lies inside one block")]
+                let src = &block[seg.within..seg.within + dst.len()];
                 dst.copy_from_slice(src);
             }
         }
@@ -136,15 +129,17 @@ impl Volume {
             let run = if cached.is_none() && e.slot().is_none() { self.raw_run(looked, k) } else { 0 };
             // A lone block goes through the cache (random re-reads hit it).
             if run >= 2 {
-                let size = out.len() as u64;
-                let dst = out.get_mut(i * BLOCK_SIZE..(i + run) * BLOCK_SIZE).ok_or(Error::OutOfRange {
-                    offset: (i * BLOCK_SIZE) as u64,
-                    len: (run * BLOCK_SIZE) as u64,
-                    size,
+                let blocks = out.len() / BLOCK_SIZE;
+                let dst = out.get_mut(i * BLOCK_SIZE..(i + run) * BLOCK_SIZE).ok_or_else(|| {
+                    Error::internal(
+                        "read run outside the caller's buffer",
+                        format!("blocks {i}..{} of {blocks}", i + run),
+                    )
                 })?;
                 self.data.read(IoKind::Data, e.pbn, dst, "block map entry")?;
                 for (j, l) in looked.iter().skip(k).take(run).enumerate() {
-                    let got = dst.get(j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE).unwrap_or(&[]);
+                    #[expect(clippy::indexing_slicing, reason = "`j < run` and `dst` holds `run` blocks")]
+                    let got = &dst[j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE];
                     if crc32c::crc32c(got) != l.e.crc {
                         self.read_mismatch(lba0, l.i, l.e, attempts, retry)?;
                     }
@@ -162,7 +157,7 @@ impl Volume {
                     dst.copy_from_slice(&block);
                     true
                 }
-                Some(slot) => packer::unpack(&block, slot, dst).is_ok(),
+                Some(slot) => packer::unpack(&block, e.pbn, slot, dst).is_ok(),
             };
             if !(ok && crc32c::crc32c(dst) == e.crc) {
                 self.read_mismatch(lba0, i, e, attempts, retry)?;
@@ -244,7 +239,8 @@ impl Volume {
             return Ok(b);
         }
         let mut b = new_block();
-        let buf = Arc::get_mut(&mut b).ok_or(Error::Failed("a fresh block is shared".into()))?;
+        let buf = Arc::get_mut(&mut b)
+            .ok_or_else(|| Error::internal("a freshly allocated block is shared", format!("physical block {pbn}")))?;
         self.data.read(IoKind::Data, pbn, buf, "block map entry")?;
         self.cache.lock().fill(pbn, b.clone());
         Ok(b)
@@ -253,12 +249,9 @@ impl Volume {
 
 /// The `i`th block of `out`.
 fn block_mut(out: &mut [u8], i: usize) -> Result<&mut [u8]> {
-    let len = out.len() as u64;
-    out.get_mut(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE).ok_or(Error::OutOfRange {
-        offset: (i * BLOCK_SIZE) as u64,
-        len: BLOCK_SIZE_U64,
-        size: len,
-    })
+    let blocks = out.len() / BLOCK_SIZE;
+    out.get_mut(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE)
+        .ok_or_else(|| Error::internal("read of a block outside the caller's buffer", format!("block {i} of {blocks}")))
 }
 
 /// Decodes an unwritten block into `dst`: Ok(true) when it was unwritten (and matched),

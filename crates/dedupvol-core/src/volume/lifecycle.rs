@@ -169,7 +169,9 @@ impl Volume {
         // `auto` resolves from the volume: byte verification reads every candidate, and the
         // page cache serves those reads from RAM; hash verification reads nothing.
         let mode = opts.io_mode.for_verify(sb.verify == DedupVerify::Hash);
-        let file = Arc::try_unwrap(file).map_err(|_| Error::InvalidArgument("device still shared".into()))?;
+        let file = Arc::try_unwrap(file).map_err(|_| {
+            Error::internal("device still shared after reading its superblock", path.display().to_string())
+        })?;
         let data: Arc<dyn Storage> = Arc::new(if mode == IoMode::Buffered { file.into_buffered() } else { file });
         let meta_path = match meta_device {
             Some(m) => Some(m.to_path_buf()),
@@ -343,13 +345,19 @@ fn open_devices(
         }
         (None, false) => data.clone(),
     };
-    if data.len() < geo.data_dev_blocks * BLOCK_SIZE_U64
-        || (separate && meta.len() < geo.meta_dev_blocks * BLOCK_SIZE_U64)
-    {
-        return Err(Error::Corrupt(format!(
-            "device {} is smaller than the volume's recorded geometry (was it truncated?)",
-            data.name()
-        )));
+    let recorded = [(&data, geo.data_dev_blocks), (&meta, if separate { geo.meta_dev_blocks } else { 0 })];
+    for (dev, blocks) in recorded {
+        if dev.len() < blocks * BLOCK_SIZE_U64 {
+            return Err(Error::corruption(
+                "device block count",
+                blocks,
+                format!("device {} to hold the {blocks} blocks its superblock records", dev.name()),
+                format!(
+                    "{} blocks: smaller than the volume's recorded geometry (was it truncated?)",
+                    dev.len() / BLOCK_SIZE_U64
+                ),
+            ));
+        }
     }
     Ok((data, meta, sb, notes))
 }

@@ -103,7 +103,8 @@ impl Volume {
         self.check_range(offset, data.len() as u64)?;
         let mut last_seq = 0u64;
         for seg in segments(offset, data.len() as u64, crate::pipeline::WRITE_BLOCKS_PER_BATCH) {
-            let src = data.get(seg.pos as usize..(seg.pos + seg.len) as usize).unwrap_or(&[]);
+            #[expect(clippy::indexing_slicing, reason = "`segments` cuts `data.len()` bytes into segments inside it")]
+            let src = &data[seg.pos as usize..(seg.pos + seg.len) as usize];
             let seq = if seg.whole { self.write_blocks(seg.lba, src)? } else { self.rmw(seg.lba, seg.within, src)? };
             last_seq = last_seq.max(seq);
         }

@@ -54,7 +54,9 @@ pub(crate) fn recover(
         // (or a block), applying one raises the page's sequence to `seq`.
         let apply_new = e.new.is_data() && seq > rc.page_seq(e.new.pbn);
         let apply_old = e.old.is_data() && seq > rc.page_seq(e.old.pbn);
-        let corrupt = |err: Error| Error::Corrupt(format!("journal replay of entry {seq}: {err}"));
+        let corrupt = |err: Error| {
+            Error::corruption("journal entry", seq, "a reference count change that applies", err.to_string())
+        };
         if apply_new {
             rc.inc(&e.new, seq).map_err(corrupt)?;
         }
@@ -90,10 +92,10 @@ pub(crate) fn recover(
         let separate = geo.meta_dev_blocks > 0;
         write_superblock(data, separate.then_some(meta), sb)?;
     }
-    if map.damaged_pages > 0 || rc.damaged_pages > 0 {
+    if map.damaged_pages() > 0 || rc.damaged_pages() > 0 {
         notes.push(format!(
             "{} block map and {} refcount pages had a damaged copy and no valid one (a first write torn by a crash, rebuilt from the journal; if not, the reference and checksum audit reports the damage)",
-            map.damaged_pages, rc.damaged_pages
+            map.damaged_pages(), rc.damaged_pages()
         ));
     }
     Ok(Recovered { map, rc, journal, counters, notes })

@@ -39,7 +39,12 @@ impl Volume {
         self.read_blocks(lba, 1, &mut block)?;
         block
             .get_mut(within..within + piece.len())
-            .ok_or(Error::OutOfRange { offset: within as u64, len: piece.len() as u64, size: BLOCK_SIZE as u64 })?
+            .ok_or_else(|| {
+                Error::internal(
+                    "partial write outside its block",
+                    format!("logical block {lba}: bytes {within}..{}", within + piece.len()),
+                )
+            })?
             .copy_from_slice(piece);
         self.write_blocks(lba, &block)
     }
