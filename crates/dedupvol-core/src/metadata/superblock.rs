@@ -402,17 +402,6 @@ impl Superblock {
             (None, _) => Err(Error::NotAVolume(format!("{} does not hold a dedupvol volume", dev.name()))),
         }
     }
-
-    /// Writes both copies (A, sync, B, sync) to `dev`, bumping the generation first.
-    pub fn write(&mut self, dev: &Dev, role: u8) -> Result<()> {
-        self.generation += 1;
-        let buf = self.encode(role);
-        for copy in 0..2u64 {
-            dev.write(IoKind::Superblock, &buf, copy * BLOCK_SIZE_U64)?;
-            dev.sync()?;
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
