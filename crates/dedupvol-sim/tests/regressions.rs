@@ -144,3 +144,17 @@ fn a_stale_dedup_on_a_packed_slot_is_explained_by_the_fault_under_it() {
         panic!("{f}");
     }
 }
+
+/// Bug (`dedupvol-sim --seed 52911 --ops 1000`, failing every run): a process kill while
+/// the open after an earlier crash rewrote superblock copy B tore B; the next open wrote
+/// copy A first (always A, then B) and a crash tore A as well, so no valid copy was left
+/// and the volume could no longer be opened ("both superblock copies ... are corrupt").
+/// Superblock writes now overwrite the stale copy first.
+#[test]
+fn two_crashes_tearing_both_superblock_copies_in_turn_leave_one_valid() {
+    use dedupvol_sim::{run_seed, SimOptions};
+    let opts = SimOptions { ops: 1000, ..SimOptions::default() };
+    if let Err(f) = run_seed::<Volume>(52911, &opts) {
+        panic!("seed 52911: {f}");
+    }
+}
