@@ -6,7 +6,7 @@
 //! 1. `pipeline::fingerprint` — zero check, BLAKE3, crc32c (no lock, parallel);
 //! 2. `pipeline::reduce::find_candidates` — dedup candidates (state lock);
 //! 3. `pipeline::reduce::verify_and_compress` — verification reads, compression (no lock);
-//! 4. `Volume::place_batch` — claim or place each chunk, stage its data, journal and
+//! 4. `Volume::place_batch` (`pipeline::place`) — claim or place each chunk, stage its data, journal and
 //!    apply the mapping change (state lock);
 //! 5. `Volume::hand_off` — a full staging buffer goes to the data writer (no lock);
 //! 6. `Volume::after_write` — FUA, the sync policy or journal pressure commit.
@@ -20,8 +20,9 @@
 //!   or held in memory by `Staging` or the open packed blocks; a commit writes the staged
 //!   data, waits for every earlier write in flight, syncs data, then writes the journal
 //!   blocks and syncs them before reporting durability (the durability contract).
-//! - Lock order: `commit_lock` before `state` before `sb`; `cache`, the ticket set and the
-//!   `rmw` stripes are taken alone or innermost. The data-writer thread takes no volume lock.
+//! - Lock order: an `rmw` stripe (held across a partial block's read and write) before
+//!   `commit_lock` before `state` before `sb`; `cache`, the ticket set and `Health` are
+//!   taken alone or innermost. The data-writer thread takes no volume lock.
 //! - After a failed device write or sync the volume is failed: it refuses writes, since
 //!   what reached the device is unknown (a failed fsync is never retried and assumed good).
 //! - The content a block map entry points to always hashes (crc32c) to the entry's crc; a
