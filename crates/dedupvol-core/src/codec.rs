@@ -7,10 +7,11 @@
 //! - Field accessors never panic: an out-of-range access reads as 0 / is ignored, and callers
 //!   only use them at offsets fixed by compile-time-asserted layouts.
 
-/// crc32c of `buf` with the 4 bytes at `field` treated as zero.
+/// crc32c of `buf` with the 4 bytes at `field` treated as zero. A buffer too short to hold
+/// the field is summed as if padded to it; `crc_ok` refuses such a buffer outright.
 pub fn block_crc(buf: &[u8], field: usize) -> u32 {
     let (head, rest) = buf.split_at(field.min(buf.len()));
-    let tail = rest.get(4..).unwrap_or(&[]);
+    let tail = rest.get(4..).unwrap_or_default();
     let c = crc32c::crc32c(head);
     let c = crc32c::crc32c_append(c, &[0u8; 4]);
     crc32c::crc32c_append(c, tail)
@@ -22,9 +23,9 @@ pub fn seal_crc(buf: &mut [u8], field: usize) {
     put_u32(buf, field, c);
 }
 
-/// True when the stored checksum matches.
+/// True when the stored checksum matches (never for a buffer too short to hold it).
 pub fn crc_ok(buf: &[u8], field: usize) -> bool {
-    get_u32(buf, field) == block_crc(buf, field)
+    buf.len() >= field + 4 && get_u32(buf, field) == block_crc(buf, field)
 }
 
 /// Little-endian u16 at `off` (0 when out of range).
@@ -95,6 +96,16 @@ mod tests {
         b[100] ^= 1;
         b[9] ^= 0x80;
         assert!(!crc_ok(&b, 8));
+    }
+
+    #[test]
+    fn a_buffer_too_short_for_its_checksum_field_never_passes() {
+        for len in 0..12 {
+            // The stored checksum reads as 0; whatever the bytes sum to, the buffer fails.
+            for fill in 0..=255u8 {
+                assert!(!crc_ok(&vec![fill; len], 8), "{len} bytes of {fill}");
+            }
+        }
     }
 
     #[test]
