@@ -122,3 +122,17 @@ fn a_journal_block_with_an_unknown_entry_state_is_corruption_of_that_block() {
     let text = Error::Corruption(c).to_string();
     assert!(text.contains("corruption detected") && text.contains("journal block"), "{text}");
 }
+
+#[test]
+fn both_superblock_copies_damaged_is_corruption_naming_each_copy() {
+    let (dev, vol) = mem_volume(32 << 20, 8 << 20, |_| {});
+    vol.close().expect("close");
+    // Bytes inside the checksummed block but past the fields decode reads first.
+    for copy in 0..2u64 {
+        dev.write_at(&[0xAB; 4], copy * BLOCK as u64 + 100).expect("damage");
+    }
+    let c = corruption(Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()));
+    assert_eq!(c.structure, "superblock copy", "{c}");
+    assert!(c.found.contains("copy 0 holds") && c.found.contains("copy 1 holds"), "{c}");
+    assert!(c.found.contains("checksum mismatch"), "{c}");
+}

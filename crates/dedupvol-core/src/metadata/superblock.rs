@@ -358,6 +358,8 @@ impl Superblock {
         let mut notes = Vec::new();
         let mut saw_magic = false;
         let mut io_error: Option<Error> = None;
+        // What is wrong with each copy, without the device name (the error names it once).
+        let mut faults: Vec<String> = Vec::new();
         if dev.len() < 2 * BLOCK_SIZE_U64 {
             return Err(Error::NotAVolume(format!("{} is too small to hold a volume", dev.name())));
         }
@@ -365,6 +367,7 @@ impl Superblock {
             let mut buf = vec![0u8; BLOCK_SIZE];
             if let Err(e) = dev.read(IoKind::Superblock, &mut buf, copy * BLOCK_SIZE_U64) {
                 notes.push(format!("superblock copy {copy} of {} unreadable: {e}", dev.name()));
+                faults.push(format!("copy {copy} unreadable: {e}"));
                 io_error = Some(e);
                 continue;
             }
@@ -375,16 +378,21 @@ impl Superblock {
                         best = Some(sb);
                     }
                 }
-                Ok(None) => notes.push(format!("superblock copy {copy} of {} has no dedupvol magic", dev.name())),
+                Ok(None) => {
+                    notes.push(format!("superblock copy {copy} of {} has no dedupvol magic", dev.name()));
+                    faults.push(format!("copy {copy} has no dedupvol magic"));
+                }
                 Err(e @ Error::NotAVolume(_)) => return Err(e),
                 Err(Error::Corruption(c)) => {
                     saw_magic = true;
                     let c = Corruption { address: copy, ..c };
-                    notes.push(format!("superblock copy {copy} of {}: corruption detected: {c}", dev.name()));
+                    notes.push(format!("corruption detected on {}: {c}", dev.name()));
+                    faults.push(format!("copy {copy} holds {}", c.found));
                 }
                 Err(e) => {
                     saw_magic = true;
                     notes.push(format!("superblock copy {copy} of {}: {e}", dev.name()));
+                    faults.push(format!("copy {copy}: {e}"));
                 }
             }
         }
@@ -397,7 +405,7 @@ impl Superblock {
                 "superblock copy",
                 1,
                 format!("a valid copy 0 or 1 on {}", dev.name()),
-                format!("both copies corrupt: {}", notes.join("; ")),
+                format!("both copies corrupt: {}", faults.join("; ")),
             )),
             (None, _) => Err(Error::NotAVolume(format!("{} does not hold a dedupvol volume", dev.name()))),
         }
