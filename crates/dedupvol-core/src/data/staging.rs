@@ -10,6 +10,9 @@
 //!   pruning a batch removes only the entries of its own generation, never a newer copy.
 //! - A batch stays in `writing` (and answers for its pbns) until its ticket is no longer
 //!   active, i.e. its write completed or failed; `prune` is the only way out.
+//! - Generations only grow: batches in `writing` carry strictly increasing generations,
+//!   all below the generation of `staged` (asserted at hand-off and when forgetting; the
+//!   `verify` audit checks the whole index against the lists).
 
 use crate::data::writer::{Batch, Tickets};
 use crate::read::cache::{Block, PbnMap};
@@ -63,6 +66,11 @@ impl Staging {
     /// keep answering for their pbns until `prune` finds the ticket retired.
     pub(crate) fn hand_off(&mut self, ticket: u64) -> Batch {
         let blocks = std::mem::take(&mut self.staged);
+        assert!(
+            self.writing.last().is_none_or(|(_, (g, _))| *g < self.generation),
+            "staging: generation {} handed off after a newer one",
+            self.generation
+        );
         self.writing.push((ticket, (self.generation, blocks.clone())));
         self.generation += 1;
         blocks
@@ -73,7 +81,7 @@ impl Staging {
         let before = self.writing.len();
         let mut done = Vec::new();
         tickets.retain_active_or(&mut self.writing, |held| done.push(held));
-        debug_assert!(self.writing.len() + done.len() == before);
+        assert!(self.writing.len() + done.len() == before, "staging: pruning lost a batch");
         for (generation, blocks) in done {
             self.forget(generation, &blocks);
         }
@@ -86,6 +94,7 @@ impl Staging {
     }
 
     fn forget(&mut self, generation: u64, blocks: &Batch) {
+        assert!(generation <= self.generation, "staging: forgetting generation {generation} from the future");
         for (pbn, _) in blocks {
             if self.by_pbn.get(pbn).is_some_and(|h| h.generation == generation) {
                 self.by_pbn.remove(pbn);
@@ -98,6 +107,13 @@ impl Staging {
     #[cfg(any(test, feature = "verify"))]
     pub(crate) fn audit(&self) -> Result<(), String> {
         let mut newest: PbnMap<u64> = PbnMap::default();
+        let mut last: Option<u64> = None;
+        for (_, (generation, _)) in &self.writing {
+            if last.is_some_and(|l| l >= *generation) || *generation >= self.generation {
+                return Err(format!("staging generations out of order: {generation} after {last:?}"));
+            }
+            last = Some(*generation);
+        }
         for (_, (generation, blocks)) in &self.writing {
             for (pbn, _) in blocks {
                 newest.insert(*pbn, *generation);

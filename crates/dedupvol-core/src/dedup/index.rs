@@ -12,6 +12,8 @@
 //! - Memory never exceeds the configured `index_memory_bytes` (the capacity is derived from it).
 //! - The index is advisory: an entry may be stale or evicted at any time; a hit is only a
 //!   candidate that the volume verifies (bytes, or full hash + reuse stamp) before sharing.
+//! - `entries` counts the occupied slots (tag != 0), and every entry sits in the bucket
+//!   its tag selects, so lookups find it (the `verify` audit checks both).
 
 /// Entries per bucket.
 pub const BUCKET_ENTRIES: usize = 8;
@@ -288,6 +290,30 @@ impl Index {
         }
         self.entries -= n;
         n
+    }
+
+    /// Checks the table (the `verify` audit): the entry count matches the occupied slots,
+    /// every entry sits in its tag's bucket, and `check` accepts every location.
+    #[cfg(feature = "verify")]
+    pub fn audit(&self, check: impl Fn(Location) -> Result<(), String>) -> Result<(), String> {
+        let mut occupied = 0u64;
+        for i in 0..self.capacity() as usize {
+            let (Some(tag), Some(loc)) = (self.tag(i), self.loc(i)) else {
+                return Err(format!("index slot {i} lies outside the table"));
+            };
+            if tag == 0 {
+                continue;
+            }
+            occupied += 1;
+            if !self.range_of_tag(tag).contains(&i) {
+                return Err(format!("index entry {tag:#x} in slot {i}, outside its bucket"));
+            }
+            check(Location::unpack(loc)).map_err(|m| format!("index entry {tag:#x}: {m}"))?;
+        }
+        if occupied != self.entries {
+            return Err(format!("index counts {} entries, {occupied} slots are occupied", self.entries));
+        }
+        Ok(())
     }
 
     /// Forgets `h` if it still points at `loc` (after a failed verification).

@@ -18,6 +18,9 @@
 //! - A block's reference count never exceeds `REFCOUNT_MAX` through sharing: a candidate at
 //!   the cap is refused and the chunk stored as a new copy.
 //! - The index is advisory: losing it loses dedup, never data.
+//! - Every index entry names a data block of this volume by a raw or packed-slot state,
+//!   and there is one reuse stamp per data block (hash verification; the `verify` audit
+//!   checks both).
 
 pub(crate) mod index;
 pub(crate) mod saved;
@@ -170,6 +173,25 @@ impl Deduper {
         if !stale_by_stamp {
             self.index.remove_pbn(pbn);
         }
+    }
+
+    /// Checks the index and the stamps against the volume's data region (the `verify`
+    /// audit).
+    #[cfg(feature = "verify")]
+    pub(crate) fn audit(&self, data_blocks: u64) -> Result<(), String> {
+        if self.stamps.as_ref().is_some_and(|s| s.len() as u64 != data_blocks) {
+            return Err(format!(
+                "{} reuse stamps for {data_blocks} data blocks",
+                self.stamps.as_ref().map_or(0, Vec::len)
+            ));
+        }
+        self.index.audit(|l| {
+            let e = MapEntry { pbn: l.pbn, state: l.state, crc: 0 };
+            match e.is_data() && l.pbn < data_blocks {
+                true => Ok(()),
+                false => Err(format!("location {l:?} is not a data block of the volume")),
+            }
+        })
     }
 
     /// Waits for the index memory to be populated (see `Volume::wait_ready`).

@@ -8,6 +8,12 @@
 //! - `slab_free[s]` equals the number of non-busy blocks in slab `s`; `free_total` is their sum.
 //! - Allocation fills the current slab front to back (large sequential writes) and moves
 //!   to the slab with the most free blocks when the current one is full.
+//! - `pending` is in journal-sequence order, and every block in it is busy.
+//!
+//! `alloc` asserts that the block it hands out was free and its counters had room;
+//! `unreserve` and `free_later` assert that their block is busy; the caller asserts that
+//! a block handed out has no references (`Volume::alloc_block`). `audit` checks the whole
+//! bitmap against the reference counts (tests, the simulator and the `verify` feature).
 
 use std::collections::VecDeque;
 
@@ -96,8 +102,15 @@ impl Allocator {
                         self.cursor = slab_end;
                         break;
                     }
+                    assert!(!self.is_busy(pbn), "allocator: block {pbn} handed out while busy");
                     self.set_busy(pbn, true);
-                    if let Some(f) = self.slab_free.get_mut(self.current_slab as usize) {
+                    let slab_free = self.slab_free.get_mut(self.current_slab as usize);
+                    assert!(
+                        self.free_total > 0 && slab_free.as_ref().is_some_and(|f| **f > 0),
+                        "allocator: block {pbn} taken from slab {} with no free blocks counted",
+                        self.current_slab
+                    );
+                    if let Some(f) = slab_free {
                         *f -= 1;
                     }
                     self.free_total -= 1;
@@ -114,6 +127,7 @@ impl Allocator {
 
     /// Returns a block that was allocated but never referenced.
     pub fn unreserve(&mut self, pbn: u64) {
+        assert!(self.is_busy(pbn), "allocator: unreserving block {pbn}, which is not allocated");
         self.release(pbn);
     }
 
@@ -132,6 +146,11 @@ impl Allocator {
 
     /// Marks `pbn` free once journal entry `seq` (which dropped its last reference) is durable.
     pub fn free_later(&mut self, pbn: u64, seq: u64) {
+        assert!(self.is_busy(pbn), "allocator: block {pbn} freed by entry {seq} is not busy");
+        assert!(
+            self.pending.back().is_none_or(|&(_, last)| last <= seq),
+            "allocator: block {pbn} freed by entry {seq} after a later entry"
+        );
         self.pending.push_back((pbn, seq));
     }
 
@@ -178,6 +197,12 @@ impl Allocator {
         }
         if let Some((p, _)) = self.pending.iter().find(|(p, _)| !self.is_busy(*p)) {
             return Err(format!("pending-free block {p} is already free"));
+        }
+        if self.pending.iter().zip(self.pending.iter().skip(1)).any(|(a, b)| a.1 > b.1) {
+            return Err("pending-free blocks are not in journal order".into());
+        }
+        if self.current_slab as usize >= self.slab_free.len().max(1) || self.cursor > self.data_blocks {
+            return Err(format!("allocator cursor {} / slab {} out of range", self.cursor, self.current_slab));
         }
         if free != self.free_total || self.slab_free.iter().sum::<u64>() != free {
             return Err(format!(

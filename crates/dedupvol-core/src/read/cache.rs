@@ -3,7 +3,8 @@
 //! verification without device reads (the paper's DRAM cache optimisation).
 //!
 //! Invariants:
-//! - At most `capacity_blocks` blocks are held (CLOCK eviction).
+//! - At most `capacity_blocks` blocks are held (CLOCK eviction), and every held block
+//!   has a place in the CLOCK order (the `verify` audit checks both).
 //! - A cached block equals the device's content of that block, except transiently after
 //!   a race with reuse; readers that see a checksum mismatch drop the entry and re-read.
 //! - Writers replace the entry (`put`); readers only fill absent entries (`fill`), so a
@@ -27,9 +28,9 @@ pub struct ContentCache {
     order: VecDeque<u64>,
     capacity_blocks: usize,
     /// Hits since open.
-    pub hits: u64,
+    hits: u64,
     /// Misses since open.
-    pub misses: u64,
+    misses: u64,
 }
 
 /// A map keyed by block or page number, hashed with `PbnHasher`.
@@ -143,6 +144,29 @@ impl ContentCache {
     /// Blocks cached.
     pub fn len(&self) -> usize {
         self.map.len()
+    }
+
+    /// Lookups that found their block since open.
+    pub fn hits(&self) -> u64 {
+        self.hits
+    }
+
+    /// Lookups that did not since open.
+    pub fn misses(&self) -> u64 {
+        self.misses
+    }
+
+    /// Checks the bound and that eviction can reach every held block (the `verify` audit).
+    #[cfg(feature = "verify")]
+    pub fn audit(&self) -> Result<(), String> {
+        if self.map.len() > self.capacity_blocks {
+            return Err(format!("content cache holds {} blocks, above {}", self.map.len(), self.capacity_blocks));
+        }
+        let ordered: PbnSet = self.order.iter().copied().collect();
+        match self.map.keys().find(|p| !ordered.contains(p)) {
+            Some(p) => Err(format!("content cache holds block {p} outside its eviction order")),
+            None => Ok(()),
+        }
     }
 }
 

@@ -115,6 +115,23 @@ impl Volume {
         st.rc.note_synced();
         st.journal.note_checkpointed();
         st.red.checkpoints += 1;
+        #[cfg(feature = "verify")]
+        self.audit_checkpoint(st)?;
         Ok(())
+    }
+
+    /// After a checkpoint every structure passes its audit, every page is clean and the
+    /// journal is empty (the `verify` feature). A violation fails the checkpoint, and with
+    /// it the volume, with the structure named.
+    #[cfg(feature = "verify")]
+    fn audit_checkpoint(&self, st: &State) -> Result<()> {
+        let left = (st.map.dirty_pages(), st.rc.dirty_pages(), st.journal.used_blocks(), st.journal.pending_len());
+        let r = match left {
+            (0, 0, 0, 0) => self.audit_structures(st),
+            (m, r, j, p) => Err(format!(
+                "checkpoint left {m} block map and {r} refcount pages dirty, {j} journal blocks live, {p} entries pending"
+            )),
+        };
+        r.map_err(|m| crate::error::Error::internal("structure audit at checkpoint", m))
     }
 }
