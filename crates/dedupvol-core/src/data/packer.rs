@@ -236,7 +236,7 @@ impl Packer {
 
     /// Checks every open block (the `verify` audit): distinct pbns within the bound, a
     /// valid header, and fragments in slot order inside the filled area that decompress.
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> std::result::Result<(), String> {
         if self.open.len() > OPEN_BLOCKS_MAX {
             return Err(format!("{} packed blocks open, more than {OPEN_BLOCKS_MAX}", self.open.len()));

@@ -294,7 +294,7 @@ impl Index {
 
     /// Checks the table (the `verify` audit): the entry count matches the occupied slots,
     /// every entry sits in its tag's bucket, and `check` accepts every location.
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self, check: impl Fn(Location) -> Result<(), String>) -> Result<(), String> {
         let mut occupied = 0u64;
         for i in 0..self.capacity() as usize {

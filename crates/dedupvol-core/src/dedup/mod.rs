@@ -177,7 +177,7 @@ impl Deduper {
 
     /// Checks the index and the stamps against the volume's data region (the `verify`
     /// audit).
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub(crate) fn audit(&self, data_blocks: u64) -> Result<(), String> {
         if self.stamps.as_ref().is_some_and(|s| s.len() as u64 != data_blocks) {
             return Err(format!(

@@ -409,7 +409,7 @@ impl BlockMap {
     /// Checks every cached page (the `verify` audit): it lies inside the block map, its
     /// entries decode, and a clean page that came from or went to a slot is that slot's
     /// sealed copy (right page, seq and checksum), so evicting it loses nothing.
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> std::result::Result<(), String> {
         for (&page, p) in &self.pages {
             if page >= self.geo.block_map_pages {

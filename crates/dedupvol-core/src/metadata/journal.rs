@@ -195,7 +195,7 @@ impl Journal {
 
     /// Checks the sequences against each other (the `verify` audit; each is also asserted
     /// where it moves).
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> std::result::Result<(), String> {
         let written = self.next_entry_seq.checked_sub(self.pending.len() as u64);
         if self.head_block_seq > self.next_block_seq

@@ -351,7 +351,7 @@ impl Refcounts {
     /// Recounts every block (the `verify` audit): counts within the cap, fragment counts
     /// zero exactly for free blocks and within the slot bound, and the running totals equal
     /// to the recount.
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> std::result::Result<(), String> {
         let pages = self.geo.refcount_pages as usize;
         if self.count.len() != self.frags.len()

@@ -157,7 +157,7 @@ impl ContentCache {
     }
 
     /// Checks the bound and that eviction can reach every held block (the `verify` audit).
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> Result<(), String> {
         if self.map.len() > self.capacity_blocks {
             return Err(format!("content cache holds {} blocks, above {}", self.map.len(), self.capacity_blocks));

@@ -69,7 +69,7 @@ impl Volume {
     /// Audits every structure under the state lock against its own invariants and the
     /// allocator against the reference counts (the `verify` feature: whole-structure
     /// scans, too slow for production). Returns the first violation, named by structure.
-    #[cfg(feature = "verify")]
+    #[cfg(any(test, feature = "verify"))]
     pub(crate) fn audit_structures(&self, st: &State) -> std::result::Result<(), String> {
         let named = |what: &'static str| move |m: String| format!("{what}: {m}");
         st.journal.audit().map_err(named("journal"))?;

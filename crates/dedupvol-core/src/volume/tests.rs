@@ -114,3 +114,38 @@ fn superblock_write_overwrites_the_stale_copy_first() {
         vol.close().expect("close");
     }
 }
+
+/// The whole-structure audits pass on a volume in use and name the structure whose
+/// invariant a deliberate break violates: an index entry outside the data region, and a
+/// referenced block handed back to the allocator.
+#[test]
+fn structure_audits_pass_and_catch_a_broken_invariant() {
+    let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    let opts = FormatOptions {
+        logical_size_bytes: 16 << 20,
+        index_memory_bytes: 1 << 20,
+        slab_size_bytes: 1 << 20,
+        ..FormatOptions::default()
+    };
+    Volume::format(dev.clone(), None, &opts, false).expect("format");
+    let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
+    let data: Vec<u8> = (0..64 * BLOCK_SIZE).map(|i| (i / 512 % 7) as u8 * (i % 3) as u8).collect();
+    vol.write(0, &data, false).expect("write");
+    vol.write(1 << 20, &data, false).expect("write duplicates");
+    vol.audit_structures(&vol.state.lock()).expect("unsent writes audit clean");
+    vol.flush().expect("flush");
+    vol.audit_structures(&vol.state.lock()).expect("flushed volume audits clean");
+
+    let mut st = vol.state.lock();
+    let beyond = MapEntry::raw(vol.geo.data_blocks + 3, 0);
+    st.dedup.record(&[7u8; 32], &beyond);
+    let err = vol.audit_structures(&st).expect_err("an index entry outside the data region");
+    assert!(err.starts_with("dedup index"), "{err}");
+    st.dedup.forget_damaged(beyond.pbn);
+    vol.audit_structures(&st).expect("entry forgotten");
+
+    let pbn = st.map.get(0).expect("map").pbn;
+    st.alloc.unreserve(pbn);
+    let err = vol.audit_structures(&st).expect_err("a referenced block free in the allocator");
+    assert!(err.starts_with("allocator"), "{err}");
+}
