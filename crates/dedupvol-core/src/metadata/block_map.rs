@@ -15,6 +15,11 @@
 //!   or by up to `READAHEAD_PAGES` pages read ahead until the next eviction.
 //! - A page read ahead is only inserted where the cache holds no copy (a cached copy is
 //!   never older than the device's), so read-ahead never replaces newer state.
+//! - A clean cached page is either empty and never written (seq 0) or a sealed copy of
+//!   the slot it came from or went to, so evicting it loses nothing.
+//!
+//! `set` asserts the sequence order and `write_page` the write-ahead rule (both O(1));
+//! the `verify` audit decodes every cached page and checks the clean ones' seals.
 
 use crate::codec::{get_u32, get_u64, put_u32, put_u64};
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
@@ -322,7 +327,7 @@ impl BlockMap {
         Ok(old)
     }
 
-    fn write_page(&mut self, page: u64) -> Result<()> {
+    fn write_page(&mut self, page: u64, durable_seq: u64) -> Result<()> {
         if self.written_unsynced.contains(&page) {
             // Both slots would hold unsynced copies: make the previous one durable first.
             self.meta.sync()?;
@@ -336,6 +341,7 @@ impl BlockMap {
                 .ok_or_else(|| Error::internal("write of a block map page not in the cache", format!("page {page}")))?;
             let slot = p.latest_slot.map_or(0, |s| 1 - s);
             let seq = p.seq;
+            assert!(seq <= durable_seq, "block map: page {page} with entry {seq} written before it is durable");
             seal_page(&mut p.buf, BM_PAGE_MAGIC, page, seq, uuid_lo);
             (slot, 0, p.buf.clone())
         };
@@ -362,7 +368,7 @@ impl BlockMap {
         let excess = self.pages.len() - target;
         for &(_, page) in victims.iter().take(excess) {
             if self.pages.get(&page).is_some_and(|p| p.dirty) {
-                self.write_page(page)?;
+                self.write_page(page, durable_seq)?;
             }
             self.pages.remove(&page);
         }
@@ -376,7 +382,7 @@ impl BlockMap {
             self.pages.iter().filter(|(_, p)| p.dirty && p.seq <= durable_seq).map(|(&i, _)| i).collect();
         dirty.sort_unstable();
         for &page in &dirty {
-            self.write_page(page)?;
+            self.write_page(page, durable_seq)?;
         }
         Ok(dirty.len() as u64)
     }
