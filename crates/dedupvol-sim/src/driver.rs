@@ -1049,6 +1049,16 @@ impl<E: SimEngine> Run<'_, E> {
                 let found_damage = self.machine.evidence().bad_reads > before.bad_reads;
                 self.machine.set_faults_enabled(true);
                 let versions = self.model.written(l, id, 0..SECTORS_PER_BLOCK as usize);
+                if self.machine.is_crashed() {
+                    // A crash armed before the heal (pausing faults does not disarm it)
+                    // fired during it: the crash path takes over, and an error read back is
+                    // the crash, not a shared damaged copy.
+                    match r {
+                        Ok(()) => self.model.write_acked(l, &versions, self.sync_policy),
+                        Err(_) => self.model.write_failed(l, &versions),
+                    }
+                    return Ok(());
+                }
                 match (r, read) {
                     (Ok(()), Some(Ok(()))) => {
                         self.model.write_acked(l, &versions, self.sync_policy);
