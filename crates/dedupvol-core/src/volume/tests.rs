@@ -4,19 +4,23 @@ use super::*;
 use crate::config::{DedupVerify, FormatOptions, OpenOptions, BLOCK_SIZE};
 use crate::io::{MemStorage, Storage};
 
+/// A 16 MiB volume with a 1 MiB index and 1 MiB slabs.
+fn small_format() -> FormatOptions {
+    FormatOptions {
+        logical_size_bytes: 16 << 20,
+        index_memory_bytes: 1 << 20,
+        slab_size_bytes: 1 << 20,
+        ..FormatOptions::default()
+    }
+}
+
 /// With hash verification, a block whose 16-bit reuse stamp wraps must lose every index
 /// entry pointing at it: an entry made 65536 reuses ago would match the stamp again and
 /// share the block's new, different content.
 #[test]
 fn reuse_stamp_wrap_purges_the_index() {
     let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
-    let opts = FormatOptions {
-        logical_size_bytes: 16 << 20,
-        index_memory_bytes: 1 << 20,
-        slab_size_bytes: 1 << 20,
-        verify: DedupVerify::Hash,
-        ..FormatOptions::default()
-    };
+    let opts = FormatOptions { verify: DedupVerify::Hash, ..small_format() };
     Volume::format(dev.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
     let a: Vec<u8> = (0..BLOCK_SIZE).map(|i| (i * 7 % 251) as u8).collect();
@@ -44,12 +48,7 @@ fn reuse_stamp_wrap_purges_the_index() {
 #[test]
 fn merged_raw_reads_check_every_block() {
     let dev = Arc::new(MemStorage::new(64 << 20));
-    let opts = FormatOptions {
-        logical_size_bytes: 16 << 20,
-        index_memory_bytes: 1 << 20,
-        slab_size_bytes: 1 << 20,
-        ..FormatOptions::default()
-    };
+    let opts = small_format();
     Volume::format(dev.clone(), None, &opts, false).expect("format");
     let small = OpenOptions { content_cache_bytes: 64 << 10, ..OpenOptions::default() };
     let vol = Volume::open(dev.clone(), None, &small).expect("open");
@@ -98,12 +97,7 @@ fn superblock_write_overwrites_the_stale_copy_first() {
         }
     }
     let dev = Arc::new(Recording { inner: MemStorage::new(64 << 20), writes: parking_lot::Mutex::new(Vec::new()) });
-    let opts = FormatOptions {
-        logical_size_bytes: 16 << 20,
-        index_memory_bytes: 1 << 20,
-        slab_size_bytes: 1 << 20,
-        ..FormatOptions::default()
-    };
+    let opts = small_format();
     Volume::format(dev.clone(), None, &opts, false).expect("format");
     for (torn, first_write) in [(BLOCK_SIZE_U64, BLOCK_SIZE_U64), (0, 0)] {
         dev.inner.write_at(&[0x5a; 64], torn + 200).expect("tear a copy");
@@ -121,12 +115,7 @@ fn superblock_write_overwrites_the_stale_copy_first() {
 #[test]
 fn structure_audits_pass_and_catch_a_broken_invariant() {
     let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
-    let opts = FormatOptions {
-        logical_size_bytes: 16 << 20,
-        index_memory_bytes: 1 << 20,
-        slab_size_bytes: 1 << 20,
-        ..FormatOptions::default()
-    };
+    let opts = small_format();
     Volume::format(dev.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
     let data: Vec<u8> = (0..64 * BLOCK_SIZE).map(|i| (i / 512 % 7) as u8 * (i % 3) as u8).collect();
