@@ -159,7 +159,29 @@ impl ServerProc {
     }
 }
 
-/// Waits for `child` to exit; kills it and panics after `limit`.
+/// Each thread of `pid`: its name, state, the kernel function it waits in and its system
+/// call (from /proc), so a hang that only shows on another machine says where it hangs.
+fn thread_states(pid: i32) -> String {
+    let read = |path: String| std::fs::read_to_string(path).unwrap_or_default().trim().to_string();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return "(no /proc)".into() };
+    let mut out = String::new();
+    for t in tasks.flatten() {
+        let tid = t.file_name().to_string_lossy().to_string();
+        let dir = format!("/proc/{pid}/task/{tid}");
+        let state =
+            read(format!("{dir}/stat")).split(") ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or("?").to_string();
+        out += &format!(
+            "  {tid} {:<16} state {state} wchan {} syscall {}\n",
+            read(format!("{dir}/comm")),
+            read(format!("{dir}/wchan")),
+            read(format!("{dir}/syscall")),
+        );
+    }
+    out
+}
+
+/// Waits for `child` to exit; kills it and panics after `limit`, naming where each of its
+/// threads waits.
 pub fn wait_timeout(child: &mut Child, limit: Duration) -> ExitStatus {
     let pid = child.id() as i32;
     let (tx, rx) = mpsc::channel();
@@ -170,9 +192,10 @@ pub fn wait_timeout(child: &mut Child, limit: Duration) -> ExitStatus {
         match rx.recv_timeout(limit) {
             Ok(status) => status.expect("wait"),
             Err(_) => {
+                let threads = thread_states(pid);
                 // SAFETY: kill(2) on our own child's pid, which has not been reaped.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
-                panic!("process {pid} did not exit within {limit:?}");
+                panic!("process {pid} did not exit within {limit:?}; its threads:\n{threads}");
             }
         }
     })
