@@ -107,6 +107,16 @@ impl ServerProc {
         if in_memory() {
             cmd.args(["--in-memory", "64M"]);
         }
+        // The server inherits signal dispositions: a test run under `nohup` would start it
+        // with SIGHUP ignored, which it rightly keeps ignoring. Servers here get the default,
+        // as from a terminal (the nohup case has its own test).
+        // SAFETY: signal(2) is async-signal-safe, as pre_exec requires.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::signal(libc::SIGHUP, libc::SIG_DFL);
+                Ok(())
+            });
+        }
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn dedupvol serve");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
