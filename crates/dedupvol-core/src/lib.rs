@@ -10,6 +10,17 @@
 //! durability contract.
 //!
 //! The crate has no network dependencies; the NBD server and the CLI build on it.
+//!
+//! Modules (all private; this file re-exports the public API):
+//! - `volume`: the public `Volume` — lifecycle, recovery, commit, the write driver,
+//!   mapping changes, statistics;
+//! - `pipeline`: the write stages (fingerprint, reduce, place) and their executor;
+//! - `dedup`: the `Deduper` (lookup, verification, claim), the index, the saved index;
+//! - `data`: the packer, staging of unwritten blocks, the data writer, placement;
+//! - `read`: the read path and the content cache;
+//! - `metadata`: geometry, superblock, block map, reference counts, allocator, journal;
+//! - `io`: the storage trait and its implementations; `obs`: statistics and counters;
+//! - `check`: the offline audit and repair.
 
 mod check;
 mod codec;
