@@ -26,7 +26,7 @@ use crate::metadata::block_map::MapEntry;
 use crate::pipeline::segments;
 use crate::volume::state::State;
 use crate::volume::Volume;
-use cache::{new_block, Block};
+use cache::{new_block, Block, PbnMap};
 use std::sync::Arc;
 
 /// Raw blocks read with one device request at most (1 MiB).
@@ -111,6 +111,7 @@ impl Volume {
         attempts: &mut [usize],
         retry: &mut Vec<usize>,
     ) -> Result<()> {
+        let packed = self.prefetch_packed(looked);
         let mut k = 0;
         while let Some(&Looked { i, e, done }) = looked.get(k) {
             if done {
@@ -147,9 +148,10 @@ impl Volume {
                 k += run;
                 continue;
             }
-            let block = match cached {
-                Some(b) => b,
-                None => self.physical_block(e.pbn)?,
+            let block = match (cached, packed.get(&e.pbn)) {
+                (Some(b), _) => b,
+                (None, Some(b)) => b.clone(),
+                (None, None) => self.physical_block(e.pbn)?,
             };
             let dst = block_mut(out, i)?;
             let ok = match e.slot() {
@@ -165,6 +167,46 @@ impl Volume {
             k += 1;
         }
         Ok(())
+    }
+
+    /// Reads the packed blocks the request needs and the cache lacks, merging blocks that
+    /// are consecutive on the device into one request (compressed data is packed in
+    /// placement order, so a large read of it meets runs of packed blocks). They are also
+    /// offered to the cache. A run that fails to read is left out: its blocks are then
+    /// read one by one, and an error names the block it belongs to.
+    fn prefetch_packed(&self, looked: &[Looked]) -> PbnMap<Block> {
+        let mut got = PbnMap::default();
+        let mut pbns: Vec<u64> = {
+            let cache = self.cache.lock();
+            looked
+                .iter()
+                .filter(|l| !l.done && l.e.slot().is_some() && self.data.contains(l.e.pbn) && !cache.contains(l.e.pbn))
+                .map(|l| l.e.pbn)
+                .collect()
+        };
+        pbns.sort_unstable();
+        pbns.dedup();
+        let mut rest = pbns.as_slice();
+        while let Some((&start, _)) = rest.split_first() {
+            let run =
+                rest.iter().zip(start..).take(READ_RUN_BLOCKS_MAX).take_while(|(&p, want)| p == *want).count().max(1);
+            let (_, tail) = rest.split_at(run.min(rest.len()));
+            rest = tail;
+            if run < 2 {
+                continue;
+            }
+            let mut buf = vec![0u8; run * BLOCK_SIZE];
+            if self.data.read(IoKind::Data, start, &mut buf, "block map entry").is_err() {
+                continue;
+            }
+            let mut cache = self.cache.lock();
+            for (pbn, bytes) in (start..).zip(buf.chunks_exact(BLOCK_SIZE)) {
+                let b: Block = Arc::from(bytes);
+                cache.fill(pbn, b.clone());
+                got.insert(pbn, b);
+            }
+        }
+        got
     }
 
     /// Length of the run of raw blocks starting at `looked[k]` that are consecutive both
