@@ -158,3 +158,17 @@ fn two_crashes_tearing_both_superblock_copies_in_turn_leave_one_valid() {
         panic!("seed 52911: {f}");
     }
 }
+
+/// Bug (`dedupvol-sim --seed 6000488 --ops 1000`, failing every run): an open's superblock
+/// write failed its sync (an injected sync error), leaving the new copy only in the disk's
+/// volatile cache. The next open read that copy back as the newest valid one, overwrote the
+/// other copy first, and a crash then lost the cached copy and tore the other: no valid
+/// copy was left. Superblock writes now sync before overwriting anything.
+#[test]
+fn a_superblock_copy_left_unsynced_by_a_failed_sync_is_made_durable_before_the_other_is_overwritten() {
+    use dedupvol_sim::{run_seed, SimOptions};
+    let opts = SimOptions { ops: 1000, ..SimOptions::default() };
+    if let Err(f) = run_seed::<Volume>(6000488, &opts) {
+        panic!("seed 6000488: {f}");
+    }
+}

@@ -373,12 +373,16 @@ pub(crate) fn write_superblock(data: &Dev, meta: Option<&Dev>, sb: &mut Superblo
 }
 
 /// Writes both superblock copies, each followed by a sync, the stale one first: the copy
-/// that holds the newest valid superblock now is overwritten last, so a crash that tears
-/// one write always leaves one valid copy. (A fixed A-then-B order loses both when B was
+/// that holds the newest valid superblock now is made durable, then overwritten last, so a
+/// crash that tears one write always leaves one valid copy. (A fixed A-then-B order loses both when B was
 /// torn by one crash and A by the next.)
 fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
     let buf = sb.encode(role);
     let order = if newest_valid_copy(dev, role) == Some(0) { [1u64, 0] } else { [0u64, 1] };
+    // The copy read back as valid may only be in the device's volatile cache (its write's
+    // sync failed before): make it durable before the other copy is overwritten, or a
+    // crash could tear one and lose the other.
+    dev.sync()?;
     for copy in order {
         dev.write(IoKind::Superblock, &buf, copy * BLOCK_SIZE_U64)?;
         dev.sync()?;
