@@ -34,12 +34,12 @@ impl DataDevice {
     fn locate(&self, pbn: u64, n: u64, what: &'static str) -> Result<u64> {
         match pbn.checked_add(n) {
             Some(end) if end <= self.blocks => Ok((self.start + pbn) * BLOCK_SIZE_U64),
-            _ => Err(Error::Corruption(crate::error::Corruption {
-                structure: what,
-                address: pbn,
-                expected: format!("a physical block below {}", self.blocks),
-                found: format!("blocks {pbn}..{}", pbn.saturating_add(n)),
-            })),
+            _ => Err(Error::corruption(
+                what,
+                pbn,
+                format!("a physical block below {}", self.blocks),
+                format!("blocks {pbn}..{}", pbn.saturating_add(n)),
+            )),
         }
     }
 

@@ -354,7 +354,12 @@ impl Superblock {
     /// Reads both copies from `dev` and returns the newest valid one, plus a note for each
     /// copy that was unreadable or corrupt (for `check`).
     pub fn read(dev: &Dev, role: u8) -> Result<(Superblock, Vec<String>)> {
-        let mut best: Option<Superblock> = None;
+        Self::read_copy(dev, role).map(|(sb, _, notes)| (sb, notes))
+    }
+
+    /// `read`, also saying which copy (0 or 1) the superblock came from.
+    pub fn read_copy(dev: &Dev, role: u8) -> Result<(Superblock, u64, Vec<String>)> {
+        let mut best: Option<(Superblock, u64)> = None;
         let mut notes = Vec::new();
         let mut saw_magic = false;
         let mut io_error: Option<Error> = None;
@@ -374,8 +379,8 @@ impl Superblock {
             match Superblock::decode(&buf, role) {
                 Ok(Some(sb)) => {
                     saw_magic = true;
-                    if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
-                        best = Some(sb);
+                    if best.as_ref().is_none_or(|(b, _)| sb.generation > b.generation) {
+                        best = Some((sb, copy));
                     }
                 }
                 Ok(None) => {
@@ -397,7 +402,7 @@ impl Superblock {
             }
         }
         match (best, io_error) {
-            (Some(sb), _) => Ok((sb, notes)),
+            (Some((sb, copy)), _) => Ok((sb, copy, notes)),
             // A copy we could not read may hold a volume: never report "no volume" then,
             // or a format without --force would destroy it.
             (None, Some(e)) if !saw_magic => Err(e),

@@ -114,12 +114,12 @@ impl Volume {
         let pbn = self.alloc_block(st)?;
         st.packer.open(pbn);
         st.packer.try_add(frag, |p| p == pbn).ok_or_else(|| {
-            Error::Corruption(crate::error::Corruption {
-                structure: "packer",
-                address: pbn,
-                expected: format!("room for a fragment of {} bytes in an empty block", frag.len()),
-                found: "no room".into(),
-            })
+            Error::corruption(
+                "packer",
+                pbn,
+                format!("room for a fragment of {} bytes in an empty block", frag.len()),
+                "no room",
+            )
         })
     }
 

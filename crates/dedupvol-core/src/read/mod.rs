@@ -119,14 +119,18 @@ impl Volume {
                 continue;
             }
             if !self.data.contains(e.pbn) {
-                return Err(Error::Corruption(crate::error::Corruption {
-                    structure: "block map entry of logical block",
-                    address: lba0 + i as u64,
-                    expected: format!("a physical block below {}", self.geo.data_blocks),
-                    found: format!("physical block {}", e.pbn),
-                }));
+                return Err(Error::corruption(
+                    "block map entry of logical block",
+                    lba0 + i as u64,
+                    format!("a physical block below {}", self.geo.data_blocks),
+                    format!("physical block {}", e.pbn),
+                ));
             }
-            let cached = self.cache.lock().get(e.pbn);
+            // A block this request just prefetched is taken from the prefetch, not looked up
+            // again: a second touch would count it as re-read and promote a one-pass scan's
+            // blocks past the cache's probation queue.
+            let prefetched = packed.get(&e.pbn).cloned();
+            let cached = if prefetched.is_some() { prefetched } else { self.cache.lock().get(e.pbn) };
             let run = if cached.is_none() && e.slot().is_none() { self.raw_run(looked, k) } else { 0 };
             // A lone block goes through the cache (random re-reads hit it).
             if run >= 2 {
@@ -148,10 +152,9 @@ impl Volume {
                 k += run;
                 continue;
             }
-            let block = match (cached, packed.get(&e.pbn)) {
-                (Some(b), _) => b,
-                (None, Some(b)) => b.clone(),
-                (None, None) => self.physical_block(e.pbn)?,
+            let block = match cached {
+                Some(b) => b,
+                None => self.physical_block(e.pbn)?,
             };
             let dst = block_mut(out, i)?;
             let ok = match e.slot() {
@@ -252,16 +255,16 @@ impl Volume {
         });
         if spent != Some(false) {
             self.forget_damaged(&mut self.state.lock(), e.pbn);
-            return Err(Error::Corruption(crate::error::Corruption {
-                structure: "stored data of logical block",
-                address: lba0 + i as u64,
-                expected: format!("content matching its checksum (crc32c {:#010x})", e.crc),
-                found: format!(
+            return Err(Error::corruption(
+                "stored data of logical block",
+                lba0 + i as u64,
+                format!("content matching its checksum (crc32c {:#010x})", e.crc),
+                format!(
                     "other content in physical block {}{}",
                     e.pbn,
                     e.slot().map(|s| format!(" slot {s}")).unwrap_or_default()
                 ),
-            }));
+            ));
         }
         retry.push(i);
         Ok(())
@@ -302,11 +305,11 @@ fn decode_unwritten(st: &State, lba: u64, e: &MapEntry, dst: &mut [u8]) -> Resul
     match st.unwritten(e, dst) {
         None => Ok(false),
         Some(true) if crc32c::crc32c(dst) == e.crc => Ok(true),
-        Some(_) => Err(Error::Corruption(crate::error::Corruption {
-            structure: "unwritten data of logical block",
-            address: lba,
-            expected: format!("content matching its checksum (crc32c {:#010x})", e.crc),
-            found: format!("other content in unwritten physical block {}", e.pbn),
-        })),
+        Some(_) => Err(Error::corruption(
+            "unwritten data of logical block",
+            lba,
+            format!("content matching its checksum (crc32c {:#010x})", e.crc),
+            format!("other content in unwritten physical block {}", e.pbn),
+        )),
     }
 }

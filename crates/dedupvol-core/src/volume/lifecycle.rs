@@ -374,11 +374,13 @@ pub(crate) fn write_superblock(data: &Dev, meta: Option<&Dev>, sb: &mut Superblo
 
 /// Writes both superblock copies, each followed by a sync, the stale one first: the copy
 /// that holds the newest valid superblock now is made durable, then overwritten last, so a
-/// crash that tears one write always leaves one valid copy. (A fixed A-then-B order loses both when B was
-/// torn by one crash and A by the next.)
+/// crash that tears one write always leaves one valid copy. (A fixed A-then-B order loses
+/// both when B was torn by one crash and A by the next.)
 fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
     let buf = sb.encode(role);
-    let order = if newest_valid_copy(dev, role) == Some(0) { [1u64, 0] } else { [0u64, 1] };
+    // A copy that cannot be read or decoded counts as stale.
+    let newest = Superblock::read_copy(dev, role).ok().map(|(_, copy, _)| copy);
+    let order = if newest == Some(0) { [1u64, 0] } else { [0u64, 1] };
     // The copy read back as valid may only be in the device's volatile cache (its write's
     // sync failed before): make it durable before the other copy is overwritten, or a
     // crash could tear one and lose the other.
@@ -388,20 +390,4 @@ fn write_copies(dev: &Dev, sb: &Superblock, role: u8) -> Result<()> {
         dev.sync()?;
     }
     Ok(())
-}
-
-/// The copy (0 or 1) holding the newest valid superblock for `role`, if any; a copy that
-/// cannot be read or decoded counts as stale.
-fn newest_valid_copy(dev: &Dev, role: u8) -> Option<u64> {
-    let generation = |copy: u64| {
-        let mut buf = vec![0u8; crate::config::BLOCK_SIZE];
-        dev.read(IoKind::Superblock, &mut buf, copy * BLOCK_SIZE_U64).ok()?;
-        Superblock::decode(&buf, role).ok().flatten().map(|sb| sb.generation)
-    };
-    match (generation(0), generation(1)) {
-        (Some(a), Some(b)) => Some(if a >= b { 0 } else { 1 }),
-        (Some(_), None) => Some(0),
-        (None, Some(_)) => Some(1),
-        (None, None) => None,
-    }
 }
