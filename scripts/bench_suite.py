@@ -87,15 +87,21 @@ def rss_kib(pid):
 class Server:
     """dedupvol serve or nbdkit file on a Unix socket; waits for readiness, not a sleep."""
 
-    def __init__(self, kind, path, sock):
+    def __init__(self, kind, path, sock, extra=(), cgroup=None):
+        """cgroup: an object with add(pid), to put the server in a memory group before it
+        touches any data (a child joins it through preexec_fn, before exec)."""
         self.kind = kind
+        pre = None
+        if cgroup is not None:
+            pre = lambda: cgroup.add(os.getpid())  # noqa: E731
         self.sock = sock
         if sock.exists():
             sock.unlink()
         if kind == "dedupvol":
-            cmd = [DEDUPVOL, "serve", path, "--socket", sock]
+            cmd = [DEDUPVOL, "serve", path, "--socket", sock, *extra]
             COMMANDS.append(" ".join(map(str, cmd)))
-            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         preexec_fn=pre)
             line = self.proc.stdout.readline()
             if not line.startswith("dedupvol: serving"):
                 err = self.proc.stderr.read() if self.proc.poll() is not None else ""
@@ -107,7 +113,8 @@ class Server:
                 pidfile.unlink()
             cmd = ["nbdkit", "-f", "-U", sock, "--pidfile", pidfile, "file", f"file={path}"]
             COMMANDS.append(" ".join(map(str, cmd)))
-            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                         preexec_fn=pre)
             # nbdkit writes the pidfile once it accepts connections.
             deadline = time.monotonic() + 30
             while not pidfile.exists():

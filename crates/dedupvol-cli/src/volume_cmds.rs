@@ -76,7 +76,8 @@ pub struct OpenArgs {
     #[arg(long)]
     pub(crate) meta_device: Option<PathBuf>,
     /// Device I/O: auto (direct for hash verification, buffered for bytes), direct
-    /// (O_DIRECT where supported) or buffered (page cache).
+    /// (O_DIRECT where supported), buffered (page cache) or read-cached (writes direct, data
+    /// reads through the page cache).
     #[arg(long, default_value = "auto")]
     pub(crate) io: IoMode,
     /// Memory for the fingerprint index in this session (default: the size chosen at

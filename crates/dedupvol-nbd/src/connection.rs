@@ -1,14 +1,14 @@
 //! One client connection: the fixed-newstyle handshake, then the transmission phase.
 //!
-//! Transmission runs one reader thread (this one) and a small pool of worker threads per
-//! connection. The reader parses each request header, reads any write payload, and hands
-//! the request to the workers through a bounded queue; workers run it against the backend
-//! and write the reply under a mutex, so replies may leave out of order (the spec allows
-//! it: the client matches them by cookie).
+//! Transmission runs a pool of worker threads per connection (this thread is one of them).
+//! Each worker in turn takes the reader lock, parses one request header and reads any
+//! write payload, releases the lock, runs the request against the backend and writes the
+//! reply under the writer mutex, so replies may leave out of order (the spec allows it:
+//! the client matches them by cookie). No request is handed between threads.
 //!
 //! Invariants:
-//! - Requests in flight per connection are bounded twice: by count (queue depth plus
-//!   workers) and by bytes ([`ConnectionLimits::inflight_bytes_max`]), so a client
+//! - Requests in flight per connection are bounded twice: by count (one per worker) and by
+//!   bytes ([`ConnectionLimits::inflight_bytes_max`]), so a client
 //!   pipelining 32 MiB writes cannot make the server buffer without bound.
 //! - A reply is written whole under the writer mutex: replies never interleave on the wire.
 //! - A request the client already sent is either executed and answered, or the connection
@@ -29,7 +29,6 @@ use parking_lot::{Condvar, Mutex};
 use std::io::{self, BufReader, Read};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,8 +56,6 @@ const READ_BUFFER_BYTES: usize = 256 << 10;
 pub struct ConnectionLimits {
     /// Worker threads per connection (requests executed concurrently).
     pub workers: usize,
-    /// Requests queued for the workers before the reader stops reading the socket.
-    pub queue_requests_max: usize,
     /// Read and write payload bytes held in flight before the reader stops reading.
     pub inflight_bytes_max: u64,
     /// A client must finish negotiating within this time, or it is disconnected (so silent
@@ -79,7 +76,6 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         ConnectionLimits {
             workers: 4,
-            queue_requests_max: 16,
             inflight_bytes_max: 64 << 20,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             reply_write_timeout: REPLY_WRITE_TIMEOUT,
@@ -521,6 +517,89 @@ fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLo
     }
 }
 
+/// The request side of a connection, shared by its workers: whoever holds it reads the
+/// next request; `ended` records why the connection stopped reading.
+struct RequestReader {
+    reader: BufReader<Stream>,
+    ended: Option<Outcome>,
+}
+
+/// What one turn at the socket produced.
+enum Next {
+    /// A request to execute.
+    Job(Job),
+    /// A request answered without the backend (rejected); read the next.
+    Answered,
+    /// The connection stops reading.
+    End(Outcome),
+}
+
+/// Reads the next request (header, then any write payload). The byte budget is taken
+/// before the payload is read, so requests in flight stay within it.
+fn next_request(
+    r: &mut BufReader<Stream>,
+    lim: &ExportLimits,
+    budget: &Budget,
+    writer: &ReplyWriter,
+    log: &ErrorLog,
+) -> Next {
+    let mut hdr = [0u8; proto::REQUEST_HEADER_BYTES];
+    match read_exact_or_eof(r, &mut hdr) {
+        Ok(true) => {}
+        Ok(false) => return Next::End(Outcome::Closed),
+        Err(e) => return Next::End(Outcome::Dropped(format!("reading request: {e}"))),
+    }
+    let req = match proto::parse_request(&hdr) {
+        Ok(req) => req,
+        Err(e) => return Next::End(Outcome::Dropped(format!("bad request: {e}"))),
+    };
+    match proto::classify_request(&req, lim) {
+        Disposition::Disconnect => Next::End(Outcome::Closed),
+        Disposition::Close(why) => Next::End(Outcome::Dropped(why)),
+        Disposition::Reject { error, skip, reason } => {
+            log.log(format_args!("rejecting request {:#x}: {reason}", req.cookie));
+            match io::copy(&mut r.take(u64::from(skip)), &mut io::sink()) {
+                Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => {
+                    writer.read_err(req.cookie, error, &reason);
+                    Next::Answered
+                }
+                Ok(n) if n == u64::from(skip) => {
+                    writer.status(error, req.cookie);
+                    Next::Answered
+                }
+                Ok(_) => Next::End(Outcome::Closed),
+                Err(e) => Next::End(Outcome::Dropped(format!("reading payload: {e}"))),
+            }
+        }
+        Disposition::Execute(cmd) => {
+            let (cost_bytes, payload_len) = match cmd {
+                Command::Read { len, .. } => (u64::from(len), 0),
+                Command::Write { len, .. } => (u64::from(len), len as usize),
+                _ => (0, 0),
+            };
+            budget.acquire(cost_bytes);
+            let mut payload = vec![0u8; payload_len];
+            match read_exact_or_eof(r, &mut payload) {
+                Ok(true) => Next::Job(Job { cookie: req.cookie, cmd, payload, cost_bytes }),
+                // The client left mid-payload: the partial write is never applied.
+                Ok(false) => {
+                    budget.release(cost_bytes);
+                    Next::End(Outcome::Closed)
+                }
+                Err(e) => {
+                    budget.release(cost_bytes);
+                    Next::End(Outcome::Dropped(format!("reading write payload: {e}")))
+                }
+            }
+        }
+    }
+}
+
+/// The transmission phase. Every worker reads its own request from the socket (one at a
+/// time, under the reader lock), executes it and writes its reply: no hand-off between a
+/// reader thread and a worker, so a request costs no thread wake-up (with a reader thread
+/// and a queue, two context switches per 4 KiB read were most of the server's time). Up
+/// to `workers` requests are in flight per connection, within the byte budget.
 fn transmission(
     stream: Stream,
     session: Session,
@@ -542,94 +621,64 @@ fn transmission(
     });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
     let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0) });
-    let (tx, rx) = mpsc::sync_channel::<Job>(limits.queue_requests_max.max(1));
-    let rx = Arc::new(Mutex::new(rx));
-    let mut workers = Vec::with_capacity(limits.workers);
-    for i in 0..limits.workers.max(1) {
-        let (rx, writer, budget, backend, log) =
-            (rx.clone(), writer.clone(), budget.clone(), backend.clone(), log.clone());
-        let mut scratch = Vec::new();
-        let spawned = std::thread::Builder::new().name(format!("nbd-worker-{i}")).spawn(move || loop {
-            // Hold the receiver lock only to take one job.
-            let job = rx.lock().recv();
-            let Ok(job) = job else { break };
-            // An engine bug must cost one request (EIO), not the connection's accounting.
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                execute(backend.as_ref(), &job, &writer, &log, &mut scratch)
-            }));
-            if ran.is_err() {
-                log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
-                match job.cmd {
-                    Command::Read { .. } => writer.read_err(job.cookie, proto::NBD_EIO, "internal error"),
-                    _ => writer.status(proto::NBD_EIO, job.cookie),
+    let lim = ExportLimits { size: backend.size(), read_only: export.read_only };
+    let requests = Arc::new(Mutex::new(RequestReader {
+        reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
+        ended: None,
+    }));
+    let work = {
+        let (requests, writer, budget, backend, log) =
+            (requests.clone(), writer.clone(), budget.clone(), backend.clone(), log.clone());
+        move || {
+            let mut scratch = Vec::new();
+            loop {
+                let job = {
+                    let mut rq = requests.lock();
+                    if rq.ended.is_some() {
+                        break;
+                    }
+                    if writer.broken.load(Ordering::Relaxed) {
+                        rq.ended = Some(Outcome::Dropped("reply could not be written".into()));
+                        break;
+                    }
+                    match next_request(&mut rq.reader, &lim, &budget, &writer, &log) {
+                        Next::Job(job) => job,
+                        Next::Answered => continue,
+                        Next::End(outcome) => {
+                            rq.ended = Some(outcome);
+                            break;
+                        }
+                    }
+                };
+                // An engine bug must cost one request (EIO), not the connection's accounting.
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    execute(backend.as_ref(), &job, &writer, &log, &mut scratch)
+                }));
+                if ran.is_err() {
+                    log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
+                    match job.cmd {
+                        Command::Read { .. } => writer.read_err(job.cookie, proto::NBD_EIO, "internal error"),
+                        _ => writer.status(proto::NBD_EIO, job.cookie),
+                    }
                 }
+                budget.release(job.cost_bytes);
             }
-            budget.release(job.cost_bytes);
-        });
-        match spawned {
+        }
+    };
+    let mut workers = Vec::with_capacity(limits.workers);
+    for i in 1..limits.workers.max(1) {
+        match std::thread::Builder::new().name(format!("nbd-worker-{i}")).spawn(work.clone()) {
             Ok(h) => workers.push(h),
+            // Fewer workers only means fewer requests in flight.
             Err(e) => {
-                if workers.is_empty() {
-                    return Outcome::Dropped(format!("cannot start a worker thread: {e}"));
-                }
+                log!("dedupvol-nbd: cannot start worker thread {i}: {e}");
                 break;
             }
         }
     }
-
-    let limits_export = ExportLimits { size: backend.size(), read_only: export.read_only };
-    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
-    let outcome = loop {
-        if writer.broken.load(Ordering::Relaxed) {
-            break Outcome::Dropped("reply could not be written".into());
-        }
-        let mut hdr = [0u8; proto::REQUEST_HEADER_BYTES];
-        match read_exact_or_eof(&mut reader, &mut hdr) {
-            Ok(true) => {}
-            Ok(false) => break Outcome::Closed,
-            Err(e) => break Outcome::Dropped(format!("reading request: {e}")),
-        }
-        let req = match proto::parse_request(&hdr) {
-            Ok(r) => r,
-            Err(e) => break Outcome::Dropped(format!("bad request: {e}")),
-        };
-        match proto::classify_request(&req, &limits_export) {
-            Disposition::Disconnect => break Outcome::Closed,
-            Disposition::Close(why) => break Outcome::Dropped(why),
-            Disposition::Reject { error, skip, reason } => {
-                log.log(format_args!("rejecting request {:#x}: {reason}", req.cookie));
-                let skipped = io::copy(&mut (&mut reader).take(u64::from(skip)), &mut io::sink());
-                match skipped {
-                    Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => {
-                        writer.read_err(req.cookie, error, &reason)
-                    }
-                    Ok(n) if n == u64::from(skip) => writer.status(error, req.cookie),
-                    Ok(_) => break Outcome::Closed,
-                    Err(e) => break Outcome::Dropped(format!("reading payload: {e}")),
-                }
-            }
-            Disposition::Execute(cmd) => {
-                let (cost_bytes, payload_len) = match cmd {
-                    Command::Read { len, .. } => (u64::from(len), 0),
-                    Command::Write { len, .. } => (u64::from(len), len as usize),
-                    _ => (0, 0),
-                };
-                budget.acquire(cost_bytes);
-                let mut payload = vec![0u8; payload_len];
-                match read_exact_or_eof(&mut reader, &mut payload) {
-                    Ok(true) => {}
-                    // The client left mid-payload: the partial write is never applied.
-                    Ok(false) => break Outcome::Closed,
-                    Err(e) => break Outcome::Dropped(format!("reading write payload: {e}")),
-                }
-                if tx.send(Job { cookie: req.cookie, cmd, payload, cost_bytes }).is_err() {
-                    break Outcome::Dropped("worker pool is gone".into());
-                }
-            }
-        }
-    };
-    // Let the workers finish (and answer) every request already accepted.
-    drop(tx);
+    // This thread is worker 0. Every worker leaves once the reader has ended, after
+    // answering the request it holds: every request already read is answered.
+    work();
     for w in workers {
         if w.join().is_err() {
             log!("dedupvol-nbd: a worker thread panicked");
@@ -637,6 +686,7 @@ fn transmission(
     }
     let _ = writer.stream.lock().shutdown(Shutdown::Both);
     log.finish();
+    let outcome = requests.lock().ended.take().unwrap_or(Outcome::Closed);
     // A broken reply ends the reader with end-of-file or a read error; name the real cause.
     let why = writer.broken_why.lock().take();
     match why {

@@ -54,6 +54,26 @@ impl DataDevice {
         self.dev.read(kind, buf, off)
     }
 
+    /// Reads whole blocks like `read`, through the page cache where the device keeps one
+    /// for reads (`IoMode::ReadCached`). A block read this way that fails its checksum is
+    /// dropped from the page cache (`drop_cached`) and re-read with `read`.
+    pub(crate) fn read_cached(&self, kind: IoKind, pbn: u64, buf: &mut [u8], what: &'static str) -> Result<()> {
+        let off = self.locate(pbn, buf.len() as u64 / BLOCK_SIZE_U64, what)?;
+        self.dev.read_cached(kind, buf, off)
+    }
+
+    /// True when `read_cached` goes through the page cache.
+    pub(crate) fn reads_cached(&self) -> bool {
+        self.dev.reads_cached()
+    }
+
+    /// Drops the page cache's copy of `n` blocks from `pbn` (a hint).
+    pub(crate) fn drop_cached(&self, pbn: u64, n: u64) {
+        if let Ok(off) = self.locate(pbn, n, "data block placement") {
+            self.dev.drop_cached(off, n * BLOCK_SIZE_U64);
+        }
+    }
+
     /// Writes consecutive blocks starting at `pbn`, gathered from `bufs`.
     pub(crate) fn write_run(&self, pbn: u64, bufs: &[&[u8]]) -> Result<()> {
         let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();

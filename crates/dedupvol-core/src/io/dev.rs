@@ -25,6 +25,22 @@ impl Dev {
             Error::io(format!("reading {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
         })
     }
+    /// Counted, contextual read through the page cache where the device reads cached
+    /// (`Storage::read_cached_at`).
+    pub fn read_cached(&self, kind: IoKind, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.counters.counter(kind, false).add(buf.len());
+        self.inner.read_cached_at(buf, offset).map_err(|e| {
+            Error::io(format!("reading {} bytes ({kind:?}) at offset {offset} of {}", buf.len(), self.inner.name()), e)
+        })
+    }
+    /// True when `read_cached` goes through the page cache.
+    pub fn reads_cached(&self) -> bool {
+        self.inner.reads_cached()
+    }
+    /// Drops the page cache's copy of a range (a hint).
+    pub fn drop_cached(&self, offset: u64, len: u64) {
+        self.inner.drop_cached(offset, len)
+    }
     /// Counted, contextual write.
     pub fn write(&self, kind: IoKind, buf: &[u8], offset: u64) -> Result<()> {
         self.counters.counter(kind, true).add(buf.len());

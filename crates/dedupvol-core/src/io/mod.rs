@@ -45,6 +45,19 @@ pub trait Storage: Send + Sync {
     fn is_direct(&self) -> bool {
         false
     }
+    /// Reads exactly `buf.len()` bytes at `offset` through the kernel page cache where the
+    /// device keeps one beside direct I/O (`IoMode::ReadCached`); elsewhere `read_at`.
+    fn read_cached_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_at(buf, offset)
+    }
+    /// True when `read_cached_at` goes through the page cache while writes bypass it.
+    fn reads_cached(&self) -> bool {
+        false
+    }
+    /// Drops the page cache's copy of a range (a hint). Why: a direct write whose
+    /// invalidation of the range lost a race with a cached read can leave a stale page
+    /// behind; a block that fails its checksum after a cached read is dropped and re-read.
+    fn drop_cached(&self, _offset: u64, _len: u64) {}
     /// Size of the device in bytes.
     fn len(&self) -> u64;
     /// True when the device has no bytes.
@@ -71,6 +84,11 @@ pub enum IoMode {
     Direct,
     /// Through the kernel page cache.
     Buffered,
+    /// Writes bypass the page cache (`O_DIRECT`), data reads go through it: the kernel's
+    /// reclaimable page cache is the read cache of raw blocks (as for a plain file), and
+    /// the engine's content cache holds what the page cache cannot: written blocks and
+    /// packed blocks for verification.
+    ReadCached,
 }
 
 impl IoMode {
@@ -91,7 +109,10 @@ impl std::str::FromStr for IoMode {
             "auto" => Ok(IoMode::Auto),
             "direct" => Ok(IoMode::Direct),
             "buffered" => Ok(IoMode::Buffered),
-            other => Err(Error::InvalidArgument(format!("I/O mode must be auto, direct or buffered, not {other:?}"))),
+            "read-cached" => Ok(IoMode::ReadCached),
+            other => Err(Error::InvalidArgument(format!(
+                "I/O mode must be auto, direct, buffered or read-cached, not {other:?}"
+            ))),
         }
     }
 }
@@ -103,6 +124,7 @@ impl std::fmt::Display for IoMode {
             IoMode::Auto => "auto",
             IoMode::Direct => "direct",
             IoMode::Buffered => "buffered",
+            IoMode::ReadCached => "read-cached",
         })
     }
 }
@@ -125,6 +147,15 @@ impl<T: Storage + ?Sized> Storage for Arc<T> {
     }
     fn is_direct(&self) -> bool {
         (**self).is_direct()
+    }
+    fn read_cached_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        (**self).read_cached_at(buf, offset)
+    }
+    fn reads_cached(&self) -> bool {
+        (**self).reads_cached()
+    }
+    fn drop_cached(&self, offset: u64, len: u64) {
+        (**self).drop_cached(offset, len)
     }
     fn len(&self) -> u64 {
         (**self).len()

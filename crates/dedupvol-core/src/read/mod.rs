@@ -72,11 +72,15 @@ impl Volume {
         assert_eq!(out.len(), n * BLOCK_SIZE, "read_blocks: buffer of {} bytes for {n} blocks", out.len());
         let mut attempts = vec![0usize; n];
         let mut todo: Vec<usize> = (0..n).collect();
+        // The first pass may read through the page cache; a retry reads the device itself
+        // (a stale cached page is what a checksum mismatch after a cached read may be).
+        let mut cached = self.data.reads_cached();
         while !todo.is_empty() {
             let looked = self.lookup(lba0, &todo, out)?;
             let mut retry = Vec::new();
-            self.fetch(lba0, &looked, out, &mut attempts, &mut retry)?;
+            self.fetch(lba0, &looked, out, &mut attempts, &mut retry, cached)?;
             todo = retry;
+            cached = false;
         }
         Ok(())
     }
@@ -110,8 +114,9 @@ impl Volume {
         out: &mut [u8],
         attempts: &mut [usize],
         retry: &mut Vec<usize>,
+        cached: bool,
     ) -> Result<()> {
-        let packed = self.prefetch_packed(looked);
+        let packed = self.prefetch_packed(looked, cached);
         let mut k = 0;
         while let Some(&Looked { i, e, done }) = looked.get(k) {
             if done {
@@ -130,8 +135,8 @@ impl Volume {
             // again: a second touch would count it as re-read and promote a one-pass scan's
             // blocks past the cache's probation queue.
             let prefetched = packed.get(&e.pbn).cloned();
-            let cached = if prefetched.is_some() { prefetched } else { self.cache.lock().get(e.pbn) };
-            let run = if cached.is_none() && e.slot().is_none() { self.raw_run(looked, k) } else { 0 };
+            let cached_block = if prefetched.is_some() { prefetched } else { self.cache.lock().get(e.pbn) };
+            let run = if cached_block.is_none() && e.slot().is_none() { self.raw_run(looked, k) } else { 0 };
             // A lone block goes through the cache (random re-reads hit it).
             if run >= 2 {
                 let blocks = out.len() / BLOCK_SIZE;
@@ -141,7 +146,7 @@ impl Volume {
                         format!("blocks {i}..{} of {blocks}", i + run),
                     )
                 })?;
-                self.data.read(IoKind::Data, e.pbn, dst, "block map entry")?;
+                self.read_data(cached, e.pbn, dst)?;
                 for (j, l) in looked.iter().skip(k).take(run).enumerate() {
                     #[expect(clippy::indexing_slicing, reason = "`j < run` and `dst` holds `run` blocks")]
                     let got = &dst[j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE];
@@ -152,11 +157,20 @@ impl Volume {
                 k += run;
                 continue;
             }
-            let block = match cached {
-                Some(b) => b,
-                None => self.physical_block(e.pbn)?,
-            };
             let dst = block_mut(out, i)?;
+            if cached_block.is_none() && e.slot().is_none() && cached {
+                // The page cache keeps raw blocks: straight into the reply, no copy kept.
+                self.read_data(true, e.pbn, dst)?;
+                if crc32c::crc32c(dst) != e.crc {
+                    self.read_mismatch(lba0, i, e, attempts, retry)?;
+                }
+                k += 1;
+                continue;
+            }
+            let block = match cached_block {
+                Some(b) => b,
+                None => self.physical_block(e.pbn, cached)?,
+            };
             let ok = match e.slot() {
                 None => {
                     dst.copy_from_slice(&block);
@@ -177,7 +191,7 @@ impl Volume {
     /// placement order, so a large read of it meets runs of packed blocks). They are also
     /// offered to the cache. A run that fails to read is left out: its blocks are then
     /// read one by one, and an error names the block it belongs to.
-    fn prefetch_packed(&self, looked: &[Looked]) -> PbnMap<Block> {
+    fn prefetch_packed(&self, looked: &[Looked], cached: bool) -> PbnMap<Block> {
         let mut got = PbnMap::default();
         let mut pbns: Vec<u64> = {
             let cache = self.cache.lock();
@@ -199,7 +213,7 @@ impl Volume {
                 continue;
             }
             let mut buf = vec![0u8; run * BLOCK_SIZE];
-            if self.data.read(IoKind::Data, start, &mut buf, "block map entry").is_err() {
+            if self.read_data(cached, start, &mut buf).is_err() {
                 continue;
             }
             let mut cache = self.cache.lock();
@@ -249,6 +263,7 @@ impl Volume {
         retry: &mut Vec<usize>,
     ) -> Result<()> {
         self.cache.lock().remove(e.pbn);
+        self.data.drop_cached(e.pbn, 1);
         let spent = attempts.get_mut(i).map(|a| {
             *a += 1;
             *a >= READ_ATTEMPTS
@@ -278,15 +293,24 @@ impl Volume {
         st.dedup.forget_damaged(pbn);
     }
 
+    /// Reads data blocks from `pbn` into `buf`, through the page cache when `cached`.
+    fn read_data(&self, cached: bool, pbn: u64, buf: &mut [u8]) -> Result<()> {
+        if cached {
+            self.data.read_cached(IoKind::Data, pbn, buf, "block map entry")
+        } else {
+            self.data.read(IoKind::Data, pbn, buf, "block map entry")
+        }
+    }
+
     /// A physical block, from the content cache or the device (then cached).
-    fn physical_block(&self, pbn: u64) -> Result<Block> {
+    fn physical_block(&self, pbn: u64, cached: bool) -> Result<Block> {
         if let Some(b) = self.cache.lock().get(pbn) {
             return Ok(b);
         }
         let mut b = new_block();
         let buf = Arc::get_mut(&mut b)
             .ok_or_else(|| Error::internal("a freshly allocated block is shared", format!("physical block {pbn}")))?;
-        self.data.read(IoKind::Data, pbn, buf, "block map entry")?;
+        self.read_data(cached, pbn, buf)?;
         self.cache.lock().fill(pbn, b.clone());
         Ok(b)
     }

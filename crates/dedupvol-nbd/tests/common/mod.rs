@@ -59,7 +59,6 @@ impl TestServer {
 pub fn test_limits() -> ConnectionLimits {
     ConnectionLimits {
         workers: 3,
-        queue_requests_max: 4,
         inflight_bytes_max: 1 << 20,
         handshake_timeout: std::time::Duration::from_secs(30),
         ..ConnectionLimits::default()

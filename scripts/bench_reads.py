@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""dedupvol read benchmarks. Run through scripts/bench-reads.sh.
+
+Sections (--sections, default all):
+  nbd     the NBD matrix: fio (nbd engine, one connection) against `dedupvol serve` with
+          default settings and against `nbdkit file` on the same disk, same seed, same
+          data, at each --levels reducibility: sequential 1 MiB reads QD16, random 4 KiB
+          reads QD32, a 70/30 read/write mix of 8K-128K, the SQL and VDI mixes, and the
+          write jobs (sequential 1 MiB fill, random 4 KiB writes QD32) so a read change
+          that costs writes shows. Jobs alternate between the two servers (A, B, A, B ...)
+          so the VM's drift hits both alike. The dedupvol server's peak RSS is printed
+          beside its bound: --cache-size + index memory + block-map cache + 256 MiB.
+  memory  equal memory: both servers inside one cgroup-v1 memory group whose limit counts
+          the page cache (--memory-limit, default 1536M), on a region several times
+          larger (--memory-region, default 8G) of 90 % reducible data: uniform 4 KiB random
+          reads, zipf(1.1) 4 KiB random reads, sequential 1 MiB reads.
+  replay  the SAR method: a skewed FIU-format trace (dedupvol trace generate) replayed on
+          a slowed data device (a loop device under a blkio read/write throttle) against
+          the raw device (native), a volume without a tier, and a volume with the tier on
+          the fast disk; mean / p50 / p99 read and write response times.
+
+Every number printed is measured in this run; results.json keeps each command verbatim.
+Only the Python standard library is used.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_suite as bs  # noqa: E402  (Server, fio, data_opts, run, rss_kib)
+
+DEDUPVOL = bs.DEDUPVOL
+MIB = 1 << 20
+
+
+def parse_size(s):
+    s = str(s).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+def read_jobs(runtime):
+    """(name, kind, fio args): kind 'r' reads, 'w' writes, 'm' mixes."""
+    t = ["--time_based", f"--runtime={runtime}"]
+    sql_bs = "--bssplit=8k/50:64k/25:128k/25,8k/50:16k/25:96k/25"
+    vdi_bs = "--bssplit=4k/60:16k/20:64k/20,4k/70:16k/20:64k/10"
+    return [
+        ("seq-read-1m-qd16", "r", ["--rw=read", "--bs=1m", "--iodepth=16", *t]),
+        ("rand-read-4k-qd32", "r", ["--rw=randread", "--bs=4k", "--iodepth=32", *t]),
+        ("mix-70-30-8k-128k", "m", ["--rw=randrw", "--rwmixread=70", "--bsrange=8k-128k", "--iodepth=16", *t]),
+        ("sql-mix", "m", ["--rw=randrw", "--rwmixread=68", "--percentage_random=80", sql_bs, "--iodepth=32", *t]),
+        ("vdi-mix", "m", ["--rw=randrw", "--rwmixread=68", "--percentage_random=90", vdi_bs, "--iodepth=32", *t]),
+        ("rand-write-4k-qd32", "w", ["--rw=randwrite", "--bs=4k", "--iodepth=32", "--end_fsync=1", *t]),
+    ]
+
+
+def server_bound_mib(cache_size, vol):
+    """The RSS bound: content cache + fingerprint index + block-map cache + 256 MiB."""
+    info, _ = bs.run([DEDUPVOL, "info", vol])
+    index = None
+    for line in info.splitlines():
+        # "index           1677720 entries, 64.00 MiB (40 B/entry)"
+        if line.startswith("index ") and "MiB" in line:
+            index = float(line.split(",")[1].split("MiB")[0]) * MIB
+    if index is None:
+        raise RuntimeError(f"dedupvol info printed no index size:\n{info}")
+    return (parse_size(cache_size) + index + 128 * MIB + 256 * MIB) / MIB
+
+
+def fio_job(uri, size, pct, args, name):
+    return bs.fio(["--ioengine=nbd", f"--uri={uri}", f"--size={size}", "--randseed=42", *bs.data_opts(pct), *args], name)
+
+
+def job_mb_s(res, kind):
+    if kind == "r":
+        return res["read"]["bw_mb_s"]
+    if kind == "w":
+        return res["write"]["bw_mb_s"]
+    return res["read"]["bw_mb_s"] + res["write"]["bw_mb_s"]
+
+
+def nbd_section(cfg, work, results):
+    size = cfg["region"]
+    rows = []
+    for pct in cfg["levels"]:
+        vol = work / "reads-dedupvol.img"
+        raw = work / "reads-nbdkit.img"
+        for p in (vol, raw):
+            if p.exists():
+                p.unlink()
+        bs.run([DEDUPVOL, "format", vol, "--logical-size", size, "--physical-size", cfg["physical"], "--force"])
+        bs.run(["truncate", "-s", size, raw])
+        servers = {
+            "dedupvol": bs.Server("dedupvol", vol, work / "dv.sock", extra=cfg["serve_args"]),
+            "nbdkit": bs.Server("nbdkit", raw, work / "kit.sock"),
+        }
+        level = {"reducible_pct": pct, "jobs": {}}
+        try:
+            # The fill: the same sequential 1 MiB write of the same bytes on both.
+            for kind, srv in servers.items():
+                bs.log(f"fill {kind} at {pct}% reducible")
+                r = fio_job(srv.uri, size, pct, ["--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"], "fill")
+                level["jobs"].setdefault("seq-write-1m-qd8", {})[kind] = [r]
+            for rnd in range(cfg["rounds"]):
+                for name, kind, args in read_jobs(cfg["runtime"]):
+                    if cfg["jobs"] and name not in cfg["jobs"]:
+                        continue
+                    order = ("dedupvol", "nbdkit") if rnd % 2 == 0 else ("nbdkit", "dedupvol")
+                    for k in order:
+                        bs.log(f"{name} on {k} at {pct}% (round {rnd + 1})")
+                        r = fio_job(servers[k].uri, size, pct, args, name)
+                        level["jobs"].setdefault(name, {}).setdefault(k, []).append(r)
+            level["rss_kib"] = {k: s.memory() for k, s in servers.items()}
+        finally:
+            for s in servers.values():
+                s.stop()
+        level["rss_bound_mib"] = server_bound_mib(cfg["cache_size"], vol)
+        rows.append(level)
+        results["nbd"] = rows
+        save(results, cfg)
+        for p in (vol, raw):
+            p.unlink()
+    print_nbd(rows)
+
+
+CGROUP_MEM = Path("/sys/fs/cgroup/memory")
+
+
+class MemGroup:
+    """A cgroup-v1 memory group whose limit counts the page cache of its members."""
+
+    def __init__(self, name, limit_bytes):
+        self.path = CGROUP_MEM / name
+        if self.path.exists():
+            self.path.rmdir()
+        self.path.mkdir()
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+
+    def add(self, pid):
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def peak_bytes(self):
+        return int((self.path / "memory.max_usage_in_bytes").read_text())
+
+    def close(self):
+        # Moving the group's page cache out is the kernel's job; an empty group can go.
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def drop_caches():
+    subprocess.run(["sync"])
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def memory_jobs(runtime):
+    t = ["--time_based", f"--runtime={runtime}"]
+    return [
+        ("rand-read-4k-uniform", ["--rw=randread", "--bs=4k", "--iodepth=32", *t]),
+        ("rand-read-4k-zipf1.1", ["--rw=randread", "--bs=4k", "--iodepth=32", "--random_distribution=zipf:1.1", *t]),
+        ("seq-read-1m-qd16", ["--rw=read", "--bs=1m", "--iodepth=16", *t]),
+    ]
+
+
+def memory_section(cfg, work, results):
+    """Each server alone in a memory group of the same limit; a region far larger."""
+    if not CGROUP_MEM.exists():
+        raise RuntimeError("no cgroup-v1 memory controller at /sys/fs/cgroup/memory")
+    size, limit, pct = cfg["memory_region"], parse_size(cfg["memory_limit"]), 90
+    # The engine's content cache is sized to fit the group beside the engine's structures.
+    cache = f"{max(64, (limit >> 20) - 512)}M"
+    out = {"limit_bytes": limit, "region": size, "reducible_pct": pct, "cache_size": cache, "jobs": {}}
+    paths = {"dedupvol": work / "mem-dedupvol.img", "nbdkit": work / "mem-nbdkit.img"}
+    for p in paths.values():
+        if p.exists():
+            p.unlink()
+    bs.run([DEDUPVOL, "format", paths["dedupvol"], "--logical-size", size, "--physical-size",
+            cfg["memory_physical"], "--force"])
+    bs.run(["truncate", "-s", size, paths["nbdkit"]])
+    extra = {"dedupvol": ["--cache-size", cache, *cfg["serve_args_nocache"]], "nbdkit": []}
+    try:
+        for kind, path in paths.items():
+            drop_caches()
+            g = MemGroup(f"dedupvol-bench-{kind}", limit)
+            srv = bs.Server(kind, path, work / f"mem-{kind}.sock", extra=extra[kind], cgroup=g)
+            try:
+                bs.log(f"equal memory: fill {kind} ({size}, {pct}% reducible)")
+                fio_job(srv.uri, size, pct, ["--rw=write", "--bs=1m", "--iodepth=8", "--end_fsync=1"], "fill")
+            finally:
+                srv.stop()
+                g.close()
+        for rnd in range(cfg["rounds"]):
+            for name, args in memory_jobs(cfg["runtime"]):
+                order = ("dedupvol", "nbdkit") if rnd % 2 == 0 else ("nbdkit", "dedupvol")
+                for kind in order:
+                    drop_caches()
+                    g = MemGroup(f"dedupvol-bench-{kind}", limit)
+                    srv = bs.Server(kind, paths[kind], work / f"mem-{kind}.sock", extra=extra[kind], cgroup=g)
+                    try:
+                        # A warm-up pass the same length as the measurement: both servers
+                        # start measuring with whatever their memory holds.
+                        bs.log(f"equal memory: {name} on {kind} (round {rnd + 1})")
+                        fio_job(srv.uri, size, pct, args, name + "-warm")
+                        r = fio_job(srv.uri, size, pct, args, name)
+                        r["group_peak_bytes"] = g.peak_bytes()
+                        r["rss_kib"] = srv.memory()
+                    finally:
+                        srv.stop()
+                        g.close()
+                    out["jobs"].setdefault(name, {}).setdefault(kind, []).append(r)
+                results["memory"] = out
+                save(results, cfg)
+    finally:
+        for p in paths.values():
+            if p.exists():
+                p.unlink()
+    print_memory(out)
+
+
+def print_memory(out):
+    print(f"\n## Equal memory: each server in a {out['limit_bytes'] >> 20} MiB memory cgroup (page cache "
+          f"counted), {out['region']} region, {out['reducible_pct']}% reducible, dedupvol --cache-size "
+          f"{out['cache_size']}; MB/s\n")
+    print("| job | dedupvol | nbdkit | ratio | per-round ratios | group peak (dedupvol / nbdkit) |")
+    print("|---|---|---|---|---|---|")
+    for name, by in out["jobs"].items():
+        d = [r["read"]["bw_mb_s"] for r in by.get("dedupvol", [])]
+        n = [r["read"]["bw_mb_s"] for r in by.get("nbdkit", [])]
+        per = ", ".join(f"{a / b:.2f}" for a, b in zip(d, n) if b)
+        peak = "/".join(f"{max(r['group_peak_bytes'] for r in by.get(k, [{'group_peak_bytes': 0}])) >> 20}" for k in ("dedupvol", "nbdkit"))
+        print(f"| {name} | {mean(d):.0f} | {mean(n):.0f} | {mean(d) / mean(n) if mean(n) else 0:.2f}x | {per} | {peak} MiB |")
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def print_nbd(rows):
+    kinds = {n: k for n, k, _ in read_jobs(1)}
+    kinds["seq-write-1m-qd8"] = "w"
+    print("\n## NBD matrix: dedupvol serve (defaults) vs nbdkit file, MB/s (mean of rounds)\n")
+    print("| reducible | job | dedupvol | nbdkit | ratio | per-round ratios |")
+    print("|---|---|---|---|---|---|")
+    for lv in rows:
+        for name, by in lv["jobs"].items():
+            d = [job_mb_s(r, kinds[name]) for r in by.get("dedupvol", [])]
+            n = [job_mb_s(r, kinds[name]) for r in by.get("nbdkit", [])]
+            per = ", ".join(f"{a / b:.2f}" for a, b in zip(d, n) if b)
+            ratio = mean(d) / mean(n) if mean(n) else 0
+            print(f"| {lv['reducible_pct']}% | {name} | {mean(d):.0f} | {mean(n):.0f} | {ratio:.2f}x | {per} |")
+    print("\n| reducible | dedupvol peak RSS | bound | nbdkit peak RSS |")
+    print("|---|---|---|---|")
+    for lv in rows:
+        d = (lv["rss_kib"].get("dedupvol") or (0, 0))[1] or 0
+        n = (lv["rss_kib"].get("nbdkit") or (0, 0))[1] or 0
+        ok = "within" if d / 1024 <= lv["rss_bound_mib"] else "ABOVE"
+        print(f"| {lv['reducible_pct']}% | {d / 1024:.0f} MiB | {lv['rss_bound_mib']:.0f} MiB ({ok}) | {n / 1024:.0f} MiB |")
+
+
+def save(results, cfg):
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    results["commands"] = bs.COMMANDS
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="nbd,memory,replay")
+    ap.add_argument("--levels", default="0,90")
+    ap.add_argument("--region", default="2G")
+    ap.add_argument("--physical", default="4G")
+    ap.add_argument("--runtime", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cache-size", default="1G")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for dedupvol serve")
+    ap.add_argument("--memory-limit", default="1536M")
+    ap.add_argument("--memory-region", default="8G")
+    ap.add_argument("--memory-physical", default="6G")
+    ap.add_argument("--jobs", default="", help="comma-separated job names (default: all)")
+    ap.add_argument("--work", default="/var/tmp/dedupvol-reads")
+    ap.add_argument("--out", default="/var/tmp/dedupvol-reads/report")
+    a = ap.parse_args()
+    cfg = {
+        "levels": [int(x) for x in a.levels.split(",") if x],
+        "region": a.region,
+        "physical": a.physical,
+        "runtime": a.runtime,
+        "rounds": a.rounds,
+        "jobs": [j for j in a.jobs.split(",") if j],
+        "cache_size": a.cache_size,
+        "serve_args": ["--cache-size", a.cache_size, *a.serve_arg],
+        "serve_args_nocache": a.serve_arg,
+        "memory_limit": a.memory_limit,
+        "memory_region": a.memory_region,
+        "memory_physical": a.memory_physical,
+        "out": a.out,
+    }
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"config": cfg, "machine": bs.machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    sections = a.sections.split(",")
+    if "nbd" in sections:
+        nbd_section(cfg, work, results)
+    if "memory" in sections:
+        memory_section(cfg, work, results)
+    save(results, cfg)
+
+
+if __name__ == "__main__":
+    main()
