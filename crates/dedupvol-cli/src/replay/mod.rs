@@ -661,3 +661,74 @@ fn dispatch(
     shared.wait_idle();
     Ok(Dispatched { records, empty_records, warmup, start, end: Instant::now() })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write as _;
+
+    /// A RAM disk that silently drops writes to one block, as a broken target would.
+    struct LossyTarget {
+        data: Mutex<Vec<u8>>,
+        lost_block: u64,
+    }
+
+    impl Target for LossyTarget {
+        fn describe(&self) -> String {
+            "lossy RAM disk".into()
+        }
+        fn size_bytes(&self) -> u64 {
+            lock(&self.data).len() as u64
+        }
+        fn read(&self, _: usize, offset: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+            let d = lock(&self.data);
+            buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+            Ok(())
+        }
+        fn write(&self, _: usize, offset: u64, data: &[u8]) -> anyhow::Result<()> {
+            if offset / TRACE_BLOCK_BYTES != self.lost_block {
+                lock(&self.data)[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+            }
+            Ok(())
+        }
+        fn flush(&self) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn close(self: Box<Self>) -> anyhow::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn run(lost_block: u64, qd: usize) -> anyhow::Result<ReplayReport> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("t.fiu");
+        let mut f = std::fs::File::create(&path)?;
+        for b in 0..64u64 {
+            writeln!(f, "{} 1 p {} 8 W 8 0 {:032x}", b, b * 8, b % 7 + 1)?;
+        }
+        for b in 0..64u64 {
+            writeln!(f, "{} 1 p {} 8 r 8 0 {:032x}", 100 + b, b * 8, b % 7 + 1)?;
+        }
+        drop(f);
+        let t = Box::new(LossyTarget { data: Mutex::new(vec![0u8; 64 << 12]), lost_block });
+        let opts = ReplayOptions {
+            timing: Timing::Fast,
+            queue_depth: qd,
+            warmup_writes: false,
+            limit_ops: None,
+            verify: true,
+            compress_fraction: 0.5,
+        };
+        replay(&path, t, &opts).map_err(|e| anyhow!("{e:#}"))
+    }
+
+    #[test]
+    fn a_target_that_loses_a_write_fails_verification_naming_the_line() {
+        let good = run(u64::MAX, 4).expect("a faithful target replays");
+        assert_eq!((good.reads.ops, good.writes.ops, good.verified_blocks), (64, 64, 64));
+        let e = run(37, 4).expect_err("the lost write must be caught").to_string();
+        // Line 64 + 37 + 1 reads block 37.
+        assert!(e.contains("t.fiu:102: read of 1 blocks at block 37"), "{e}");
+        assert!(e.contains("verification failed: block 37"), "{e}");
+    }
+}
