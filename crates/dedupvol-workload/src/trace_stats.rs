@@ -41,6 +41,7 @@ pub struct RefStatsBuilder {
     reads: u64,
     writes: u64,
     block_accesses: u64,
+    span_blocks: u64,
 }
 
 /// The figures of one trace.
@@ -66,6 +67,8 @@ pub struct RefStats {
     pub chunks_accessed_over_10: f64,
     /// Highest reference count.
     pub refs_max: u32,
+    /// Blocks from address 0 to the highest block touched (a replay target needs this many).
+    pub span_blocks: u64,
 }
 
 impl RefStatsBuilder {
@@ -81,6 +84,7 @@ impl RefStatsBuilder {
             TraceOp::Read => self.reads += 1,
             TraceOp::Write => self.writes += 1,
         }
+        self.span_blocks = self.span_blocks.max(r.first_block() + r.block_count());
         for k in 0..r.block_count() {
             let key = r.content_key(k);
             let addr = r.first_block() + k;
@@ -126,6 +130,7 @@ impl RefStatsBuilder {
             accesses_to_refs_over_5: share(acc_over5, self.block_accesses),
             chunks_accessed_over_10: share(accessed10, n),
             refs_max,
+            span_blocks: self.span_blocks,
         }
     }
 }
@@ -147,6 +152,11 @@ impl RefStats {
         t.row(vec!["accesses to chunks with refs > 5".into(), pct(self.accesses_to_refs_over_5), "42%".into()]);
         t.row(vec!["unique chunks accessed > 10 times".into(), pct(self.chunks_accessed_over_10), "-".into()]);
         t.row(vec!["highest reference count".into(), self.refs_max.to_string(), "-".into()]);
+        t.row(vec![
+            "address span (4 KiB blocks)".into(),
+            format!("{} ({} MiB)", self.span_blocks, self.span_blocks * 4096 >> 20),
+            "-".into(),
+        ]);
         t.render()
     }
 }
@@ -177,6 +187,7 @@ mod tests {
         let st = s.finish();
         assert_eq!(st.unique_chunks, 2);
         assert_eq!(st.refs_max, 12);
+        assert_eq!(st.span_blocks, 101);
         assert_eq!(st.chunks_refs_over_10, 0.5);
         assert_eq!(st.chunks_refs_over_5, 0.5);
         assert_eq!(st.block_accesses, 17);
