@@ -101,9 +101,16 @@ fn generated_trace_replays_onto_a_file_with_verification() {
     assert_eq!(row("read"), stats["reads"].as_u64().expect("reads"), "{table}");
     assert_eq!(row("write"), stats["writes"].as_u64().expect("writes"), "{table}");
     assert_eq!(row("all"), OPS, "{table}");
-    // --limit-ops replays a prefix.
-    let r = ok_json(&["replay", p(&trace), "--target", &target, "--limit-ops", "500", "--json"]);
+    // --limit-ops replays a prefix; native timing takes at least the prefix's time span
+    // (fast, these 500 requests take a few milliseconds; at 2000 IOPS they span ~0.25 s).
+    let r = ok_json(&["replay", p(&trace), "--target", &target, "--limit-ops", "500", "--timing", "native", "--json"]);
     assert_eq!(r["all"]["ops"].as_u64(), Some(500), "{r}");
+    let text = std::fs::read_to_string(&trace).expect("read trace");
+    let ts: Vec<u64> =
+        text.lines().take(500).map(|l| l.split_whitespace().next().and_then(|t| t.parse().ok()).expect("ts")).collect();
+    let span_s = (ts[499] - ts[0]) as f64 / 1e9;
+    let took = r["seconds"].as_f64().expect("seconds");
+    assert!(span_s > 0.1 && took >= span_s * 0.99, "native replay took {took} s for a {span_s} s trace: {r}");
 }
 
 #[test]
@@ -195,4 +202,12 @@ fn generated_trace_replays_over_nbd_with_verification() {
         let s = ok_json(&["stats", p(&vol), "--json"]);
         assert_eq!(s["lifetime"]["blocks_written"].as_u64(), stats["writes"].as_u64(), "{s}");
     }
+    // The same over TCP, for a prefix.
+    let srv = ServerProc::start(&vol, dir.path(), true, &[]);
+    assert!(srv.uri.starts_with("nbd://"), "{}", srv.uri);
+    let r = ok_json(&["replay", p(&trace), "--target", &srv.uri, "--verify", "--limit-ops", "3000", "--json"]);
+    assert_eq!(r["all"]["ops"].as_u64(), Some(3000), "{r}");
+    assert_eq!(r["verified_blocks"], r["reads"]["ops"], "{r}");
+    let status = srv.stop();
+    assert!(status.success(), "server exit {status:?}");
 }
