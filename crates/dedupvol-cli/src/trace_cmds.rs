@@ -164,7 +164,7 @@ fn run_generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             spec.seed,
             spec.read_fraction * 100.0,
             spec.blocks,
-            spec.blocks * 4096 >> 20,
+            (spec.blocks * 4096) >> 20,
             spec.iops,
             spec.read_skew
         )?;

@@ -52,9 +52,12 @@ fn round_trip_flush_and_typed_errors() {
     ro.shutdown();
 }
 
+/// How the scripted server answers a request: (error, cookie override, magic override).
+type Script = fn(&Request) -> (u32, Option<u64>, Option<u32>);
+
 /// Serves one client: the handshake (GO answered with a 1 MiB export), then answers each
-/// request with `reply(request)`: (error, cookie override, magic override).
-fn scripted_server(reply: fn(&Request) -> (u32, Option<u64>, Option<u32>)) -> (tempfile::TempDir, NbdUri) {
+/// request as `reply` says.
+fn scripted_server(reply: Script) -> (tempfile::TempDir, NbdUri) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("s.sock");
     let listener = UnixListener::bind(&path).expect("bind");

@@ -154,7 +154,7 @@ impl RefStats {
         t.row(vec!["highest reference count".into(), self.refs_max.to_string(), "-".into()]);
         t.row(vec![
             "address span (4 KiB blocks)".into(),
-            format!("{} ({} MiB)", self.span_blocks, self.span_blocks * 4096 >> 20),
+            format!("{} ({} MiB)", self.span_blocks, (self.span_blocks * 4096) >> 20),
             "-".into(),
         ]);
         t.render()
