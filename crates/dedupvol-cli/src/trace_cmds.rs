@@ -204,6 +204,9 @@ fn run_replay(a: ReplayArgs) -> anyhow::Result<ExitCode> {
         .as_deref()
         .map(|s| parse_size(s).map_err(|e| crate::usage(format!("--cache-size {s}: {e}"))))
         .transpose()?;
+    // Before any thread starts: a signal then stops the replay at a request boundary, and
+    // a volume target is flushed and closed rather than left to journal replay.
+    crate::interrupt::watch()?;
     let vol = target::VolumeTargetOptions { meta_device: a.meta_device.clone(), content_cache_bytes };
     let is_nbd = a.target.starts_with("nbd");
     let verify = if a.no_verify { false } else { a.verify || !is_nbd };
@@ -224,5 +227,9 @@ fn run_replay(a: ReplayArgs) -> anyhow::Result<ExitCode> {
     } else {
         out!("{}", report.render())?;
     }
-    Ok(ExitCode::SUCCESS)
+    match crate::interrupt::signal() {
+        // As the shell reports a command a signal stopped, after the partial report.
+        Some(sig) => Ok(ExitCode::from(u8::try_from(128 + sig).unwrap_or(1))),
+        None => Ok(ExitCode::SUCCESS),
+    }
 }

@@ -211,3 +211,51 @@ fn generated_trace_replays_over_nbd_with_verification() {
     let status = srv.stop();
     assert!(status.success(), "server exit {status:?}");
 }
+
+/// Whether process `pid` blocks SIGINT (the replay does once it watches for signals).
+fn blocks_sigint(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigBlk:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .is_some_and(|m| m & (1 << (libc::SIGINT - 1)) != 0)
+}
+
+#[test]
+fn sigint_stops_a_native_replay_and_closes_the_volume_cleanly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("slow.fiu");
+    // Three records a minute apart: native timing waits between them.
+    std::fs::write(
+        &trace,
+        "0 1 a 0 8 W 8 0 11111111111111111111111111111111\n\
+         60000000000 1 a 8 8 W 8 0 22222222222222222222222222222222\n\
+         120000000000 1 a 0 8 R 8 0 11111111111111111111111111111111\n",
+    )
+    .expect("write trace");
+    let vol = dir.path().join("v.img");
+    ok(&["format", p(&vol), "--logical-size", "64M", "--physical-size", "64M"]);
+    let target = format!("vol:{}", p(&vol));
+    let child = Command::new(env!("CARGO_BIN_EXE_dedupvol"))
+        .args(["replay", p(&trace), "--target", &target, "--timing", "native", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn replay");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !blocks_sigint(child.id()) {
+        assert!(std::time::Instant::now() < deadline, "the replay never started watching for signals");
+        std::thread::yield_now();
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + libc::SIGINT), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("JSON: {e}: {err}"));
+    assert_eq!(r["interrupted"].as_bool(), Some(true), "{r}");
+    assert!(r["records"].as_u64().is_some_and(|n| n < 3), "{r}");
+    let s = ok_json(&["stats", p(&vol), "--json"]);
+    assert_eq!(s["lifetime"]["recoveries"].as_u64(), Some(0), "the volume was not closed cleanly: {s}");
+}

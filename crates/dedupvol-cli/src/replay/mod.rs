@@ -27,6 +27,8 @@
 //!   target that falls behind the trace's pace shows it in the figures.
 //! - The first failure (target error, verification mismatch, bad trace line) stops the
 //!   replay and is reported with the trace file and line.
+//! - SIGINT or SIGTERM (when the command watches them) stops dispatching; the requests in
+//!   flight complete, the target is flushed and closed, and the report covers what ran.
 
 pub mod target;
 
@@ -55,6 +57,8 @@ pub const LATENCY_NS_MAX: u64 = 3_600_000_000_000;
 const LATENCY_SIGNIFICANT_DIGITS: u8 = 3;
 /// Longest warmup write, in blocks (consecutive warmup blocks are coalesced up to it).
 pub const WARMUP_RUN_BLOCKS_MAX: u64 = 256;
+/// Longest sleep of native timing between checks for a stop signal.
+const SLEEP_SLICE: Duration = Duration::from_millis(100);
 /// Seed of the block contents: fixed, so every replay of a trace writes the same bytes.
 const CONTENT_SEED: u64 = 0xF1_0B10C5;
 
@@ -365,6 +369,8 @@ pub struct ReplayReport {
     pub writes: OpSummary,
     /// Reads and writes together.
     pub all: OpSummary,
+    /// A signal stopped the replay before the end of the trace.
+    pub interrupted: bool,
 }
 
 impl ReplayReport {
@@ -395,8 +401,9 @@ impl ReplayReport {
         } else {
             String::new()
         };
+        let stopped = if self.interrupted { " — interrupted: the records before the signal" } else { "" };
         format!(
-            "dedupvol replay — {} → {}\ntiming {}, queue depth {}, {verify}, written blocks {:.0}% compressible (LZ4), 4 KiB blocks\n{}total: {ops} requests in {:.3} s ({rate:.0} requests/s, {mb_s:.1} MB/s); final flush {:.3} s{warm}\n",
+            "dedupvol replay — {} → {}{stopped}\ntiming {}, queue depth {}, {verify}, written blocks {:.0}% compressible (LZ4), 4 KiB blocks\n{}total: {ops} requests in {:.3} s ({rate:.0} requests/s, {mb_s:.1} MB/s); final flush {:.3} s{warm}\n",
             self.trace,
             self.target,
             match self.timing {
@@ -529,10 +536,16 @@ fn replay_open(path: &Path, target: &dyn Target, opts: &ReplayOptions) -> anyhow
         reads: OpSummary::of(&reads, read_bytes),
         writes: OpSummary::of(&writes, write_bytes),
         all: OpSummary::of(&all, read_bytes + write_bytes),
+        interrupted: d.interrupted,
     })
 }
 
+fn interrupted() -> bool {
+    crate::interrupt::signal().is_some()
+}
+
 struct Dispatched {
+    interrupted: bool,
     records: u64,
     empty_records: u64,
     warmup: Duration,
@@ -581,7 +594,7 @@ fn dispatch(
         tx.send(job).map_err(|_| anyhow!("the replay workers stopped"))
     };
     for (&b, &c) in warm {
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.stop.load(Ordering::SeqCst) || interrupted() {
             break;
         }
         let contiguous = run.last().is_some_and(|&(last, _)| last + 1 == b);
@@ -606,7 +619,7 @@ fn dispatch(
     let mut records = 0u64;
     let mut empty_records = 0u64;
     while records + empty_records < limit {
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.stop.load(Ordering::SeqCst) || interrupted() {
             break;
         }
         let Some(rec) = reader.next() else { break };
@@ -644,9 +657,16 @@ fn dispatch(
             Timing::Native => {
                 let t0 = *first_ts.get_or_insert(rec.ts_ns);
                 let at = start + Duration::from_nanos(rec.ts_ns.saturating_sub(t0));
-                let now = Instant::now();
-                if at > now {
-                    std::thread::sleep(at - now);
+                // In slices, so a signal during a long idle period of the trace is seen.
+                loop {
+                    let now = Instant::now();
+                    if at <= now || interrupted() {
+                        break;
+                    }
+                    std::thread::sleep((at - now).min(SLEEP_SLICE));
+                }
+                if interrupted() {
+                    break;
                 }
                 shared.admit(first, n, qd);
                 at
@@ -659,7 +679,7 @@ fn dispatch(
         }
     }
     shared.wait_idle();
-    Ok(Dispatched { records, empty_records, warmup, start, end: Instant::now() })
+    Ok(Dispatched { interrupted: interrupted(), records, empty_records, warmup, start, end: Instant::now() })
 }
 
 #[cfg(test)]
