@@ -9,8 +9,9 @@
 //! Invariants:
 //! - Every length read from the wire is bounded before it sizes a buffer: option replies by
 //!   [`OPTION_DATA_BYTES_MAX`], requests by [`REQUEST_BYTES_MAX`].
-//! - Every socket read and write is bounded in time by `io_timeout`, so a stalled server
-//!   fails the client with `TimedOut` instead of hanging it.
+//! - Every TCP connect, socket read and socket write is bounded in time by `io_timeout`,
+//!   so an unreachable or stalled server fails the client with `TimedOut` instead of
+//!   hanging it.
 //! - A reply that does not match (magic, cookie) leaves the connection unusable: every
 //!   later call fails with [`ClientError::Broken`] rather than reading out of step.
 
@@ -22,7 +23,7 @@ use crate::proto::{
 };
 use crate::stream::Stream;
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -215,7 +216,21 @@ impl NbdClient {
     pub fn connect(uri: &NbdUri, io_timeout: Duration) -> Result<NbdClient, ClientError> {
         let stream = match &uri.address {
             NbdAddress::Tcp(a) => {
-                let s = TcpStream::connect(a).map_err(io_err("connect"))?;
+                // connect_timeout, not connect: an unreachable host would otherwise hold the
+                // caller for the kernel's SYN retries (minutes).
+                let addrs: Vec<SocketAddr> = a.to_socket_addrs().map_err(io_err("resolving the server"))?.collect();
+                let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{a} resolves to no address"));
+                let mut connected = None;
+                for addr in addrs {
+                    match TcpStream::connect_timeout(&addr, io_timeout) {
+                        Ok(s) => {
+                            connected = Some(s);
+                            break;
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                let s = connected.ok_or_else(|| ClientError::Io { during: "connect", source: last })?;
                 // Requests are small and answered one at a time: Nagle would delay each.
                 s.set_nodelay(true).map_err(io_err("connect"))?;
                 Stream::Tcp(s)
