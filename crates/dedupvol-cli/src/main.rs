@@ -1,5 +1,5 @@
 //! The `dedupvol` command-line tool: format, inspect, check, import/export, serve and
-//! benchmark volumes.
+//! benchmark volumes, and generate and replay block traces.
 //!
 //! Exit codes, the same in every subcommand: 0 success; 1 the operation failed; 2 the
 //! command line is wrong (clap's own errors, and [`UsageError`] for what clap cannot see).
@@ -86,7 +86,9 @@ macro_rules! usage_bail {
 mod copy;
 mod interrupt;
 mod probe;
+mod replay;
 mod serve;
+mod trace_cmds;
 mod volume_cmds;
 mod workload_cmds;
 
@@ -105,6 +107,8 @@ enum Command {
     Serve(serve::ServeCommand),
     #[command(flatten)]
     Workload(workload_cmds::WorkloadCommand),
+    #[command(flatten)]
+    Trace(trace_cmds::TraceCommand),
 }
 
 /// The error and its causes on one line, each cause once: many errors (the engine's I/O
@@ -141,6 +145,7 @@ fn main() -> ExitCode {
         Command::Volume(c) => c.run(),
         Command::Serve(c) => c.run(),
         Command::Workload(c) => c.run(),
+        Command::Trace(c) => c.run(),
     };
     match result {
         Ok(code) => code,

@@ -470,6 +470,11 @@ fn a_closed_stdout_is_a_quiet_exit_for_every_command() {
         vec!["export", "vol.img", "out.raw"],
         vec!["bench", "--mode", "primitives", "--size", "4M", "--no-disk", "--no-baseline", "--dir", &dir],
         vec!["bench", "--mode", "primitives", "--size", "4M", "--no-disk", "--no-baseline", "--json", "--dir", &dir],
+        vec!["trace", "generate", "t.fiu", "--ops", "2000", "--blocks", "256"],
+        vec!["trace", "stats", "t.fiu"],
+        vec!["trace", "stats", "t.fiu", "--json"],
+        vec!["replay", "t.fiu", "--target", "file:g.bin"],
+        vec!["replay", "t.fiu", "--target", "file:g.bin", "--json"],
         vec!["--help"],
     ];
     for args in &cases {
@@ -481,6 +486,7 @@ fn a_closed_stdout_is_a_quiet_exit_for_every_command() {
     s.run(&["info", "new.img"]).expect_ok("logical size");
     s.run(&["check", "vol.img"]).expect_ok("clean");
     assert_eq!(std::fs::metadata(s.p("g.bin")).unwrap().len(), 1 << 20);
+    assert_eq!(std::fs::read_to_string(s.p("t.fiu")).unwrap().lines().count(), 2000);
 }
 
 #[test]

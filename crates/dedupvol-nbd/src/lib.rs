@@ -9,7 +9,8 @@
 //! Layout: [`proto`] holds the wire format as pure functions over byte slices (fuzzed);
 //! [`connection`] runs one client (handshake, then a reader thread and a bounded worker
 //! pool); [`server`] accepts clients and shuts down cleanly; [`backend`] is the disk
-//! being served — a [`dedupvol_core::Volume`], or a RAM disk for tests.
+//! being served — a [`dedupvol_core::Volume`], or a RAM disk for tests; [`client`] is a
+//! small synchronous client (the trace replayer's).
 //!
 //! One server serves one export, backed by one volume shared by every connection, which
 //! is what makes `NBD_FLAG_CAN_MULTI_CONN` truthful (a flush on any connection covers the
@@ -26,12 +27,14 @@ macro_rules! log {
 }
 
 pub mod backend;
+pub mod client;
 pub mod connection;
 pub mod proto;
 pub mod server;
 pub mod stream;
 
 pub use backend::{Backend, BackendError, MemBackend};
+pub use client::{ClientError, NbdClient, NbdUri};
 pub use connection::{ConnectionLimits, ExportConfig};
 pub use server::{RunSummary, Server, ServerConfig, StopHandle};
 pub use stream::{ListenAddr, Listener};

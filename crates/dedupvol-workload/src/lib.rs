@@ -8,6 +8,9 @@
 //!   the engine's fragment packing;
 //! - [`primitives`]: the machine's limits (BLAKE3, LZ4, zstd, disk), measured in the run;
 //! - [`bench`]: the in-process engine benchmark with its no-reduction baselines;
+//! - [`trace`]: the FIU block trace format (streaming parser);
+//! - [`trace_gen`]: FIU-format traces with the FIU traces' reference skew;
+//! - [`trace_stats`]: the reference-skew statistics of a trace;
 //! - [`table`]: text tables.
 //!
 //! Invariants (the crate's contract with benchmark readers):
@@ -20,6 +23,9 @@ pub mod estimate;
 pub mod primitives;
 pub mod rng;
 pub mod table;
+pub mod trace;
+pub mod trace_gen;
+pub mod trace_stats;
 pub mod workload;
 
 pub use content::{Content, ContentModel, DataSpec, BLOCK_BYTES};
