@@ -242,6 +242,102 @@ def print_memory(out):
         print(f"| {name} | {mean(d):.0f} | {mean(n):.0f} | {mean(d) / mean(n) if mean(n) else 0:.2f}x | {per} | {peak} MiB |")
 
 
+CGROUP_BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+class SlowDevice:
+    """A loop device (direct I/O to its backing file) whose reads and writes are throttled
+    by a cgroup-v1 blkio group: the slow data device of the tier runs. Processes in
+    `self.group` see it at the throttled rate."""
+
+    def __init__(self, backing, size, read_iops, write_iops, bps):
+        bs.run(["truncate", "-s", size, backing])
+        out, _ = bs.run(["losetup", "--find", "--show", "--direct-io=on", backing])
+        self.dev = out.strip()
+        st = os.stat(self.dev)
+        majmin = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        self.group = CGROUP_BLKIO / "dedupvol-bench-slow"
+        if not self.group.exists():
+            self.group.mkdir()
+        for f, v in (("read_iops_device", read_iops), ("write_iops_device", write_iops),
+                     ("read_bps_device", bps), ("write_bps_device", bps)):
+            (self.group / f"blkio.throttle.{f}").write_text(f"{majmin} {v}")
+        self.limits = {"read_iops": read_iops, "write_iops": write_iops, "bps": bps}
+
+    def run_in_group(self, cmd):
+        """Runs cmd (list) inside the throttled group; returns its stdout."""
+        pre = lambda: (self.group / "cgroup.procs").write_text(str(os.getpid()))  # noqa: E731
+        bs.COMMANDS.append(" ".join(map(str, cmd)) + f"   # in blkio group {self.group.name}")
+        p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, preexec_fn=pre, timeout=3600)
+        if p.returncode != 0:
+            raise RuntimeError(f"command failed ({p.returncode}): {' '.join(map(str, cmd))}\n{p.stderr}")
+        return p.stdout
+
+    def close(self):
+        subprocess.run(["losetup", "-d", self.dev])
+        try:
+            self.group.rmdir()
+        except OSError:
+            pass
+
+
+def replay_section(cfg, work, results):
+    """Native device, volume without tier, volume with the tier on the fast disk; all on
+    the same throttled data device, the same trace, the same small content cache."""
+    trace = work / "replay.fiu"
+    gen, _ = bs.run([DEDUPVOL, "trace", "generate", trace, "--ops", cfg["replay_ops"], "--blocks",
+                     cfg["replay_blocks"], "--seed", "7", "--json"])
+    out = {"trace_stats": json.loads(gen), "runs": {}}
+    slow = SlowDevice(work / "slow.img", cfg["replay_device"], cfg["slow_read_iops"], cfg["slow_write_iops"],
+                      cfg["slow_bps"])
+    out["slow_device"] = slow.limits
+    tier = work / "tier.img"
+    common = ["--json", "--timing", "fast", "--queue-depth", "8", "--compress-pct", "70"]
+    vol_opts = ["--cache-size", cfg["replay_cache"]]
+    try:
+        runs = [
+            ("native", ["--target", f"file:{slow.dev}", "--direct"]),
+            ("dedup, no tier", ["--target", f"vol:{slow.dev}", *vol_opts]),
+            ("dedup + tier", ["--target", f"vol:{slow.dev}", *vol_opts, "--tier-device", tier,
+                              "--tier-size", cfg["tier_size"]]),
+        ]
+        for name, args in runs:
+            bs.run(["dd", "if=/dev/zero", f"of={slow.dev}", "bs=1M", "count=64", "oflag=direct", "status=none"])
+            if name != "native":
+                bs.run([DEDUPVOL, "format", slow.dev, "--logical-size", cfg["replay_device"], "--force"])
+            if tier.exists():
+                tier.unlink()
+            bs.log(f"replay: {name}")
+            j = json.loads(slow.run_in_group([DEDUPVOL, "replay", trace, *common, *args]))
+            out["runs"][name] = j
+            results["replay"] = out
+            save(results, cfg)
+    finally:
+        slow.close()
+        for p in (trace, tier, work / "slow.img"):
+            if p.exists():
+                p.unlink()
+    print_replay(out)
+
+
+def print_replay(out):
+    st = out["trace_stats"]
+    lim = out["slow_device"]
+    print(f"\n## Trace replay (FIU format, generated; {st['spec']['ops']} requests) on a data device "
+          f"throttled to {lim['read_iops']} read / {lim['write_iops']} write IOPS and {lim['bps'] >> 20} MiB/s; "
+          "queue depth 8; response times in µs\n")
+    print("| target | read mean | read p50 | read p99 | write mean | write p99 | total s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, j in out["runs"].items():
+        r, w = j["reads"], j["writes"]
+        print(f"| {name} | {r['mean_us']:.0f} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {w['mean_us']:.0f} | "
+              f"{w['p99_us']:.0f} | {j['seconds']:.1f} |")
+    runs = out["runs"]
+    if "dedup, no tier" in runs and "dedup + tier" in runs:
+        a, b = runs["dedup, no tier"]["reads"]["mean_us"], runs["dedup + tier"]["reads"]["mean_us"]
+        print(f"\nmean read response time without / with the tier: {a / b:.2f}x")
+
+
 def mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -289,6 +385,14 @@ def main():
     ap.add_argument("--memory-region", default="8G")
     ap.add_argument("--memory-physical", default="6G")
     ap.add_argument("--jobs", default="", help="comma-separated job names (default: all)")
+    ap.add_argument("--replay-ops", default="100000")
+    ap.add_argument("--replay-blocks", default="262144", help="4 KiB blocks the trace addresses")
+    ap.add_argument("--replay-device", default="2G")
+    ap.add_argument("--replay-cache", default="8M", help="content cache of the replayed volumes")
+    ap.add_argument("--tier-size", default="256M")
+    ap.add_argument("--slow-read-iops", type=int, default=2000)
+    ap.add_argument("--slow-write-iops", type=int, default=4000)
+    ap.add_argument("--slow-bps", type=int, default=200 << 20)
     ap.add_argument("--work", default="/var/tmp/dedupvol-reads")
     ap.add_argument("--out", default="/var/tmp/dedupvol-reads/report")
     a = ap.parse_args()
@@ -305,6 +409,14 @@ def main():
         "memory_limit": a.memory_limit,
         "memory_region": a.memory_region,
         "memory_physical": a.memory_physical,
+        "replay_ops": a.replay_ops,
+        "replay_blocks": a.replay_blocks,
+        "replay_device": a.replay_device,
+        "replay_cache": a.replay_cache,
+        "tier_size": a.tier_size,
+        "slow_read_iops": a.slow_read_iops,
+        "slow_write_iops": a.slow_write_iops,
+        "slow_bps": a.slow_bps,
         "out": a.out,
     }
     work = Path(a.work)
@@ -315,6 +427,8 @@ def main():
         nbd_section(cfg, work, results)
     if "memory" in sections:
         memory_section(cfg, work, results)
+    if "replay" in sections:
+        replay_section(cfg, work, results)
     save(results, cfg)
 
 
