@@ -185,7 +185,7 @@ fn a_damaged_slot_falls_back_to_the_data_device() {
 /// tier serves no read of the reused blocks at all).
 #[test]
 fn a_freed_and_reused_block_is_never_read_from_the_tier() {
-    let data = format_mem(8 << 20, 4 << 20);
+    let data = format_mem(8 << 20, 8 << 20);
     let tier = Arc::new(MemStorage::new(1 << 20));
     let v = open(&data, &with_tier(TierOptions::storage(tier)));
     let hot = block(9, 0);
@@ -201,19 +201,21 @@ fn a_freed_and_reused_block_is_never_read_from_the_tier() {
     }
     assert_eq!(tier_stats(&v).entries, 0, "a freed block stayed in the tier");
     v.flush().expect("flush");
-    // Churn through more than the whole data region so the freed block is reused.
+    // Churn through the data region three times, ending with almost every data block
+    // holding a live raw block: the freed pbn is reused and read back below.
     let data_blocks = v.stats().data_blocks_total;
-    let lbas = 200u64;
+    let lbas = data_blocks - 40;
     let mut last = vec![Vec::new(); lbas as usize];
-    let mut n = 0u64;
-    while n < 3 * data_blocks {
+    for round in 0..3u64 {
         for lba in 6..lbas {
             // Raw: one block per logical block, so the readback reads each pbn once and
             // promotes nothing (any tier hit below would be a stale copy).
-            let c = block(100_000 + n, 1);
+            let c = block(round << 32 | lba, 1);
             v.write(lba * B, &c, false).expect("churn");
             last[lba as usize] = c;
-            n += 1;
+            if lba % 256 == 0 {
+                v.flush().expect("flush");
+            }
         }
         v.flush().expect("flush");
     }
