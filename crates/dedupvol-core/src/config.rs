@@ -320,7 +320,11 @@ impl TierOptions {
 
     /// A tier on an open device, with the default threshold.
     pub fn storage(dev: std::sync::Arc<dyn crate::io::Storage>) -> Self {
-        TierOptions { device: TierDevice::Storage(dev), size_bytes: None, promote_refcount: TIER_PROMOTE_REFCOUNT_DEFAULT }
+        TierOptions {
+            device: TierDevice::Storage(dev),
+            size_bytes: None,
+            promote_refcount: TIER_PROMOTE_REFCOUNT_DEFAULT,
+        }
     }
 }
 

@@ -247,7 +247,7 @@ fn a_tier_survives_reopen_and_a_foreign_or_missing_one_costs_nothing() {
     };
     let hot: Vec<Vec<u8>> = (0..3).map(|i| block(300 + i, 0)).collect();
     let v = open(&data, &opts());
-    assert!(v.tier_notes().iter().any(|n| n.contains("re-initialised")), "a new file is initialised");
+    assert!(v.tier_notes().iter().any(|n| n.contains("initialised empty")), "a new file is initialised");
     for (i, c) in hot.iter().enumerate() {
         write_copies(&v, c, (0..6).map(|j| i as u64 * 10 + j));
         v.flush().expect("flush");
@@ -312,7 +312,7 @@ fn a_tier_survives_reopen_and_a_foreign_or_missing_one_costs_nothing() {
     let garbage: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     std::fs::write(&path, &garbage).expect("garbage");
     let v = open(&data, &opts());
-    assert!(v.tier_notes().iter().any(|n| n.contains("re-initialised")), "{:?}", v.tier_notes());
+    assert!(v.tier_notes().iter().any(|n| n.contains("initialised empty")), "{:?}", v.tier_notes());
     assert_eq!(tier_stats(&v).entries, 0);
     assert_eq!(read_block(&v, 10), hot[1]);
     v.close().expect("close");

@@ -263,7 +263,7 @@ impl Tier {
                 }
             }
             Err(why) => {
-                notes.push(format!("hot-chunk tier {} re-initialised: {why}", dev.name()));
+                notes.push(format!("hot-chunk tier {} initialised empty: {why}", dev.name()));
                 initialise(&*dev, &geo, uuid)?;
             }
         }

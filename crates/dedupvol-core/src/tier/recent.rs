@@ -71,7 +71,12 @@ impl RecentReads {
     #[cfg(any(test, feature = "verify"))]
     pub(crate) fn audit(&self) -> Result<(), String> {
         if self.stamp.len() > self.cap || self.order.len() > 2 * self.cap + 1 {
-            return Err(format!("recent reads: {} blocks, {} touches, bound {}", self.len(), self.order.len(), self.cap));
+            return Err(format!(
+                "recent reads: {} blocks, {} touches, bound {}",
+                self.len(),
+                self.order.len(),
+                self.cap
+            ));
         }
         Ok(())
     }

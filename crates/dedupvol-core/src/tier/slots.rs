@@ -174,7 +174,7 @@ impl Slots {
         for _ in 0..n + HAND_SKIPS_MAX as usize {
             let slot = self.hand;
             self.hand = (self.hand + 1) % n.max(1);
-            let Some(m) = self.meta.get_mut(slot) else { return None };
+            let m = self.meta.get_mut(slot)?;
             match m.state {
                 SlotState::Filling => continue,
                 SlotState::Free => {}
