@@ -46,6 +46,9 @@ pub(crate) struct SlotMeta {
     pub(crate) token: u64,
 }
 
+// 48 bytes a slot (docs/format.md, "Memory").
+const _: () = assert!(std::mem::size_of::<SlotMeta>() <= 48);
+
 const EMPTY: SlotMeta = SlotMeta {
     state: SlotState::Free,
     rec: SlotRecord { pbn: 0, generation: 0, content_crc: 0, packed: false, refs: 0 },
