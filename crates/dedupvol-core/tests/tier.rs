@@ -388,3 +388,51 @@ fn a_full_tier_demotes_raw_low_reference_blocks_first() {
     v.audit_memory().expect("audit");
     v.close().expect("close");
 }
+
+/// A tier device whose reads can be made to fail.
+struct FlakyTier {
+    inner: MemStorage,
+    fail_reads: std::sync::atomic::AtomicBool,
+}
+
+impl Storage for FlakyTier {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if self.fail_reads.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(std::io::Error::other("injected tier read error"));
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+}
+
+/// Tier read errors fall back to the data device without an error to the caller; after
+/// 16 of them the tier is disabled for the session and holds nothing.
+#[test]
+fn tier_read_errors_fall_back_and_disable_the_tier() {
+    let data = format_mem(32 << 20, 16 << 20);
+    let tier = Arc::new(FlakyTier { inner: MemStorage::new(1 << 20), fail_reads: Default::default() });
+    let v = open(&data, &with_tier(TierOptions::storage(tier.clone())));
+    let hot = block(11, 0);
+    write_copies(&v, &hot, 0..6);
+    v.flush().expect("flush");
+    v.wait_tier_idle();
+    assert_eq!(read_block(&v, 0), hot);
+    assert_eq!(tier_stats(&v).hits, 1);
+    tier.fail_reads.store(true, std::sync::atomic::Ordering::Relaxed);
+    for i in 0..20 {
+        assert_eq!(read_block(&v, i % 6), hot);
+    }
+    let t = tier_stats(&v);
+    assert!(t.disabled, "{t:?}");
+    assert_eq!((t.device_errors, t.entries, t.hits), (16, 0, 1), "{t:?}");
+    v.audit_memory().expect("audit");
+    v.close().expect("close");
+}

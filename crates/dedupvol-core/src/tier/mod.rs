@@ -78,6 +78,10 @@ pub(crate) struct Job {
     packed: bool,
     refs: u32,
     from_read: bool,
+    /// The map entry that made the block hot (crc, packed slot): the content must decode
+    /// to it, or the promotion is abandoned (content taken from the content cache may be
+    /// a previous life's after a race with reuse).
+    check: Option<(u32, Option<u8>)>,
 }
 
 /// What the tier's lock protects.
@@ -304,10 +308,18 @@ impl Tier {
     }
 
     /// Queues a promotion from the write path (state lock held; `content` when the caller
-    /// has the block in memory).
-    pub(crate) fn promote_written(&self, pbn: u64, content: Option<Block>, packed: bool, refs: u32) {
+    /// has the block in memory; `check`: the entry it must decode to, when the content is
+    /// not known to be the block's current one).
+    pub(crate) fn promote_written(
+        &self,
+        pbn: u64,
+        content: Option<Block>,
+        packed: bool,
+        refs: u32,
+        check: Option<(u32, Option<u8>)>,
+    ) {
         let mut g = self.sh.inner.lock();
-        self.sh.queue(&mut g, pbn, content, packed, refs, false);
+        self.sh.queue(&mut g, pbn, content, packed, refs, false, check);
     }
 
     /// The forget epoch of `pbn`, taken under the state lock at a read's lookup.
@@ -327,7 +339,8 @@ impl Tier {
             return;
         }
         if g.recent.touch(pbn) {
-            self.sh.queue(&mut g, pbn, Some(block.clone()), packed, refs, true);
+            // Checked by the read against the entry it looked up at `epoch`.
+            self.sh.queue(&mut g, pbn, Some(block.clone()), packed, refs, true, None);
         }
     }
 
@@ -463,7 +476,17 @@ impl Shared {
     }
 
     /// Queues a promotion of `pbn` unless it is held, already queued, or the queue is full.
-    fn queue(&self, g: &mut Inner, pbn: u64, content: Option<Block>, packed: bool, refs: u32, from_read: bool) {
+    #[expect(clippy::too_many_arguments, reason = "the fields of one `Job`, named at both call sites")]
+    fn queue(
+        &self,
+        g: &mut Inner,
+        pbn: u64,
+        content: Option<Block>,
+        packed: bool,
+        refs: u32,
+        from_read: bool,
+        check: Option<(u32, Option<u8>)>,
+    ) {
         if self.disabled.load(Ordering::Relaxed) || g.slots.get(pbn).is_some() || g.pending.contains_key(&pbn) {
             return;
         }
@@ -474,7 +497,7 @@ impl Shared {
         g.next_token += 1;
         let token = g.next_token;
         g.pending.insert(pbn, token);
-        g.queue.push_back(Job { pbn, token, content, packed, refs, from_read });
+        g.queue.push_back(Job { pbn, token, content, packed, refs, from_read, check });
         self.wake.notify_one();
     }
 

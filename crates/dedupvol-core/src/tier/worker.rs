@@ -9,6 +9,8 @@
 //!   on read, dropped at validation).
 //! - A promotion is installed only when its `pending` token is still there when its copy
 //!   is written (nothing freed the pbn meanwhile); otherwise its slot is freed again.
+//! - A write-path promotion's content must decode to the map entry that made the block
+//!   hot, wherever it came from; otherwise it is abandoned.
 //! - An entry found at open is validated only if its slot still holds the same occupant
 //!   (token) after the data device read.
 
@@ -112,7 +114,7 @@ fn promote(sh: &Shared, jobs: Vec<Job>) {
                     .map(|()| b)
             }
         };
-        match block {
+        match block.filter(|b| decodes_to(b, job.pbn, job.check)) {
             Some(b) => ready.push((job, b)),
             None => abandon(&mut sh.inner.lock(), &job),
         }
@@ -191,6 +193,19 @@ fn promote(sh: &Shared, jobs: Vec<Job>) {
     for (page, buf) in pages {
         if sh.dev.write_at(&buf, sh.geo.page_offset(page)).is_err() {
             sh.device_error();
+        }
+    }
+}
+
+/// True when `block` holds the content `check` (crc, packed slot) names, or nothing is to
+/// be checked.
+fn decodes_to(block: &[u8], pbn: u64, check: Option<(u32, Option<u8>)>) -> bool {
+    match check {
+        None => true,
+        Some((crc, None)) => crc32c::crc32c(block) == crc,
+        Some((crc, Some(slot))) => {
+            let mut out = vec![0u8; BLOCK_SIZE];
+            crate::data::packer::unpack(block, pbn, slot, &mut out).is_ok() && crc32c::crc32c(&out) == crc
         }
     }
 }

@@ -72,7 +72,7 @@ impl Volume {
             return;
         }
         let content = st.staging.get(e.pbn).cloned().or_else(|| self.cache.lock().peek(e.pbn));
-        t.promote_written(e.pbn, content, packed, refs);
+        t.promote_written(e.pbn, content, packed, refs, Some((e.crc, e.slot())));
     }
 
     /// A packed block being sealed: queued for the tier when its fragments already have
@@ -81,7 +81,7 @@ impl Volume {
         let Some(t) = &self.tier else { return };
         let refs = u32::from(st.rc.get(pbn));
         if refs >= t.promote_refs() {
-            t.promote_written(pbn, Some(block.clone()), true, refs);
+            t.promote_written(pbn, Some(block.clone()), true, refs, None);
         }
     }
 
