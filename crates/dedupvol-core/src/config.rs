@@ -304,7 +304,8 @@ pub struct TierOptions {
     /// exist yet: it is created with this size.
     pub size_bytes: Option<u64>,
     /// Reference count at which a packed block is promoted by the write path (raw blocks
-    /// at twice it); default `TIER_PROMOTE_REFCOUNT_DEFAULT`.
+    /// at twice it); default `TIER_PROMOTE_REFCOUNT_DEFAULT`. 0: only read-hot blocks are
+    /// promoted.
     pub promote_refcount: u32,
 }
 

@@ -436,3 +436,62 @@ fn tier_read_errors_fall_back_and_disable_the_tier() {
     v.audit_memory().expect("audit");
     v.close().expect("close");
 }
+
+/// Threads writing shared content (references cross the threshold and fall back to zero,
+/// so blocks are promoted, freed and reused while copies are in flight) and re-reading
+/// their own blocks (read-hot promotions): every read returns the thread's last write.
+#[test]
+fn concurrent_writes_and_reads_never_see_a_stale_copy() {
+    let data = format_mem(16 << 20, 8 << 20);
+    let tier = Arc::new(MemStorage::new(256 << 10));
+    let v =
+        Arc::new(open(&data, &OpenOptions { content_cache_bytes: 64 << 10, ..with_tier(TierOptions::storage(tier)) }));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let v = v.clone();
+            std::thread::spawn(move || {
+                let mut x = t.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                let mut rnd = move || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                let lbas: Vec<u64> = (0..64).map(|i| t * 64 + i).collect();
+                let mut last: Vec<Option<Vec<u8>>> = vec![None; lbas.len()];
+                for step in 0..1500u64 {
+                    let k = (rnd() % lbas.len() as u64) as usize;
+                    let lba = lbas[k];
+                    match rnd() % 4 {
+                        0 | 1 => {
+                            // A small shared pool (many references, across threads), or unique.
+                            let id = rnd() % 24;
+                            let c =
+                                if id < 16 { block(id, (id % 2) as u8) } else { block(1 << 40 | t << 20 | step, 0) };
+                            v.write(lba * B, &c, false).expect("write");
+                            last[k] = Some(c);
+                        }
+                        _ => {
+                            if let Some(want) = &last[k] {
+                                for _ in 0..2 {
+                                    assert_eq!(&read_block(&v, lba), want, "thread {t} lba {lba} step {step}");
+                                }
+                            }
+                        }
+                    }
+                    if step % 200 == 199 {
+                        v.flush().expect("flush");
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().expect("thread");
+    }
+    v.wait_tier_idle();
+    let t = tier_stats(&v);
+    assert!(t.promotions_write > 0 && t.promotions_read > 0 && t.hits > 0, "{t:?}");
+    v.audit_memory().expect("audit");
+    Arc::try_unwrap(v).ok().expect("sole owner").close().expect("close");
+}

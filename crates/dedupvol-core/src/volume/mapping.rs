@@ -80,7 +80,8 @@ impl Volume {
     pub(crate) fn tier_on_seal(&self, st: &State, pbn: u64, block: &crate::read::cache::Block) {
         let Some(t) = &self.tier else { return };
         let refs = u32::from(st.rc.get(pbn));
-        if refs >= t.promote_refs() {
+        // A threshold of 0 turns write-path promotion off.
+        if t.promote_refs() > 0 && refs >= t.promote_refs() {
             t.promote_written(pbn, Some(block.clone()), true, refs, None);
         }
     }
