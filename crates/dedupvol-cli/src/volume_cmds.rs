@@ -396,6 +396,9 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
     outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
     outln!("savings: compress   {}", human(s.savings.compression_bytes))?;
     outln!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes))?;
+    if let Some(t) = &s.tier {
+        outln!("{}", tier_summary(t))?;
+    }
     // Kept in the volume (updated at checkpoints and close), not counted by this process.
     let l = &s.lifetime;
     outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;
