@@ -495,3 +495,25 @@ fn concurrent_writes_and_reads_never_see_a_stale_copy() {
     v.audit_memory().expect("audit");
     Arc::try_unwrap(v).ok().expect("sole owner").close().expect("close");
 }
+
+/// A scan of compressed data in 4 KiB requests reads each packed block's fragments one
+/// after the other: that is not a re-read, and promotes nothing; reading one fragment
+/// again is.
+#[test]
+fn reading_each_fragment_of_a_packed_block_once_promotes_nothing() {
+    let data = format_mem(32 << 20, 16 << 20);
+    let tier = Arc::new(MemStorage::new(1 << 20));
+    let v = open(&data, &with_tier(TierOptions::storage(tier)));
+    let blocks: Vec<Vec<u8>> = (0..128).map(|i| block(9000 + i, 0)).collect();
+    v.write(0, &blocks.concat(), false).expect("write");
+    v.flush().expect("flush");
+    for (lba, want) in blocks.iter().enumerate() {
+        assert_eq!(&read_block(&v, lba as u64), want);
+    }
+    v.wait_tier_idle();
+    assert_eq!(tier_stats(&v).promotions_read, 0, "a one-pass scan promoted packed blocks");
+    assert_eq!(read_block(&v, 5), blocks[5]);
+    v.wait_tier_idle();
+    assert_eq!(tier_stats(&v).promotions_read, 1);
+    v.close().expect("close");
+}

@@ -188,7 +188,7 @@ impl Volume {
                 self.read_mismatch(lba0, i, e, attempts, retry)?;
             } else if let Some(t) = self.tier.as_ref().filter(|_| !from_tier && !from_prefetch) {
                 // A block of a prefetched run came in a sequential read: not noted.
-                t.note_read(e.pbn, &block, e.slot().is_some(), refs, epoch);
+                t.note_read(e.pbn, e.slot(), &block, refs, epoch);
             }
             k += 1;
         }

@@ -327,9 +327,12 @@ impl Tier {
         self.sh.bucket(pbn).map_or(0, |b| b.load(Ordering::Acquire))
     }
 
-    /// Notes a lone read of `pbn` (its content checked against the map entry the read
-    /// looked up at forget epoch `epoch`); a second read while remembered promotes it.
-    pub(crate) fn note_read(&self, pbn: u64, block: &Block, packed: bool, refs: u32, epoch: u64) {
+    /// Notes a lone read of `pbn`'s raw content or packed `slot` (checked against the map
+    /// entry the read looked up at forget epoch `epoch`); a second read of the same data
+    /// while remembered promotes the block. (A freed block is not taken out of the LRU:
+    /// the epoch keeps a read of its previous life from promoting it, and a remembered
+    /// read only makes the block's next read count as a re-read.)
+    pub(crate) fn note_read(&self, pbn: u64, slot: Option<u8>, block: &Block, refs: u32, epoch: u64) {
         if self.sh.disabled.load(Ordering::Relaxed) {
             return;
         }
@@ -338,9 +341,9 @@ impl Tier {
         if self.epoch(pbn) != epoch || g.slots.get(pbn).is_some() {
             return;
         }
-        if g.recent.touch(pbn) {
+        if g.recent.touch(recent::key(pbn, slot)) {
             // Checked by the read against the entry it looked up at `epoch`.
-            self.sh.queue(&mut g, pbn, Some(block.clone()), packed, refs, true, None);
+            self.sh.queue(&mut g, pbn, Some(block.clone()), slot.is_some(), refs, true, None);
         }
     }
 
@@ -406,7 +409,6 @@ impl Tier {
         let mut g = self.sh.inner.lock();
         g.pending.remove(&pbn);
         g.slots.drop_pbn(pbn);
-        g.recent.remove(pbn);
     }
 
     /// Waits until the queue is empty, no batch is being written and every entry found at

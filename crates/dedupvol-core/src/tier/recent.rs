@@ -1,5 +1,8 @@
-//! `RecentReads`: a bounded LRU of physical blocks read recently (one at a time, not as
-//! part of a sequential run); a block read again while still in it is read-hot.
+//! `RecentReads`: a bounded LRU of blocks' data read recently (one at a time, not as part
+//! of a sequential run), keyed by physical block and packed slot (`key`): reading the same
+//! data again while it is still remembered makes its physical block read-hot. Reading
+//! another fragment of a packed block is not a re-read (a small-request scan of packed
+//! data reads each block's fragments one after the other).
 //!
 //! Invariants:
 //! - At most `cap` blocks are remembered; the oldest touch is forgotten first.
@@ -8,6 +11,12 @@
 
 use crate::read::cache::PbnMap;
 use std::collections::VecDeque;
+
+/// The LRU key of `pbn`'s raw content (`slot` None) or of one packed slot: the pbn in the
+/// high bits (pbns have 40 bits), slot + 1 in the low 4 (slots are below 14).
+pub(crate) fn key(pbn: u64, slot: Option<u8>) -> u64 {
+    pbn << 4 | slot.map_or(0, |s| u64::from(s & 0x0f) + 1).min(15)
+}
 
 /// The recent-reads LRU.
 pub(crate) struct RecentReads {
@@ -25,8 +34,8 @@ impl RecentReads {
         RecentReads { stamp: PbnMap::default(), order: VecDeque::new(), next: 0, cap: cap.max(1) }
     }
 
-    /// Notes a read of `pbn`: true when it was still remembered from an earlier read (it
-    /// is then forgotten: the caller promotes it).
+    /// Notes a read of `pbn` (a `key`): true when it was still remembered from an earlier
+    /// read (it is then forgotten: the caller promotes it).
     pub(crate) fn touch(&mut self, pbn: u64) -> bool {
         if self.stamp.remove(&pbn).is_some() {
             return true;
@@ -49,11 +58,6 @@ impl RecentReads {
         }
         assert!(self.stamp.len() <= self.cap, "recent reads hold {} blocks, above {}", self.stamp.len(), self.cap);
         false
-    }
-
-    /// Forgets `pbn` (freed, or promoted by other means).
-    pub(crate) fn remove(&mut self, pbn: u64) {
-        self.stamp.remove(&pbn);
     }
 
     /// Memory held, in bytes.
@@ -101,5 +105,15 @@ mod tests {
             r.touch(50);
         }
         r.audit().expect("bounded");
+    }
+
+    #[test]
+    fn keys_tell_slots_and_blocks_apart() {
+        let keys = [key(7, None), key(7, Some(0)), key(7, Some(13)), key(8, None), key(1 << 39, Some(5))];
+        for (i, a) in keys.iter().enumerate() {
+            for b in keys.iter().skip(i + 1) {
+                assert_ne!(a, b);
+            }
+        }
     }
 }
