@@ -10,8 +10,8 @@
 //!    data device, so a packed block's fragments cost one read; a block read alone (not in
 //!    a run) is offered to the tier's recent-reads LRU once its crc matched;
 //! 3. every block's crc32c is checked; a mismatch drops the cached and tier copies and
-//!    retries from a fresh mapping (the block may have been freed and reused meanwhile), then reports
-//!    corruption and takes the block out of deduplication.
+//!    retries from a fresh mapping (the block may have been freed and reused meanwhile),
+//!    then reports corruption and takes the block out of deduplication.
 //!
 //! Invariants:
 //! - No device read happens under the state lock.
