@@ -517,3 +517,80 @@ fn reading_each_fragment_of_a_packed_block_once_promotes_nothing() {
     assert_eq!(tier_stats(&v).promotions_read, 1);
     v.close().expect("close");
 }
+
+/// A data device whose reads of the data region wait while a gate is closed.
+struct GatedData {
+    inner: Arc<MemStorage>,
+    /// Reads at or past this byte offset wait for the gate.
+    from: u64,
+    closed: parking_lot::Mutex<bool>,
+    opened: parking_lot::Condvar,
+    waiting: std::sync::atomic::AtomicU64,
+}
+
+impl Storage for GatedData {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if offset >= self.from {
+            let mut closed = self.closed.lock();
+            self.waiting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            while *closed {
+                self.opened.wait(&mut closed);
+            }
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+}
+
+/// An entry found at open whose block is freed while its validation read is in flight
+/// never becomes valid, although the read returns the content the record describes.
+#[test]
+fn an_entry_freed_during_its_validation_never_becomes_valid() {
+    let data = format_mem(32 << 20, 16 << 20);
+    let tier = Arc::new(MemStorage::new(1 << 20));
+    let hot = block(13, 0);
+    let v = open(&data, &with_tier(TierOptions::storage(tier.clone())));
+    let data_start = v.geometry().data_start;
+    write_copies(&v, &hot, 0..6);
+    v.flush().expect("flush");
+    v.wait_tier_idle();
+    assert_eq!(tier_stats(&v).entries, 1);
+    v.close().expect("close");
+
+    let gated = Arc::new(GatedData {
+        inner: data.clone(),
+        from: data_start * B,
+        closed: parking_lot::Mutex::new(true),
+        opened: parking_lot::Condvar::new(),
+        waiting: Default::default(),
+    });
+    let v =
+        Volume::open(gated.clone() as Arc<dyn Storage>, None, &with_tier(TierOptions::storage(tier))).expect("open");
+    while gated.waiting.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        std::thread::yield_now();
+    }
+    // The validation read is waiting: free the block meanwhile.
+    for lba in 0..6 {
+        v.write(lba * B, &block(6000 + lba, 1), false).expect("overwrite");
+    }
+    v.flush().expect("flush");
+    *gated.closed.lock() = false;
+    gated.opened.notify_all();
+    v.wait_tier_idle();
+    let t = tier_stats(&v);
+    assert_eq!((t.entries, t.validation_failures, t.hits), (0, 0, 0), "{t:?}");
+    for lba in 0..6 {
+        assert_eq!(read_block(&v, lba), block(6000 + lba, 1));
+    }
+    assert_eq!(tier_stats(&v).hits, 0);
+    v.audit_memory().expect("audit");
+    v.close().expect("close");
+}
