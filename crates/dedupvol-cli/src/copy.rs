@@ -50,6 +50,8 @@ pub struct ImportArgs {
     /// Bytes of the input to skip first; with --offset, resumes an interrupted import.
     #[arg(long, value_parser = size, default_value = "0")]
     input_offset: u64,
+    #[command(flatten)]
+    tier: crate::volume_cmds::TierArgs,
 }
 
 #[derive(Args)]
@@ -162,7 +164,7 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
         };
         (source, m)
     };
-    let vol = Arc::new(open(&a.vol, false)?);
+    let vol = Arc::new(crate::volume_cmds::open_with_tier(&a.vol, false, a.tier.options())?);
     let start = std::time::Instant::now();
     let copy = || -> anyhow::Result<u64> {
         refuse_volume_itself(&vol, &a.vol, &src_meta, &name, "imported from itself")?;

@@ -70,6 +70,8 @@ pub enum ServeCommand {
         /// or auto (the library's choice: on for byte verification, off for hash).
         #[arg(long, default_value = "on", value_parser = ["auto", "on", "off"])]
         cache_writes: String,
+        #[command(flatten)]
+        tier: crate::volume_cmds::TierArgs,
         /// Worker threads per connection (requests executed concurrently per client; each
         /// reads its own request, so none is handed between threads). On a 2-core machine
         /// 16 workers were slower than 4 on every read job.
@@ -97,6 +99,7 @@ impl ServeCommand {
             cache_size,
             index_memory,
             cache_writes,
+            tier,
             workers_per_connection,
             in_memory,
         } = self;
@@ -137,12 +140,14 @@ impl ServeCommand {
                     content_cache_bytes,
                     cache_writes,
                     index_memory_bytes,
+                    tier: tier.options(),
                     ..Default::default()
                 };
                 // open_path finds a separate metadata device from the superblock unless
                 // --meta-device overrides it, and replays the journal after a crash.
                 let v = Volume::open_path(&path, meta_device.as_deref(), &opts)
                     .with_context(|| format!("opening volume {}", path.display()))?;
+                crate::volume_cmds::warn_tier_notes(&v);
                 let v = Arc::new(v);
                 (Some(v.clone()), v)
             }
@@ -164,9 +169,13 @@ impl ServeCommand {
         // Whatever happens to the server, the volume is closed cleanly afterwards: dropping
         // it unclosed would look like a crash and cost a journal replay at the next open.
         let served = serve(&addr, config, backend);
+        let mut tier_stats = None;
         let closed = match volume {
             Some(v) => match Arc::try_unwrap(v) {
-                Ok(v) => v.close().with_context(|| format!("closing volume {}", path.display())),
+                Ok(v) => {
+                    tier_stats = v.stats().tier;
+                    v.close().with_context(|| format!("closing volume {}", path.display()))
+                }
                 Err(_) => Err(anyhow::anyhow!("volume still referenced after the server stopped; not closed")),
             },
             None => Ok(()),
@@ -180,6 +189,9 @@ impl ServeCommand {
             summary.connections_served,
             summary.connections_refused
         );
+        if let Some(t) = tier_stats {
+            let _ = writeln!(std::io::stderr(), "dedupvol: {}", crate::volume_cmds::tier_summary(&t));
+        }
         Ok(ExitCode::SUCCESS)
     }
 }

@@ -3,11 +3,12 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use dedupvol_core::{
-    parse_size, Compression, DedupVerify, FormatOptions, IoMode, OpenOptions, Volume, WritePolicy, BLOCK_SIZE,
+    parse_size, Compression, DedupVerify, FormatOptions, IoMode, OpenOptions, TierOptions, TierStats, Volume,
+    WritePolicy, BLOCK_SIZE, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -86,6 +87,67 @@ pub struct OpenArgs {
     pub(crate) index_memory: Option<u64>,
 }
 
+/// The hot-chunk tier of a read-write session (`serve`, `import`).
+#[derive(Args, Clone)]
+pub struct TierArgs {
+    /// A fast device or file holding copies of hot blocks (shared by many references, or
+    /// read again and again), read instead of the data device. A cache: a tier that
+    /// cannot be used only costs speed (a warning says why).
+    #[arg(long)]
+    pub(crate) tier_device: Option<PathBuf>,
+    /// Bytes of the tier device to use (K/M/G/T); required to create a tier file that
+    /// does not exist yet (default: the whole device or file).
+    #[arg(long, value_parser = size, requires = "tier_device")]
+    pub(crate) tier_size: Option<u64>,
+    /// Reference count at which a compressed (packed) block is copied to the tier; an
+    /// uncompressed block is copied at twice it.
+    #[arg(long, default_value_t = TIER_PROMOTE_REFCOUNT_DEFAULT, requires = "tier_device")]
+    pub(crate) tier_promote_refs: u32,
+}
+
+impl TierArgs {
+    /// The tier's open options (None without --tier-device).
+    pub(crate) fn options(&self) -> Option<TierOptions> {
+        self.tier_device.as_ref().map(|p| {
+            let mut t = TierOptions::path(p);
+            t.size_bytes = self.tier_size;
+            t.promote_refcount = self.tier_promote_refs;
+            t
+        })
+    }
+}
+
+/// Prints what opening the tier noticed (why it is not used, or was re-initialised).
+pub(crate) fn warn_tier_notes(v: &Volume) {
+    for n in v.tier_notes() {
+        // Not eprintln!: a closed stderr must not stop the command.
+        let _ = writeln!(std::io::stderr(), "dedupvol: warning: {n}");
+    }
+}
+
+/// One line of tier figures, for a session's summary.
+pub(crate) fn tier_summary(t: &TierStats) -> String {
+    format!(
+        "hot-chunk tier: {} of {} slots in use, {} hits / {} misses ({:.1}% of data block reads), \
+         {} + {} promotions (references + re-reads), {} dropped, {} demoted, {} written, \
+         {} validation failures, {} slot crc failures, {} device errors{}",
+        t.entries,
+        t.capacity_slots,
+        t.hits,
+        t.misses,
+        100.0 * t.hit_share,
+        t.promotions_write,
+        t.promotions_read,
+        t.promotions_dropped,
+        t.demotions,
+        human(t.slot_bytes_written),
+        t.validation_failures,
+        t.slot_crc_failures,
+        t.device_errors,
+        if t.disabled { " (disabled after device errors)" } else { "" }
+    )
+}
+
 #[derive(Args)]
 pub struct StatsArgs {
     #[command(flatten)]
@@ -132,9 +194,18 @@ fn on_off(s: &str) -> anyhow::Result<bool> {
 }
 
 pub(crate) fn open(a: &OpenArgs, read_only: bool) -> anyhow::Result<Volume> {
-    let opts = OpenOptions { read_only, io_mode: a.io, index_memory_bytes: a.index_memory, ..OpenOptions::default() };
-    Volume::open_path(&a.path, a.meta_device.as_deref(), &opts)
-        .with_context(|| format!("opening volume {}", a.path.display()))
+    open_with_tier(a, read_only, None)
+}
+
+/// `open` with a hot-chunk tier (warnings about it go to stderr).
+pub(crate) fn open_with_tier(a: &OpenArgs, read_only: bool, tier: Option<TierOptions>) -> anyhow::Result<Volume> {
+    let opts =
+        OpenOptions { read_only, io_mode: a.io, index_memory_bytes: a.index_memory, tier, ..OpenOptions::default() };
+    let v = Volume::open_path(&a.path, a.meta_device.as_deref(), &opts);
+    if let Ok(v) = &v {
+        warn_tier_notes(v);
+    }
+    v.with_context(|| format!("opening volume {}", a.path.display()))
 }
 
 pub(crate) fn human(b: u64) -> String {
@@ -326,6 +397,9 @@ fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
     outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
     outln!("savings: compress   {}", human(s.savings.compression_bytes))?;
     outln!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes))?;
+    if let Some(t) = &s.tier {
+        outln!("{}", tier_summary(t))?;
+    }
     // Kept in the volume (updated at checkpoints and close), not counted by this process.
     let l = &s.lifetime;
     outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;

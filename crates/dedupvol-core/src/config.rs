@@ -242,6 +242,10 @@ pub struct OpenOptions {
     /// (measured: 75%-duplicate ingest 1.54-2.20 s per 2 GiB without, 1.95-2.48 s with a
     /// 64 MiB cache). A server whose clients re-read what they just wrote can turn it on.
     pub cache_writes: Option<bool>,
+    /// A hot-chunk tier: a fast device holding copies of frequently shared or frequently
+    /// read physical blocks (None: no tier). Never needed for correctness: a tier that
+    /// cannot be opened is left out with a warning (`Volume::tier_notes`).
+    pub tier: Option<TierOptions>,
 }
 
 impl OpenOptions {
@@ -263,6 +267,64 @@ impl Default for OpenOptions {
             io_mode: crate::io::IoMode::Auto,
             background_writes: true,
             cache_writes: None,
+            tier: None,
+        }
+    }
+}
+
+/// Reference count at which a stored block is copied to the hot-chunk tier by default
+/// (the SAR paper's threshold).
+pub const TIER_PROMOTE_REFCOUNT_DEFAULT: u32 = 5;
+
+/// Where the hot-chunk tier lives.
+#[derive(Clone)]
+pub enum TierDevice {
+    /// A file or block device; a file that does not exist is created with
+    /// `TierOptions::size_bytes`.
+    Path(std::path::PathBuf),
+    /// A device already open (memory-backed in tests).
+    Storage(std::sync::Arc<dyn crate::io::Storage>),
+}
+
+impl std::fmt::Debug for TierDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TierDevice::Path(p) => write!(f, "Path({})", p.display()),
+            TierDevice::Storage(s) => write!(f, "Storage({})", s.name()),
+        }
+    }
+}
+
+/// Settings of the hot-chunk tier (`OpenOptions::tier`).
+#[derive(Debug, Clone)]
+pub struct TierOptions {
+    /// The tier's device.
+    pub device: TierDevice,
+    /// Bytes of the device to use (default: all of it). Required when the file does not
+    /// exist yet: it is created with this size.
+    pub size_bytes: Option<u64>,
+    /// Reference count at which a packed block is promoted by the write path (raw blocks
+    /// at twice it); default `TIER_PROMOTE_REFCOUNT_DEFAULT`. 0: only read-hot blocks are
+    /// promoted.
+    pub promote_refcount: u32,
+}
+
+impl TierOptions {
+    /// A tier on a file or block device, with the default threshold.
+    pub fn path(path: impl Into<std::path::PathBuf>) -> Self {
+        TierOptions {
+            device: TierDevice::Path(path.into()),
+            size_bytes: None,
+            promote_refcount: TIER_PROMOTE_REFCOUNT_DEFAULT,
+        }
+    }
+
+    /// A tier on an open device, with the default threshold.
+    pub fn storage(dev: std::sync::Arc<dyn crate::io::Storage>) -> Self {
+        TierOptions {
+            device: TierDevice::Storage(dev),
+            size_bytes: None,
+            promote_refcount: TIER_PROMOTE_REFCOUNT_DEFAULT,
         }
     }
 }

@@ -20,6 +20,7 @@
 //! - `read`: the read path and the content cache;
 //! - `metadata`: geometry, superblock, block map, reference counts, allocator, journal;
 //! - `io`: the storage trait and its implementations; `obs`: statistics and counters;
+//! - `tier`: the hot-chunk tier (copies of hot physical blocks on a fast device);
 //! - `check`: the offline audit and repair.
 
 mod check;
@@ -33,15 +34,19 @@ mod metadata;
 mod obs;
 mod pipeline;
 mod read;
+mod tier;
 mod volume;
 
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
-pub use config::{parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, WritePolicy, BLOCK_SIZE};
+pub use config::{
+    parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, TierDevice, TierOptions, WritePolicy, BLOCK_SIZE,
+    TIER_PROMOTE_REFCOUNT_DEFAULT,
+};
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
 pub use metadata::layout::Geometry;
 pub use obs::io::{IoFigure, IoKind, IoStats};
-pub use obs::stats::{LifetimeCounters, ReductionCounters, Savings, Stats};
+pub use obs::stats::{LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
 pub use volume::Volume;
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
@@ -59,5 +64,9 @@ pub mod format {
     pub use crate::metadata::refcount::REFCOUNT_MAX;
     pub use crate::metadata::superblock::{
         LifetimeRaw, Superblock, SuperblockRaw, LIFETIME_RECORD_OFFSET, SUPERBLOCK_MAGIC,
+    };
+    pub use crate::tier::layout::{
+        SlotRecordRaw as TierSlotRecordRaw, TierHeaderRaw, TIER_FORMAT_VERSION, TIER_HEADER_BYTES, TIER_MAGIC,
+        TIER_RECORDS_PER_PAGE, TIER_RECORD_BYTES, TIER_SLOTS_MAX, TIER_SLOT_BYTES,
     };
 }

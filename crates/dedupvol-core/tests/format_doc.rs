@@ -23,6 +23,12 @@ fn format_doc_constants_match_code() {
         ("REFCOUNT_MAX", u64::from(format::REFCOUNT_MAX)),
         ("INDEX_ENTRY_BYTES", format::INDEX_ENTRY_BYTES),
         ("INDEX_ENTRY_BYTES_FULL_HASH", format::INDEX_ENTRY_BYTES_FULL_HASH),
+        ("TIER_HEADER_BYTES", std::mem::size_of::<format::TierHeaderRaw>() as u64),
+        ("TIER_RECORD_BYTES", std::mem::size_of::<format::TierSlotRecordRaw>() as u64),
+        ("TIER_RECORDS_PER_PAGE", format::TIER_RECORDS_PER_PAGE as u64),
+        ("TIER_SLOT_BYTES", format::TIER_SLOT_BYTES as u64),
+        ("TIER_SLOTS_MAX", format::TIER_SLOTS_MAX),
+        ("TIER_FORMAT_VERSION", u64::from(format::TIER_FORMAT_VERSION)),
     ];
     for (name, value) in code {
         let row = doc

@@ -20,6 +20,8 @@ pub enum IoKind {
     Verify,
     /// Superblock copies.
     Superblock,
+    /// Data blocks read to fill or validate the hot-chunk tier.
+    TierFill,
 }
 
 /// Bytes and operations for one category and direction.
@@ -66,6 +68,7 @@ pub struct IoCounters {
     verify_read: IoCounter,
     superblock_write: IoCounter,
     superblock_read: IoCounter,
+    tier_fill_read: IoCounter,
     pub(crate) syncs: AtomicU64,
 }
 
@@ -85,6 +88,7 @@ impl IoCounters {
             (IoKind::Verify, _) => &self.verify_read,
             (IoKind::Superblock, true) => &self.superblock_write,
             (IoKind::Superblock, false) => &self.superblock_read,
+            (IoKind::TierFill, _) => &self.tier_fill_read,
         }
     }
 
@@ -104,6 +108,7 @@ impl IoCounters {
             verify_read: self.verify_read.snapshot(),
             superblock_write: self.superblock_write.snapshot(),
             superblock_read: self.superblock_read.snapshot(),
+            tier_fill_read: self.tier_fill_read.snapshot(),
             syncs: self.syncs.load(Ordering::Relaxed),
         }
     }
@@ -138,6 +143,8 @@ pub struct IoStats {
     pub superblock_write: IoFigure,
     /// Superblock reads.
     pub superblock_read: IoFigure,
+    /// Data blocks read from the data device to fill or validate the hot-chunk tier.
+    pub tier_fill_read: IoFigure,
     /// Durability barriers (fdatasync) issued, all devices.
     pub syncs: u64,
 }

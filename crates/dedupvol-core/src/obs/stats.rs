@@ -110,6 +110,44 @@ pub struct Stats {
     pub write_policy: WritePolicy,
     /// I/O counters of this process by category.
     pub io: IoStats,
+    /// The hot-chunk tier of this session (None: no tier configured or it could not be
+    /// opened).
+    pub tier: Option<TierStats>,
+}
+
+/// Figures of the hot-chunk tier in this process (since open).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TierStats {
+    /// Slots on the tier device.
+    pub capacity_slots: u64,
+    /// Bytes of slots (`capacity_slots` × 4 KiB).
+    pub capacity_bytes: u64,
+    /// Blocks the tier holds a copy of now (validated or not).
+    pub entries: u64,
+    /// Data block reads served by the tier.
+    pub hits: u64,
+    /// Data block reads that went to the data device while a tier was configured.
+    pub misses: u64,
+    /// hits / (hits + misses): the share of data block reads the tier served (0 without reads).
+    pub hit_share: f64,
+    /// Blocks copied because their reference count reached the threshold.
+    pub promotions_write: u64,
+    /// Blocks copied because they were read again soon.
+    pub promotions_read: u64,
+    /// Promotions dropped (queue full, or no slot free of in-flight copies).
+    pub promotions_dropped: u64,
+    /// Copies demoted to make room.
+    pub demotions: u64,
+    /// Bytes of block copies written to the tier device.
+    pub slot_bytes_written: u64,
+    /// Entries found at open whose block no longer matched the data device.
+    pub validation_failures: u64,
+    /// Tier reads whose content did not match the slot's recorded crc (torn or misdirected).
+    pub slot_crc_failures: u64,
+    /// Tier device read and write errors.
+    pub device_errors: u64,
+    /// True when repeated device errors disabled the tier for the session.
+    pub disabled: bool,
 }
 
 /// Declares `LifetimeCounters` from one list of fields, in on-disk order, with the

@@ -107,6 +107,7 @@ impl Volume {
         }
         if !st.packer.can_open() {
             if let Some((pbn, block, _)) = st.packer.seal_oldest() {
+                self.tier_on_seal(st, pbn, &block);
                 self.stage(st, pbn, block)?;
                 st.red.packed_blocks_written += 1;
             }
@@ -151,6 +152,7 @@ impl Volume {
             if count == 0 {
                 st.alloc.unreserve(pbn);
             } else {
+                self.tier_on_seal(st, pbn, &block);
                 self.stage(st, pbn, block)?;
                 st.red.packed_blocks_written += 1;
             }

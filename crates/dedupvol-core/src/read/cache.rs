@@ -97,6 +97,12 @@ impl ContentCache {
         found
     }
 
+    /// The cached block without counting a hit or a miss or touching its hotness (the
+    /// tier takes content it is offered from here).
+    pub fn peek(&self, pbn: u64) -> Option<Block> {
+        self.table.as_ref().and_then(|t| t.peek(&pbn)).cloned()
+    }
+
     /// True when `pbn` is cached (not counted as a hit or a miss, and no use of the block).
     pub fn contains(&self, pbn: u64) -> bool {
         self.table.as_ref().is_some_and(|t| t.contains_key(&pbn))

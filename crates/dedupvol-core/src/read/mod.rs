@@ -5,16 +5,23 @@
 //!    the device yet are answered from memory (`Staging`, open packed blocks) in constant
 //!    time;
 //! 2. `fetch` (no lock): raw blocks consecutive both logically and physically and missing
-//!    from the cache are read with one request straight into the caller's buffer; other
-//!    blocks go through the content cache, so a packed block's fragments cost one read;
-//! 3. every block's crc32c is checked; a mismatch drops the cached copy and retries from a
-//!    fresh mapping (the block may have been freed and reused meanwhile), then reports
-//!    corruption and takes the block out of deduplication.
+//!    from the cache and the hot-chunk tier are read with one request straight into the
+//!    caller's buffer; other blocks go through the content cache, then the tier, then the
+//!    data device, so a packed block's fragments cost one read; a block read alone (not in
+//!    a run) is offered to the tier's recent-reads LRU once its crc matched;
+//! 3. every block's crc32c is checked; a mismatch drops the cached and tier copies and
+//!    retries from a fresh mapping (the block may have been freed and reused meanwhile),
+//!    then reports corruption and takes the block out of deduplication.
 //!
 //! Invariants:
 //! - No device read happens under the state lock.
 //! - Merged runs are not cached: a long scan does not evict the blocks verification needs.
-//! - Whatever a read returns matched its map entry's crc.
+//! - Whatever a read returns matched its map entry's crc, whether it came from the device,
+//!   the content cache or the tier.
+//! - Runs read sequentially from the device are never offered to the tier.
+//! - Under `IoMode::ReadCached` the first pass reads data through the page cache (a lone
+//!   raw block straight into the caller's buffer, not into the content cache); a retry
+//!   reads the device directly, after dropping the page cache's copy of the block.
 
 pub(crate) mod cache;
 
@@ -45,6 +52,10 @@ struct Looked {
     e: MapEntry,
     /// Already answered (from memory, or zeros).
     done: bool,
+    /// The block's reference count at lookup (with a tier only: its demotion hint).
+    refs: u32,
+    /// The tier's forget epoch of the block at lookup (with a tier only).
+    epoch: u64,
 }
 
 impl Volume {
@@ -98,7 +109,11 @@ impl Volume {
             if !e.is_data() {
                 dst.fill(0);
             }
-            looked.push(Looked { i, e, done });
+            let (refs, epoch) = match &self.tier {
+                Some(t) if !done => (u32::from(st.rc.get(e.pbn)), t.epoch(e.pbn)),
+                _ => (0, 0),
+            };
+            looked.push(Looked { i, e, done, refs, epoch });
         }
         let durable = st.journal.durable_seq();
         st.map.evict(durable)?;
@@ -118,7 +133,7 @@ impl Volume {
     ) -> Result<()> {
         let packed = self.prefetch_packed(looked, cached);
         let mut k = 0;
-        while let Some(&Looked { i, e, done }) = looked.get(k) {
+        while let Some(&Looked { i, e, done, refs, epoch }) = looked.get(k) {
             if done {
                 k += 1;
                 continue;
@@ -135,8 +150,10 @@ impl Volume {
             // again: a second touch would count it as re-read and promote a one-pass scan's
             // blocks past the cache's probation queue.
             let prefetched = packed.get(&e.pbn).cloned();
+            let from_prefetch = prefetched.is_some();
             let cached_block = if prefetched.is_some() { prefetched } else { self.cache.lock().get(e.pbn) };
-            let run = if cached_block.is_none() && e.slot().is_none() { self.raw_run(looked, k) } else { 0 };
+            let in_tier = self.tier_holds(e.pbn);
+            let run = if cached_block.is_none() && e.slot().is_none() && !in_tier { self.raw_run(looked, k) } else { 0 };
             // A lone block goes through the cache (random re-reads hit it).
             if run >= 2 {
                 let blocks = out.len() / BLOCK_SIZE;
@@ -147,6 +164,9 @@ impl Volume {
                     )
                 })?;
                 self.read_data(cached, e.pbn, dst)?;
+                if let Some(t) = &self.tier {
+                    t.note_misses(run as u64);
+                }
                 for (j, l) in looked.iter().skip(k).take(run).enumerate() {
                     #[expect(clippy::indexing_slicing, reason = "`j < run` and `dst` holds `run` blocks")]
                     let got = &dst[j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE];
@@ -158,7 +178,7 @@ impl Volume {
                 continue;
             }
             let dst = block_mut(out, i)?;
-            if cached_block.is_none() && e.slot().is_none() && cached {
+            if cached_block.is_none() && e.slot().is_none() && cached && !in_tier {
                 // The page cache keeps raw blocks: straight into the reply, no copy kept.
                 self.read_data(true, e.pbn, dst)?;
                 if crc32c::crc32c(dst) != e.crc {
@@ -167,8 +187,8 @@ impl Volume {
                 k += 1;
                 continue;
             }
-            let block = match cached_block {
-                Some(b) => b,
+            let (block, from_tier) = match cached_block {
+                Some(b) => (b, false),
                 None => self.physical_block(e.pbn, cached)?,
             };
             let ok = match e.slot() {
@@ -180,6 +200,9 @@ impl Volume {
             };
             if !(ok && crc32c::crc32c(dst) == e.crc) {
                 self.read_mismatch(lba0, i, e, attempts, retry)?;
+            } else if let Some(t) = self.tier.as_ref().filter(|_| !from_tier && !from_prefetch) {
+                // A block of a prefetched run came in a sequential read: not noted.
+                t.note_read(e.pbn, e.slot(), &block, refs, epoch);
             }
             k += 1;
         }
@@ -197,7 +220,13 @@ impl Volume {
             let cache = self.cache.lock();
             looked
                 .iter()
-                .filter(|l| !l.done && l.e.slot().is_some() && self.data.contains(l.e.pbn) && !cache.contains(l.e.pbn))
+                .filter(|l| {
+                    !l.done
+                        && l.e.slot().is_some()
+                        && self.data.contains(l.e.pbn)
+                        && !cache.contains(l.e.pbn)
+                        && !self.tier_holds(l.e.pbn)
+                })
                 .map(|l| l.e.pbn)
                 .collect()
         };
@@ -215,6 +244,9 @@ impl Volume {
             let mut buf = vec![0u8; run * BLOCK_SIZE];
             if self.read_data(cached, start, &mut buf).is_err() {
                 continue;
+            }
+            if let Some(t) = &self.tier {
+                t.note_misses(run as u64);
             }
             let mut cache = self.cache.lock();
             for (pbn, bytes) in (start..).zip(buf.chunks_exact(BLOCK_SIZE)) {
@@ -241,7 +273,8 @@ impl Volume {
                         && l.e.slot().is_none()
                         && l.e.pbn == first.e.pbn + run as u64
                         && self.data.contains(l.e.pbn)
-                        && !cache.contains(l.e.pbn) =>
+                        && !cache.contains(l.e.pbn)
+                        && !self.tier_holds(l.e.pbn) =>
                 {
                     run += 1
                 }
@@ -264,6 +297,10 @@ impl Volume {
     ) -> Result<()> {
         self.cache.lock().remove(e.pbn);
         self.data.drop_cached(e.pbn, 1);
+        // The copy may be the tier's: the retry then reads the data device.
+        if let Some(t) = &self.tier {
+            t.forget(e.pbn);
+        }
         let spent = attempts.get_mut(i).map(|a| {
             *a += 1;
             *a >= READ_ATTEMPTS
@@ -290,6 +327,9 @@ impl Volume {
     /// the damaged logical block heals it. State lock held.
     pub(crate) fn forget_damaged(&self, st: &mut State, pbn: u64) {
         self.cache.lock().remove(pbn);
+        if let Some(t) = &self.tier {
+            t.forget(pbn);
+        }
         st.dedup.forget_damaged(pbn);
     }
 
@@ -302,17 +342,27 @@ impl Volume {
         }
     }
 
-    /// A physical block, from the content cache or the device (then cached).
-    fn physical_block(&self, pbn: u64, cached: bool) -> Result<Block> {
+    /// True when the hot-chunk tier serves `pbn`.
+    fn tier_holds(&self, pbn: u64) -> bool {
+        self.tier.as_ref().is_some_and(|t| t.holds(pbn))
+    }
+
+    /// A physical block, from the content cache, the hot-chunk tier or the device (then
+    /// cached, through the page cache when `cached`); true when the tier served it.
+    fn physical_block(&self, pbn: u64, cached: bool) -> Result<(Block, bool)> {
         if let Some(b) = self.cache.lock().get(pbn) {
-            return Ok(b);
+            return Ok((b, false));
+        }
+        if let Some(b) = self.tier.as_ref().and_then(|t| t.read(pbn)) {
+            self.cache.lock().fill(pbn, b.clone());
+            return Ok((b, true));
         }
         let mut b = new_block();
         let buf = Arc::get_mut(&mut b)
             .ok_or_else(|| Error::internal("a freshly allocated block is shared", format!("physical block {pbn}")))?;
         self.read_data(cached, pbn, buf)?;
         self.cache.lock().fill(pbn, b.clone());
-        Ok(b)
+        Ok((b, false))
     }
 }
 

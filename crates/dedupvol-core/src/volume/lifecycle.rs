@@ -26,6 +26,7 @@ use crate::metadata::superblock::Superblock;
 use crate::obs::stats::{LifetimeCounters, ReductionCounters};
 use crate::pipeline::executor::CpuPool;
 use crate::read::cache::ContentCache;
+use crate::tier::Tier;
 use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -242,6 +243,11 @@ impl Volume {
         let writer = (!opts.read_only && opts.background_writes)
             .then(|| DataWriter::start(data.clone(), tickets.clone(), health.clone()))
             .flatten();
+        // After recovery: entries found on the tier are kept only for referenced blocks.
+        let mut tier_notes = Vec::new();
+        let tier =
+            opts.tier.as_ref().and_then(|t| Tier::open(t, &sb.uuid, data.clone(), state.rc.counts(), &mut tier_notes));
+        notes.extend(tier_notes.iter().cloned().map(OpenNote::Info));
         Ok(Volume {
             data,
             meta,
@@ -264,6 +270,8 @@ impl Volume {
             health,
             journal_pressure: AtomicBool::new(false),
             open_notes: notes,
+            tier,
+            tier_notes,
         })
     }
 

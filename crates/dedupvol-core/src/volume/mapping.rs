@@ -8,7 +8,10 @@
 //! - Map, counts and journal change together under the state lock, with the entry's
 //!   journal sequence: replay reproduces exactly this change.
 //! - A block whose last reference goes is freed only once the change is durable
-//!   (`free_later`), and leaves deduplication and the content cache at once.
+//!   (`free_later`), and leaves deduplication, the content cache and the hot-chunk tier
+//!   at once.
+//! - A block is queued for the tier only on the transition of its count to exactly the
+//!   threshold (packed) or twice it (raw), so a block is offered once per life.
 
 use super::state::State;
 use super::Volume;
@@ -37,18 +40,50 @@ impl Volume {
         st.map.set(lba, new, seq)?;
         if new.is_data() {
             st.rc.inc(&new, seq)?;
+            self.tier_note_refs(st, &new);
         }
         if old.is_data() && st.rc.dec(&old, seq)? {
             st.alloc.free_later(old.pbn, seq);
             // Nothing can read a block without references: its cached copy only takes
             // room from live blocks (under overwrites, the cache would fill with them).
             self.cache.lock().remove(old.pbn);
+            // Under the same hold that frees it: no tier copy of the block's previous life
+            // can be served once it is reused.
+            if let Some(t) = &self.tier {
+                t.forget(old.pbn);
+            }
             if st.dedup.note_freed(old.pbn) {
                 st.red.stamp_wrap_scans += 1;
             }
         }
         st.counters.apply(&old, &new);
         Ok(Some(seq))
+    }
+
+    /// Queues `e`'s block for the hot-chunk tier when its reference count just reached the
+    /// threshold (packed blocks) or twice it (raw blocks). A packed block still open in the
+    /// packer is left to `tier_on_seal`. State lock held; no I/O.
+    fn tier_note_refs(&self, st: &State, e: &MapEntry) {
+        let Some(t) = &self.tier else { return };
+        let refs = u32::from(st.rc.get(e.pbn));
+        let packed = e.slot().is_some();
+        let at = if packed { t.promote_refs() } else { t.promote_refs().saturating_mul(2) };
+        if refs != at || st.packer.is_open(e.pbn) {
+            return;
+        }
+        let content = st.staging.get(e.pbn).cloned().or_else(|| self.cache.lock().peek(e.pbn));
+        t.promote_written(e.pbn, content, packed, refs, Some((e.crc, e.slot())));
+    }
+
+    /// A packed block being sealed: queued for the tier when its fragments already have
+    /// the threshold's references (they were counted while it was open).
+    pub(crate) fn tier_on_seal(&self, st: &State, pbn: u64, block: &crate::read::cache::Block) {
+        let Some(t) = &self.tier else { return };
+        let refs = u32::from(st.rc.get(pbn));
+        // A threshold of 0 turns write-path promotion off.
+        if t.promote_refs() > 0 && refs >= t.promote_refs() {
+            t.promote_written(pbn, Some(block.clone()), true, refs, None);
+        }
     }
 
     /// Maps a byte range to `to` (unmapped or zero); partial blocks are zeroed in place.

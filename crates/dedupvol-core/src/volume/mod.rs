@@ -52,6 +52,7 @@ use crate::obs::stats::LifetimeCounters;
 use crate::pipeline::executor::CpuPool;
 use crate::pipeline::segments;
 use crate::read::cache::ContentCache;
+use crate::tier::Tier;
 use parking_lot::Mutex;
 use state::State;
 use std::sync::atomic::AtomicBool;
@@ -94,6 +95,10 @@ pub struct Volume {
     /// Lifetime counters as loaded at open (this open counted): this process's counters
     /// are added to these, never to a figure that already includes them.
     pub(crate) lifetime_base: LifetimeCounters,
+    /// The hot-chunk tier (None: not configured, or it could not be opened).
+    pub(crate) tier: Option<Tier>,
+    /// Why the tier is not used, or was re-initialised, at open.
+    pub(crate) tier_notes: Vec<String>,
 }
 
 impl Volume {
@@ -143,6 +148,22 @@ impl Volume {
     /// so that its clock measures steady-state writes rather than first-touch page faults.
     pub fn wait_ready(&self) {
         self.state.lock().dedup.wait_ready();
+    }
+
+    /// What opening the hot-chunk tier noticed: why it is not used (its device could not
+    /// be opened or read; the volume works without it) or why it was re-initialised.
+    /// Empty when no tier was asked for or all went well.
+    pub fn tier_notes(&self) -> &[String] {
+        &self.tier_notes
+    }
+
+    /// Waits until the hot-chunk tier has written every queued promotion and validated
+    /// the entries it found at open (no-op without a tier). Nothing needs it for
+    /// correctness; tests and benchmarks call it to observe a settled tier.
+    pub fn wait_tier_idle(&self) {
+        if let Some(t) = &self.tier {
+            t.wait_idle();
+        }
     }
 
     /// True when the data device is read and written with direct I/O (no page cache).

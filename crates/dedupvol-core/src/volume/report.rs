@@ -17,14 +17,20 @@ impl Volume {
     pub fn memory_usage(&self) -> Vec<(&'static str, u64)> {
         let st = self.state.lock();
         let blocks = self.geo.data_blocks;
-        vec![
+        let mut v = vec![
             ("reference + fragment counts", 2 * blocks),
             ("allocator bitmap", blocks.div_ceil(64) * 8),
             ("reuse stamps", st.dedup.stamp_bytes()),
             ("fingerprint index", st.dedup.index().memory_bytes()),
             ("block map cache (pages held now)", st.map.cached_pages() as u64 * BLOCK_SIZE_U64),
             ("content cache (blocks held now)", self.cache.lock().len() as u64 * BLOCK_SIZE_U64),
-        ]
+        ];
+        if let Some(t) = &self.tier {
+            let (table, queue) = t.memory_bytes();
+            v.push(("hot-chunk tier slot table and map", table));
+            v.push(("hot-chunk tier queue and recent reads", queue));
+        }
+        v
     }
 
     /// Audits the in-memory structures against each other and every mapping against its
@@ -83,6 +89,9 @@ impl Volume {
         st.dedup.audit(self.geo.data_blocks).map_err(named("dedup index"))?;
         // Innermost lock (volume lock order): taken alone under the state lock.
         self.cache.lock().audit().map_err(named("content cache"))?;
+        if let Some(t) = &self.tier {
+            t.audit().map_err(named("hot-chunk tier"))?;
+        }
         Ok(())
     }
 
@@ -132,6 +141,7 @@ impl Volume {
             verify: sb.verify,
             write_policy: self.policy,
             io: self.io.snapshot(),
+            tier: self.tier.as_ref().map(|t| t.stats()),
         }
     }
 
