@@ -114,6 +114,9 @@ pub struct ReplayArgs {
     /// vol: targets: the content cache size (default: the engine's).
     #[arg(long)]
     cache_size: Option<String>,
+    /// The hot-chunk tier of a `vol:` target.
+    #[command(flatten)]
+    tier: crate::volume_cmds::TierArgs,
     /// NBD targets: seconds one socket read or write may wait before the replay fails.
     #[arg(long, default_value_t = 60)]
     nbd_timeout: u64,
@@ -207,7 +210,8 @@ fn run_replay(a: ReplayArgs) -> anyhow::Result<ExitCode> {
     // Before any thread starts: a signal then stops the replay at a request boundary, and
     // a volume target is flushed and closed rather than left to journal replay.
     crate::interrupt::watch()?;
-    let vol = target::VolumeTargetOptions { meta_device: a.meta_device.clone(), content_cache_bytes };
+    let vol =
+        target::VolumeTargetOptions { meta_device: a.meta_device.clone(), content_cache_bytes, tier: a.tier.options() };
     let is_nbd = a.target.starts_with("nbd");
     let verify = if a.no_verify { false } else { a.verify || !is_nbd };
     // Fail on an unreadable trace before opening (and perhaps recovering) the target.

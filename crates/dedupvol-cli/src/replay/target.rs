@@ -41,6 +41,8 @@ pub struct VolumeTargetOptions {
     pub meta_device: Option<PathBuf>,
     /// Content cache size, in bytes (default: the engine's).
     pub content_cache_bytes: Option<u64>,
+    /// The hot-chunk tier (none by default).
+    pub tier: Option<dedupvol_core::TierOptions>,
 }
 
 /// Opens `spec`: `vol:PATH`, `file:PATH`, `nbd://…` or `nbd+unix://…`.
@@ -57,8 +59,8 @@ pub fn open(
         }
         return Ok(Box::new(VolumeTarget::open(Path::new(p), vol)?));
     }
-    if vol.meta_device.is_some() || vol.content_cache_bytes.is_some() {
-        return Err(crate::usage("--meta-device and --cache-size apply to vol: targets only"));
+    if vol.meta_device.is_some() || vol.content_cache_bytes.is_some() || vol.tier.is_some() {
+        return Err(crate::usage("--meta-device, --cache-size and --tier-device apply to vol: targets only"));
     }
     if let Some(p) = spec.strip_prefix("file:") {
         return Ok(Box::new(FileTarget::open(Path::new(p), direct)?));
@@ -87,12 +89,10 @@ impl VolumeTarget {
         if let Some(b) = o.content_cache_bytes {
             opts.content_cache_bytes = b;
         }
-        // Open options this build has no field for are wired here and nowhere else: a
-        // capacity tier (device and size) would be set on `opts` at this point once
-        // `OpenOptions` carries it, with its flags added to `ReplayArgs` beside
-        // --meta-device and --cache-size.
+        opts.tier = o.tier.clone();
         let volume = Volume::open_path(path, o.meta_device.as_deref(), &opts)
             .with_context(|| format!("opening volume {}", path.display()))?;
+        crate::volume_cmds::warn_tier_notes(&volume);
         Ok(VolumeTarget { path: path.to_path_buf(), volume })
     }
 }
