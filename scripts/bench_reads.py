@@ -61,7 +61,7 @@ def read_jobs(runtime):
     ]
 
 
-def server_bound_mib(cache_size, vol):
+def server_bound_mib(cache_bytes, vol):
     """The RSS bound: content cache + fingerprint index + block-map cache + 256 MiB."""
     info, _ = bs.run([DEDUPVOL, "info", vol])
     index = None
@@ -71,7 +71,19 @@ def server_bound_mib(cache_size, vol):
             index = float(line.split(",")[1].split("MiB")[0]) * MIB
     if index is None:
         raise RuntimeError(f"dedupvol info printed no index size:\n{info}")
-    return (parse_size(cache_size) + index + 128 * MIB + 256 * MIB) / MIB
+    return (cache_bytes + index + 128 * MIB + 256 * MIB) / MIB
+
+
+def served_cache_bytes(srv, cache_size):
+    """The content cache a server runs with: --cache-size, or what `auto` chose (its
+    first stderr line, written before it listens)."""
+    if cache_size != "auto":
+        return parse_size(cache_size)
+    line = srv.proc.stderr.readline()
+    # "dedupvol: content cache 6017 MiB (--cache-size auto)"
+    if "content cache" not in line:
+        raise RuntimeError(f"dedupvol serve did not say its cache size: {line!r}")
+    return int(line.split("content cache")[1].split("MiB")[0]) * MIB
 
 
 def fio_job(uri, size, pct, args, name):
@@ -101,7 +113,7 @@ def nbd_section(cfg, work, results):
             "dedupvol": bs.Server("dedupvol", vol, work / "dv.sock", extra=cfg["serve_args"]),
             "nbdkit": bs.Server("nbdkit", raw, work / "kit.sock"),
         }
-        level = {"reducible_pct": pct, "jobs": {}}
+        level = {"reducible_pct": pct, "jobs": {}, "cache_bytes": served_cache_bytes(servers["dedupvol"], cfg["cache_size"])}
         try:
             # The fill: the same sequential 1 MiB write of the same bytes on both.
             for kind, srv in servers.items():
@@ -121,7 +133,7 @@ def nbd_section(cfg, work, results):
         finally:
             for s in servers.values():
                 s.stop()
-        level["rss_bound_mib"] = server_bound_mib(cfg["cache_size"], vol)
+        level["rss_bound_mib"] = server_bound_mib(level["cache_bytes"], vol)
         rows.append(level)
         results["nbd"] = rows
         save(results, cfg)
@@ -355,13 +367,14 @@ def print_nbd(rows):
             per = ", ".join(f"{a / b:.2f}" for a, b in zip(d, n) if b)
             ratio = mean(d) / mean(n) if mean(n) else 0
             print(f"| {lv['reducible_pct']}% | {name} | {mean(d):.0f} | {mean(n):.0f} | {ratio:.2f}x | {per} |")
-    print("\n| reducible | dedupvol peak RSS | bound | nbdkit peak RSS |")
-    print("|---|---|---|---|")
+    print("\n| reducible | dedupvol peak RSS | bound (cache + index + block-map cache + 256 MiB) | cache | nbdkit peak RSS |")
+    print("|---|---|---|---|---|")
     for lv in rows:
         d = (lv["rss_kib"].get("dedupvol") or (0, 0))[1] or 0
         n = (lv["rss_kib"].get("nbdkit") or (0, 0))[1] or 0
         ok = "within" if d / 1024 <= lv["rss_bound_mib"] else "ABOVE"
-        print(f"| {lv['reducible_pct']}% | {d / 1024:.0f} MiB | {lv['rss_bound_mib']:.0f} MiB ({ok}) | {n / 1024:.0f} MiB |")
+        print(f"| {lv['reducible_pct']}% | {d / 1024:.0f} MiB | {lv['rss_bound_mib']:.0f} MiB ({ok}) | "
+              f"{lv.get('cache_bytes', 0) >> 20} MiB | {n / 1024:.0f} MiB |")
 
 
 def save(results, cfg):
@@ -379,7 +392,7 @@ def main():
     ap.add_argument("--physical", default="4G")
     ap.add_argument("--runtime", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--cache-size", default="1G")
+    ap.add_argument("--cache-size", default="auto", help="dedupvol serve --cache-size (default: the server's own)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for dedupvol serve")
     ap.add_argument("--memory-limit", default="1536M")
     ap.add_argument("--memory-region", default="8G")

@@ -85,6 +85,7 @@ macro_rules! usage_bail {
 
 mod copy;
 mod interrupt;
+mod memory;
 mod probe;
 mod replay;
 mod serve;

@@ -57,8 +57,9 @@ pub enum ServeCommand {
         #[arg(long, default_value = "auto")]
         io: IoMode,
         /// Memory for the content cache: the engine's read cache of physical blocks, the
-        /// only data cache under direct I/O (K/M/G suffixes).
-        #[arg(long, default_value = "1G")]
+        /// only data cache under direct I/O (K/M/G suffixes), or auto: a quarter of the
+        /// memory this process may use (the machine's, or its memory cgroup's limit).
+        #[arg(long, default_value = "auto")]
         cache_size: String,
         /// Memory for the fingerprint index in this session (default: the size chosen at
         /// format); a smaller one opens the volume on a machine with less memory.
@@ -124,8 +125,15 @@ impl ServeCommand {
             None => {
                 // The engine's FileStorage holds an flock (exclusive read-write, shared
                 // read-only) for as long as the volume is open.
-                let content_cache_bytes = dedupvol_core::parse_size(&cache_size)
-                    .map_err(|e| crate::usage(format!("--cache-size {cache_size}: {e}")))?;
+                let content_cache_bytes = if cache_size == "auto" {
+                    let b = crate::memory::auto_cache_bytes();
+                    // Not eprintln!: a closed stderr must not stop the server.
+                    let _ = writeln!(std::io::stderr(), "dedupvol: content cache {} MiB (--cache-size auto)", b >> 20);
+                    b
+                } else {
+                    dedupvol_core::parse_size(&cache_size)
+                        .map_err(|e| crate::usage(format!("--cache-size {cache_size}: {e}")))?
+                };
                 let cache_writes = match cache_writes.as_str() {
                     "on" => Some(true),
                     "off" => Some(false),

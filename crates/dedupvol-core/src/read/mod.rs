@@ -15,7 +15,9 @@
 //!
 //! Invariants:
 //! - No device read happens under the state lock.
-//! - Merged runs are not cached: a long scan does not evict the blocks verification needs.
+//! - Runs read from the device are offered to the cache like lone blocks: its S3-FIFO
+//!   admission keeps a long scan from evicting the blocks read again and again.
+//! - The cache lock is taken once per request for every lookup, and once per run read.
 //! - Whatever a read returns matched its map entry's crc, whether it came from the device,
 //!   the content cache or the tier.
 //! - Runs read sequentially from the device are never offered to the tier.
@@ -132,6 +134,21 @@ impl Volume {
         cached: bool,
     ) -> Result<()> {
         let packed = self.prefetch_packed(looked, cached);
+        // Every block's cached copy, under one hold of the cache lock. A block this request
+        // just prefetched is taken from the prefetch, not looked up again: a second touch
+        // would count it as re-read and promote a one-pass scan's blocks past the cache's
+        // probation queue.
+        let hits: Vec<(Option<Block>, bool)> = {
+            let mut cache = self.cache.lock();
+            looked
+                .iter()
+                .map(|l| match packed.get(&l.e.pbn) {
+                    _ if l.done => (None, false),
+                    Some(b) => (Some(b.clone()), true),
+                    None => (cache.get(l.e.pbn), false),
+                })
+                .collect()
+        };
         let mut k = 0;
         while let Some(&Looked { i, e, done, refs, epoch }) = looked.get(k) {
             if done {
@@ -146,14 +163,13 @@ impl Volume {
                     format!("physical block {}", e.pbn),
                 ));
             }
-            // A block this request just prefetched is taken from the prefetch, not looked up
-            // again: a second touch would count it as re-read and promote a one-pass scan's
-            // blocks past the cache's probation queue.
-            let prefetched = packed.get(&e.pbn).cloned();
-            let from_prefetch = prefetched.is_some();
-            let cached_block = if prefetched.is_some() { prefetched } else { self.cache.lock().get(e.pbn) };
+            let (cached_block, from_prefetch) = hits.get(k).cloned().unwrap_or_default();
             let in_tier = self.tier_holds(e.pbn);
-            let run = if cached_block.is_none() && e.slot().is_none() && !in_tier { self.raw_run(looked, k) } else { 0 };
+            let run = if cached_block.is_none() && e.slot().is_none() && !in_tier {
+                self.raw_run(looked, &hits, k)
+            } else {
+                0
+            };
             // A lone block goes through the cache (random re-reads hit it).
             if run >= 2 {
                 let blocks = out.len() / BLOCK_SIZE;
@@ -167,11 +183,24 @@ impl Volume {
                 if let Some(t) = &self.tier {
                     t.note_misses(run as u64);
                 }
+                let mut good = Vec::with_capacity(run);
                 for (j, l) in looked.iter().skip(k).take(run).enumerate() {
                     #[expect(clippy::indexing_slicing, reason = "`j < run` and `dst` holds `run` blocks")]
                     let got = &dst[j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE];
                     if crc32c::crc32c(got) != l.e.crc {
                         self.read_mismatch(lba0, l.i, l.e, attempts, retry)?;
+                    } else if !cached {
+                        good.push((l.e.pbn, Block::from(got)));
+                    }
+                }
+                // Offered to the cache (the page cache keeps them under read-cached I/O):
+                // S3-FIFO admits them to its probationary queue, so a one-pass scan cannot
+                // flush the blocks read again and again, and a working set that fits the
+                // cache is served from memory from its second pass on.
+                if !good.is_empty() {
+                    let mut cache = self.cache.lock();
+                    for (pbn, b) in good {
+                        cache.fill(pbn, b);
                     }
                 }
                 k += run;
@@ -259,10 +288,10 @@ impl Volume {
     }
 
     /// Length of the run of raw blocks starting at `looked[k]` that are consecutive both
-    /// in the request and on the device, in the data region and not cached.
-    fn raw_run(&self, looked: &[Looked], k: usize) -> usize {
+    /// in the request and on the device, in the data region, not cached (`hits`) and not
+    /// in the tier.
+    fn raw_run(&self, looked: &[Looked], hits: &[(Option<Block>, bool)], k: usize) -> usize {
         let Some(first) = looked.get(k) else { return 0 };
-        let cache = self.cache.lock();
         let mut run = 1usize;
         while run < READ_RUN_BLOCKS_MAX {
             match looked.get(k + run) {
@@ -273,7 +302,7 @@ impl Volume {
                         && l.e.slot().is_none()
                         && l.e.pbn == first.e.pbn + run as u64
                         && self.data.contains(l.e.pbn)
-                        && !cache.contains(l.e.pbn)
+                        && hits.get(k + run).is_some_and(|h| h.0.is_none())
                         && !self.tier_holds(l.e.pbn) =>
                 {
                     run += 1
