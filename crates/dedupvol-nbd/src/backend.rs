@@ -28,6 +28,18 @@ pub trait Backend: Send + Sync {
     fn size(&self) -> u64;
     /// Fills `buf` from byte `offset`.
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError>;
+    /// Reads like `read`, but may hand whole 4 KiB blocks back as shared buffers instead
+    /// of copying them into `buf`: where `parts[i]` holds a block, it is the data of block
+    /// `i` and `buf`'s block `i` is left as it was; an empty `parts` means `buf` holds all.
+    fn read_shared(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
+    ) -> Result<(), BackendError> {
+        parts.clear();
+        self.read(offset, buf)
+    }
     /// Writes `data` at `offset`; durable on return when `fua`.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), BackendError>;
     /// Makes every write completed before the call durable.
@@ -48,6 +60,14 @@ impl Backend for Volume {
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
         Volume::read(self, offset, buf).map_err(|e| engine_error("read", offset, buf.len() as u64, e))
+    }
+    fn read_shared(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
+    ) -> Result<(), BackendError> {
+        Volume::read_shared(self, offset, buf, parts).map_err(|e| engine_error("read", offset, buf.len() as u64, e))
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), BackendError> {
         Volume::write(self, offset, data, fua).map_err(|e| engine_error("write", offset, data.len() as u64, e))

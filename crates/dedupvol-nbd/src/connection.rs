@@ -413,6 +413,11 @@ struct ReplyWriter {
 impl ReplyWriter {
     /// Writes `head` then `body` as one message, under the lock.
     fn write(&self, head: &[u8], body: &[u8]) {
+        self.write_parts(&[head, body]);
+    }
+
+    /// Writes `parts` back to back as one message (one vectored write), under the lock.
+    fn write_parts(&self, parts: &[&[u8]]) {
         if self.broken.load(Ordering::Relaxed) {
             return;
         }
@@ -421,7 +426,7 @@ impl ReplyWriter {
         if self.broken.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = self.send.send(&s, &[head, body]) {
+        if let Err(e) = self.send.send(&s, parts) {
             // The client is gone, stopped reading, or the stream is out of sync: stop the
             // reader too (shutdown wakes it with end-of-file).
             self.broken_why.lock().get_or_insert_with(|| e.to_string());
@@ -451,6 +456,48 @@ impl ReplyWriter {
         }
     }
 
+    /// A successful read whose data is `parts[i]` where present, else block `i` of `buf`
+    /// (see `Backend::read_shared`): sent in place, consecutive pieces of `buf` as one.
+    fn read_ok_shared(&self, cookie: u64, offset: u64, buf: &[u8], parts: &[Option<std::sync::Arc<[u8]>>]) {
+        if parts.iter().all(Option::is_none) {
+            return self.read_ok(cookie, offset, buf);
+        }
+        let mut pieces: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+        pieces.push(&[]); // the header, below
+        let mut from = None;
+        for (i, part) in parts.iter().enumerate() {
+            match part {
+                Some(b) => {
+                    if let Some(f) = from.take() {
+                        pieces.push(buf.get(f * BLOCK_BYTES..i * BLOCK_BYTES).unwrap_or_default());
+                    }
+                    pieces.push(b);
+                }
+                None => {
+                    from.get_or_insert(i);
+                }
+            }
+        }
+        if let Some(f) = from {
+            pieces.push(buf.get(f * BLOCK_BYTES..parts.len() * BLOCK_BYTES).unwrap_or_default());
+        }
+        let len = buf.len() as u32;
+        let (simple, chunk);
+        let head: &[u8] = if !self.structured {
+            simple = proto::encode_simple_reply(0, cookie);
+            &simple
+        } else if pieces.iter().all(|p| p.iter().all(|&b| b == 0)) {
+            return self.write(&proto::encode_hole_chunk(cookie, offset, len), &[]);
+        } else {
+            chunk = proto::encode_data_chunk_prefix(cookie, offset, len);
+            &chunk
+        };
+        if let Some(h) = pieces.first_mut() {
+            *h = head;
+        }
+        self.write_parts(&pieces);
+    }
+
     /// A failed read: no data follows.
     fn read_err(&self, cookie: u64, error: u32, message: &str) {
         if self.structured {
@@ -461,6 +508,9 @@ impl ReplyWriter {
     }
 }
 
+/// The block size of shared read parts (`Backend::read_shared`).
+const BLOCK_BYTES: usize = 4096;
+
 /// Reads up to this size reuse their worker's buffer; larger ones get a buffer of their own
 /// (a worker never keeps more than this between requests).
 const READ_SCRATCH_BYTES_MAX: usize = 4 << 20;
@@ -469,7 +519,14 @@ const READ_SCRATCH_BYTES_MAX: usize = 4 << 20;
 /// read neither allocates (a fresh 1 MiB buffer is a fresh mapping: 256 page faults) nor
 /// zeroes memory the backend overwrites anyway. A read reply sends only bytes the backend
 /// wrote for this request: on success it fills the whole range, on error nothing is sent.
-fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLog, scratch: &mut Vec<u8>) {
+fn execute(
+    backend: &dyn Backend,
+    job: &Job,
+    writer: &ReplyWriter,
+    log: &ErrorLog,
+    scratch: &mut Vec<u8>,
+    parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
+) {
     let report = |e: &crate::backend::BackendError| {
         log.log(format_args!("request {:#x} failed: {e}", job.cookie));
         proto::nbd_error_from_errno(e.errno)
@@ -495,7 +552,15 @@ fn execute(backend: &dyn Backend, job: &Job, writer: &ReplyWriter, log: &ErrorLo
                 own.resize(len, 0);
                 own.as_mut_slice()
             };
-            match backend.read(offset, buf) {
+            let shared = len <= READ_SCRATCH_BYTES_MAX;
+            let r = if shared { backend.read_shared(offset, buf, parts) } else { backend.read(offset, buf) };
+            match r {
+                Ok(()) if shared => {
+                    writer.read_ok_shared(job.cookie, offset, buf, parts);
+                    // Sent: the worker must not keep cache blocks alive (and memory held)
+                    // after the cache evicts them.
+                    parts.clear();
+                }
                 Ok(()) => writer.read_ok(job.cookie, offset, buf),
                 // No data follows an error, in either reply mode.
                 Err(e) => writer.read_err(job.cookie, report(&e), &e.message),
@@ -631,6 +696,7 @@ fn transmission(
             (requests.clone(), writer.clone(), budget.clone(), backend.clone(), log.clone());
         move || {
             let mut scratch = Vec::new();
+            let mut parts = Vec::new();
             loop {
                 let job = {
                     let mut rq = requests.lock();
@@ -652,7 +718,7 @@ fn transmission(
                 };
                 // An engine bug must cost one request (EIO), not the connection's accounting.
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    execute(backend.as_ref(), &job, &writer, &log, &mut scratch)
+                    execute(backend.as_ref(), &job, &writer, &log, &mut scratch, &mut parts)
                 }));
                 if ran.is_err() {
                     log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));

@@ -16,8 +16,11 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// Buffers one [`Stream::send_all`] call may gather (a reply is a header and a payload).
-const SEND_PARTS_MAX: usize = 4;
+/// Buffers one [`Stream::send_all`] call may gather: a reply's header and its payload, in
+/// up to one piece per 4 KiB block of a 4 MiB read (shared cached blocks are sent in place).
+const SEND_PARTS_MAX: usize = 1 + 1024;
+/// Buffers per `sendmsg` call (Linux's IOV_MAX); a reply of more parts takes several calls.
+const IOVECS_PER_CALL: usize = 1024;
 /// Longest single wait in [`Stream::send_all`] before it re-reads its stall limit, so a
 /// limit lowered from another thread (server shutdown) takes effect promptly.
 const SEND_POLL_SLICE: Duration = Duration::from_millis(100);
@@ -79,7 +82,7 @@ impl Stream {
         let mut progress_at = Instant::now();
         // On the stack: this runs once per reply, on the read path's hot loop.
         let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-        let mut iov = [empty; SEND_PARTS_MAX];
+        let mut iov = [empty; IOVECS_PER_CALL];
         while sent < total {
             let mut used = 0;
             let mut skip = sent;
@@ -87,6 +90,9 @@ impl Stream {
                 if skip >= p.len() {
                     skip -= p.len();
                     continue;
+                }
+                if used == IOVECS_PER_CALL {
+                    break;
                 }
                 let rest = &p[skip..];
                 skip = 0;

@@ -45,7 +45,8 @@ pub(crate) fn by_read(data: &DataDevice, cache: &Mutex<ContentCache>, loc: Locat
             if data.read(IoKind::Verify, loc.pbn, buf, "fingerprint index entry").is_err() {
                 return false;
             }
-            cache.lock().fill(loc.pbn, b.clone());
+            let crc = crate::read::cache::block_crc(&b);
+            cache.lock().fill(loc.pbn, b.clone(), crc);
             b
         }
     };

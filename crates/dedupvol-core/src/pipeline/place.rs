@@ -165,7 +165,8 @@ impl Volume {
     /// bound (one huge request) is written here.
     pub(crate) fn stage(&self, st: &mut State, pbn: u64, block: Block) -> Result<()> {
         if self.cache_writes {
-            self.cache.lock().put(pbn, block.clone());
+            let crc = crate::read::cache::block_crc(&block);
+            self.cache.lock().put(pbn, block.clone(), crc);
         }
         st.staging.push(pbn, block);
         if st.staging.staged_len() >= STAGED_BLOCKS_HARD_MAX {

@@ -12,6 +12,9 @@
 //!   a race with reuse; readers that see a checksum mismatch drop the entry and re-read.
 //! - Writers replace the entry (`put`); readers only fill absent entries (`fill`), so a
 //!   slow reader cannot overwrite newer content with older.
+//! - Each entry keeps the crc32c of its 4 KiB, computed from that content when it entered
+//!   (an `Arc` never changes): a read of a raw block compares it with the map entry's crc
+//!   instead of hashing the block again, which is as strong a check of the same bytes.
 //! - Eviction is deterministic (a fixed hasher, no randomness): one simulator seed replays
 //!   the same I/O.
 
@@ -22,6 +25,11 @@ use std::sync::Arc;
 /// A cached 4 KiB physical block.
 pub type Block = Arc<[u8]>;
 
+/// The crc32c a cache entry keeps for `block`.
+pub(crate) fn block_crc(block: &[u8]) -> u32 {
+    crc32c::crc32c(block)
+}
+
 /// A zeroed, unshared block, allocated once (`Arc::from(Vec)` would copy it).
 pub(crate) fn new_block() -> Block {
     std::iter::repeat_n(0u8, crate::config::BLOCK_SIZE).collect()
@@ -30,11 +38,18 @@ pub(crate) fn new_block() -> Block {
 /// The S3-FIFO table: one weight unit per block, keys hashed with `PbnHasher`.
 type Table = quick_cache::unsync::Cache<
     u64,
-    Block,
+    Cached,
     quick_cache::UnitWeighter,
     BuildHasherDefault<PbnHasher>,
-    quick_cache::unsync::DefaultLifecycle<u64, Block>,
+    quick_cache::unsync::DefaultLifecycle<u64, Cached>,
 >;
+
+/// A cached block and the crc32c of its content.
+#[derive(Clone)]
+struct Cached {
+    block: Block,
+    crc: u32,
+}
 
 /// The content cache (callers serialise access: the volume keeps it behind a mutex).
 pub struct ContentCache {
@@ -89,7 +104,12 @@ impl ContentCache {
 
     /// Looks up a block (a hit counts towards keeping it).
     pub fn get(&mut self, pbn: u64) -> Option<Block> {
-        let found = self.table.as_ref().and_then(|t| t.get(&pbn)).cloned();
+        self.get_with_crc(pbn).map(|(b, _)| b)
+    }
+
+    /// Looks up a block and the crc32c of its content.
+    pub fn get_with_crc(&mut self, pbn: u64) -> Option<(Block, u32)> {
+        let found = self.table.as_ref().and_then(|t| t.get(&pbn)).map(|c| (c.block.clone(), c.crc));
         match found {
             Some(_) => self.hits += 1,
             None => self.misses += 1,
@@ -100,7 +120,7 @@ impl ContentCache {
     /// The cached block without counting a hit or a miss or touching its hotness (the
     /// tier takes content it is offered from here).
     pub fn peek(&self, pbn: u64) -> Option<Block> {
-        self.table.as_ref().and_then(|t| t.peek(&pbn)).cloned()
+        self.table.as_ref().and_then(|t| t.peek(&pbn)).map(|c| c.block.clone())
     }
 
     /// True when `pbn` is cached (not counted as a hit or a miss, and no use of the block).
@@ -108,18 +128,22 @@ impl ContentCache {
         self.table.as_ref().is_some_and(|t| t.contains_key(&pbn))
     }
 
-    /// Stores freshly written content (replaces any entry).
-    pub fn put(&mut self, pbn: u64, block: Block) {
+    /// Stores freshly written content (replaces any entry); `crc` is its crc32c
+    /// (`block_crc`), computed by the caller outside the cache lock.
+    pub fn put(&mut self, pbn: u64, block: Block, crc: u32) {
+        debug_assert_eq!(crc, block_crc(&block), "content cache put of pbn {pbn} with a wrong crc");
         if let Some(t) = self.table.as_mut() {
-            t.insert(pbn, block);
+            t.insert(pbn, Cached { block, crc });
         }
     }
 
-    /// Stores content read from the device unless newer content is already cached.
-    pub fn fill(&mut self, pbn: u64, block: Block) {
+    /// Stores content read from the device unless newer content is already cached; `crc`
+    /// as for `put`.
+    pub fn fill(&mut self, pbn: u64, block: Block, crc: u32) {
+        debug_assert_eq!(crc, block_crc(&block), "content cache fill of pbn {pbn} with a wrong crc");
         if let Some(t) = self.table.as_mut() {
             if !t.contains_key(&pbn) {
-                t.insert(pbn, block);
+                t.insert(pbn, Cached { block, crc });
             }
         }
     }
@@ -165,11 +189,13 @@ mod tests {
     fn bounded_and_fill_does_not_overwrite() {
         let mut c = ContentCache::new(4 * 4096);
         for i in 0..10u64 {
-            c.put(i, Arc::from(vec![i as u8; 4096]));
+            let b: Block = Arc::from(vec![i as u8; 4096]);
+            c.put(i, b.clone(), block_crc(&b));
         }
         assert!(c.len() <= 4);
-        c.put(100, Arc::from(vec![1u8; 4096]));
-        c.fill(100, Arc::from(vec![2u8; 4096]));
+        let (one, two): (Block, Block) = (Arc::from(vec![1u8; 4096]), Arc::from(vec![2u8; 4096]));
+        c.put(100, one.clone(), block_crc(&one));
+        c.fill(100, two.clone(), block_crc(&two));
         assert_eq!(c.get(100).map(|b| b[0]), Some(1));
     }
 
@@ -183,13 +209,13 @@ mod tests {
         for _ in 0..4 {
             for &p in &hot {
                 if c.get(p).is_none() {
-                    c.fill(p, block.clone());
+                    c.fill(p, block.clone(), block_crc(&block));
                 }
             }
         }
         for p in 0..10 * 1024u64 {
             if c.get(p).is_none() {
-                c.fill(p, block.clone());
+                c.fill(p, block.clone(), block_crc(&block));
             }
             if p % 256 == 255 {
                 // The hot set is read between chunks of the scan, as a workload does.
@@ -206,8 +232,9 @@ mod tests {
     #[test]
     fn zero_capacity_caches_nothing() {
         let mut c = ContentCache::new(0);
-        c.put(1, Arc::from(vec![1u8; 4096]));
-        c.fill(2, Arc::from(vec![1u8; 4096]));
+        let b: Block = Arc::from(vec![1u8; 4096]);
+        c.put(1, b.clone(), block_crc(&b));
+        c.fill(2, b.clone(), block_crc(&b));
         assert_eq!(c.len(), 0);
         assert!(c.get(1).is_none());
     }

@@ -46,6 +46,16 @@ const READ_ATTEMPTS: usize = 2;
 /// one huge read pins.
 const READ_BLOCKS_PER_CALL: u64 = 1024;
 
+/// A block's cached copy as step 2 found it.
+#[derive(Clone, Default)]
+struct Hit {
+    block: Option<Block>,
+    /// crc32c of `block` when the cache knew it.
+    crc: Option<u32>,
+    /// Taken from this request's prefetch of packed blocks.
+    prefetched: bool,
+}
+
 /// A block's mapping as step 1 found it.
 #[derive(Clone, Copy)]
 struct Looked {
@@ -64,14 +74,28 @@ impl Volume {
     /// Reads a checked byte range: partial blocks through a bounce block, whole blocks
     /// straight into `buf`.
     pub(crate) fn read_range(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.read_range_shared(offset, buf, None)
+    }
+
+    /// `read_range`, handing cached raw blocks back in `parts` (one slot per block of `buf`,
+    /// `offset` block-aligned) instead of copying them into `buf` (see `Volume::read_shared`).
+    pub(crate) fn read_range_shared(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        mut parts: Option<&mut [Option<Block>]>,
+    ) -> Result<()> {
         for seg in segments(offset, buf.len() as u64, READ_BLOCKS_PER_CALL) {
             #[expect(clippy::indexing_slicing, reason = "`segments` cuts `buf.len()` bytes into segments inside it")]
             let dst = &mut buf[seg.pos as usize..(seg.pos + seg.len) as usize];
             if seg.whole {
-                self.read_blocks(seg.lba, dst.len() / BLOCK_SIZE, dst)?;
+                let n = dst.len() / BLOCK_SIZE;
+                let first = seg.pos as usize / BLOCK_SIZE;
+                let seg_parts = parts.as_deref_mut().and_then(|p| p.get_mut(first..first + n));
+                self.read_blocks(seg.lba, n, dst, seg_parts)?;
             } else {
                 let mut block = vec![0u8; BLOCK_SIZE];
-                self.read_blocks(seg.lba, 1, &mut block)?;
+                self.read_blocks(seg.lba, 1, &mut block, None)?;
                 #[expect(clippy::indexing_slicing, reason = "a partial segment lies inside one block")]
                 let src = &block[seg.within..seg.within + dst.len()];
                 dst.copy_from_slice(src);
@@ -81,7 +105,14 @@ impl Volume {
     }
 
     /// Reads whole blocks into `out` (len = n * 4096).
-    pub(crate) fn read_blocks(&self, lba0: u64, n: usize, out: &mut [u8]) -> Result<()> {
+    /// `parts`, when given, has one slot per block (see `read_range_shared`).
+    pub(crate) fn read_blocks(
+        &self,
+        lba0: u64,
+        n: usize,
+        out: &mut [u8],
+        mut parts: Option<&mut [Option<Block>]>,
+    ) -> Result<()> {
         assert_eq!(out.len(), n * BLOCK_SIZE, "read_blocks: buffer of {} bytes for {n} blocks", out.len());
         let mut attempts = vec![0usize; n];
         let mut todo: Vec<usize> = (0..n).collect();
@@ -91,7 +122,7 @@ impl Volume {
         while !todo.is_empty() {
             let looked = self.lookup(lba0, &todo, out)?;
             let mut retry = Vec::new();
-            self.fetch(lba0, &looked, out, &mut attempts, &mut retry, cached)?;
+            self.fetch(lba0, &looked, out, &mut attempts, &mut retry, cached, parts.as_deref_mut())?;
             todo = retry;
             cached = false;
         }
@@ -132,20 +163,24 @@ impl Volume {
         attempts: &mut [usize],
         retry: &mut Vec<usize>,
         cached: bool,
+        mut parts: Option<&mut [Option<Block>]>,
     ) -> Result<()> {
         let packed = self.prefetch_packed(looked, cached);
         // Every block's cached copy, under one hold of the cache lock. A block this request
         // just prefetched is taken from the prefetch, not looked up again: a second touch
         // would count it as re-read and promote a one-pass scan's blocks past the cache's
         // probation queue.
-        let hits: Vec<(Option<Block>, bool)> = {
+        let hits: Vec<Hit> = {
             let mut cache = self.cache.lock();
             looked
                 .iter()
                 .map(|l| match packed.get(&l.e.pbn) {
-                    _ if l.done => (None, false),
-                    Some(b) => (Some(b.clone()), true),
-                    None => (cache.get(l.e.pbn), false),
+                    _ if l.done => Hit::default(),
+                    Some(b) => Hit { block: Some(b.clone()), crc: None, prefetched: true },
+                    None => {
+                        let (block, crc) = cache.get_with_crc(l.e.pbn).unzip();
+                        Hit { block, crc, prefetched: false }
+                    }
                 })
                 .collect()
         };
@@ -163,7 +198,8 @@ impl Volume {
                     format!("physical block {}", e.pbn),
                 ));
             }
-            let (cached_block, from_prefetch) = hits.get(k).cloned().unwrap_or_default();
+            let Hit { block: cached_block, crc: cached_crc, prefetched: from_prefetch } =
+                hits.get(k).cloned().unwrap_or_default();
             let in_tier = self.tier_holds(e.pbn);
             let run = if cached_block.is_none() && e.slot().is_none() && !in_tier {
                 self.raw_run(looked, &hits, k)
@@ -190,7 +226,7 @@ impl Volume {
                     if crc32c::crc32c(got) != l.e.crc {
                         self.read_mismatch(lba0, l.i, l.e, attempts, retry)?;
                     } else if !cached {
-                        good.push((l.e.pbn, Block::from(got)));
+                        good.push((l.e.pbn, Block::from(got), l.e.crc));
                     }
                 }
                 // Offered to the cache (the page cache keeps them under read-cached I/O):
@@ -199,8 +235,8 @@ impl Volume {
                 // cache is served from memory from its second pass on.
                 if !good.is_empty() {
                     let mut cache = self.cache.lock();
-                    for (pbn, b) in good {
-                        cache.fill(pbn, b);
+                    for (pbn, b, crc) in good {
+                        cache.fill(pbn, b, crc);
                     }
                 }
                 k += run;
@@ -216,18 +252,25 @@ impl Volume {
                 k += 1;
                 continue;
             }
-            let (block, from_tier) = match cached_block {
-                Some(b) => (b, false),
+            let (block, crc, from_tier) = match cached_block {
+                Some(b) => (b, cached_crc, false),
                 None => self.physical_block(e.pbn, cached)?,
             };
             let ok = match e.slot() {
+                // A raw block's crc is its content's: the cache's, computed when the block
+                // entered it, stands for hashing the copy again.
+                // A caller taking shared blocks gets the block itself, not a copy.
                 None => {
-                    dst.copy_from_slice(&block);
-                    true
+                    let matched = crc.unwrap_or_else(|| crc32c::crc32c(&block)) == e.crc;
+                    match parts.as_deref_mut().and_then(|p| p.get_mut(i)) {
+                        Some(part) if matched => *part = Some(block.clone()),
+                        _ => dst.copy_from_slice(&block),
+                    }
+                    matched
                 }
-                Some(slot) => packer::unpack(&block, e.pbn, slot, dst).is_ok(),
+                Some(slot) => packer::unpack(&block, e.pbn, slot, dst).is_ok() && crc32c::crc32c(dst) == e.crc,
             };
-            if !(ok && crc32c::crc32c(dst) == e.crc) {
+            if !ok {
                 self.read_mismatch(lba0, i, e, attempts, retry)?;
             } else if let Some(t) = self.tier.as_ref().filter(|_| !from_tier && !from_prefetch) {
                 // A block of a prefetched run came in a sequential read: not noted.
@@ -277,10 +320,13 @@ impl Volume {
             if let Some(t) = &self.tier {
                 t.note_misses(run as u64);
             }
+            let blocks: Vec<(u64, Block, u32)> = (start..)
+                .zip(buf.chunks_exact(BLOCK_SIZE))
+                .map(|(pbn, bytes)| (pbn, Block::from(bytes), cache::block_crc(bytes)))
+                .collect();
             let mut cache = self.cache.lock();
-            for (pbn, bytes) in (start..).zip(buf.chunks_exact(BLOCK_SIZE)) {
-                let b: Block = Arc::from(bytes);
-                cache.fill(pbn, b.clone());
+            for (pbn, b, crc) in blocks {
+                cache.fill(pbn, b.clone(), crc);
                 got.insert(pbn, b);
             }
         }
@@ -290,7 +336,7 @@ impl Volume {
     /// Length of the run of raw blocks starting at `looked[k]` that are consecutive both
     /// in the request and on the device, in the data region, not cached (`hits`) and not
     /// in the tier.
-    fn raw_run(&self, looked: &[Looked], hits: &[(Option<Block>, bool)], k: usize) -> usize {
+    fn raw_run(&self, looked: &[Looked], hits: &[Hit], k: usize) -> usize {
         let Some(first) = looked.get(k) else { return 0 };
         let mut run = 1usize;
         while run < READ_RUN_BLOCKS_MAX {
@@ -302,7 +348,7 @@ impl Volume {
                         && l.e.slot().is_none()
                         && l.e.pbn == first.e.pbn + run as u64
                         && self.data.contains(l.e.pbn)
-                        && hits.get(k + run).is_some_and(|h| h.0.is_none())
+                        && hits.get(k + run).is_some_and(|h| h.block.is_none())
                         && !self.tier_holds(l.e.pbn) =>
                 {
                     run += 1
@@ -377,21 +423,24 @@ impl Volume {
     }
 
     /// A physical block, from the content cache, the hot-chunk tier or the device (then
-    /// cached, through the page cache when `cached`); true when the tier served it.
-    fn physical_block(&self, pbn: u64, cached: bool) -> Result<(Block, bool)> {
-        if let Some(b) = self.cache.lock().get(pbn) {
-            return Ok((b, false));
+    /// cached, through the page cache when `cached`), the crc32c of its content, and true
+    /// when the tier served it.
+    fn physical_block(&self, pbn: u64, cached: bool) -> Result<(Block, Option<u32>, bool)> {
+        if let Some((b, crc)) = self.cache.lock().get_with_crc(pbn) {
+            return Ok((b, Some(crc), false));
         }
         if let Some(b) = self.tier.as_ref().and_then(|t| t.read(pbn)) {
-            self.cache.lock().fill(pbn, b.clone());
-            return Ok((b, true));
+            let crc = cache::block_crc(&b);
+            self.cache.lock().fill(pbn, b.clone(), crc);
+            return Ok((b, Some(crc), true));
         }
         let mut b = new_block();
         let buf = Arc::get_mut(&mut b)
             .ok_or_else(|| Error::internal("a freshly allocated block is shared", format!("physical block {pbn}")))?;
         self.read_data(cached, pbn, buf)?;
-        self.cache.lock().fill(pbn, b.clone());
-        Ok((b, false))
+        let crc = cache::block_crc(&b);
+        self.cache.lock().fill(pbn, b.clone(), crc);
+        Ok((b, Some(crc), false))
     }
 }
 

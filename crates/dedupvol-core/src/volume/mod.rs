@@ -123,6 +123,22 @@ impl Volume {
         self.read_range(offset, buf)
     }
 
+    /// Reads like `read`, but whole raw blocks found in the content cache are handed back
+    /// as shared, immutable buffers instead of being copied: `parts` gets one slot per 4 KiB
+    /// block of `buf`; where it holds a block, that block is the data and `buf`'s block is
+    /// left as it was. For callers that send what they read (the NBD server sends the parts
+    /// with one vectored write), so a cached block costs no copy. A range that is not whole
+    /// blocks is read into `buf` with every part None.
+    pub fn read_shared(&self, offset: u64, buf: &mut [u8], parts: &mut Vec<Option<Arc<[u8]>>>) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        parts.clear();
+        if offset % BLOCK_SIZE_U64 != 0 || buf.len() % crate::BLOCK_SIZE != 0 {
+            return self.read_range(offset, buf);
+        }
+        parts.resize(buf.len() / crate::BLOCK_SIZE, None);
+        self.read_range_shared(offset, buf, Some(parts.as_mut_slice()))
+    }
+
     /// Makes every write completed before this call durable.
     pub fn flush(&self) -> Result<()> {
         if self.read_only {

@@ -36,7 +36,7 @@ impl Volume {
     pub(crate) fn rmw(&self, lba: u64, within: usize, piece: &[u8]) -> Result<u64> {
         let _g = self.rmw_stripe(lba).lock();
         let mut block = vec![0u8; BLOCK_SIZE];
-        self.read_blocks(lba, 1, &mut block)?;
+        self.read_blocks(lba, 1, &mut block, None)?;
         block
             .get_mut(within..within + piece.len())
             .ok_or_else(|| {
