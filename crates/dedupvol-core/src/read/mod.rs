@@ -155,6 +155,7 @@ impl Volume {
 
     /// Steps 2 and 3 (no lock): reads what `lookup` left, in runs or through the cache,
     /// and checks every block; blocks to retry are pushed to `retry`.
+    #[expect(clippy::too_many_arguments, reason = "one pass's inputs and outputs, each used on the hot loop")]
     fn fetch(
         &self,
         lba0: u64,

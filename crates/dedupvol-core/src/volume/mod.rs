@@ -132,7 +132,8 @@ impl Volume {
     pub fn read_shared(&self, offset: u64, buf: &mut [u8], parts: &mut Vec<Option<Arc<[u8]>>>) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         parts.clear();
-        if offset % BLOCK_SIZE_U64 != 0 || buf.len() % crate::BLOCK_SIZE != 0 {
+        // Block size is a power of two: a low bit set in either means a partial block.
+        if (offset | buf.len() as u64) & (BLOCK_SIZE_U64 - 1) != 0 {
             return self.read_range(offset, buf);
         }
         parts.resize(buf.len() / crate::BLOCK_SIZE, None);
