@@ -12,6 +12,9 @@
 //!   a race with reuse; readers that see a checksum mismatch drop the entry and re-read.
 //! - Writers replace the entry (`put`); readers only fill absent entries (`fill`), so a
 //!   slow reader cannot overwrite newer content with older.
+//! - Besides physical blocks it holds decompressed fragments of packed blocks, keyed by
+//!   `fragment_key(pbn, slot)` (a key space no pbn reaches): a re-read of compressed data
+//!   then costs neither a decompression nor a copy. Removing a pbn removes its fragments.
 //! - Each entry keeps the crc32c of its 4 KiB, computed from that content when it entered
 //!   (an `Arc` never changes): a read of a raw block compares it with the map entry's crc
 //!   instead of hashing the block again, which is as strong a check of the same bytes.
@@ -24,6 +27,18 @@ use std::sync::Arc;
 
 /// A cached 4 KiB physical block.
 pub type Block = Arc<[u8]>;
+
+/// Top bit of a key: a decompressed fragment, not a physical block.
+const FRAGMENT_KEY_BIT: u64 = 1 << 63;
+/// Slots of a packed block, as the key's low bits count them.
+const FRAGMENT_SLOTS: u64 = 16;
+const _: () = assert!(crate::metadata::block_map::PACKED_SLOTS_MAX as u64 <= FRAGMENT_SLOTS);
+
+/// The key of slot `slot` of packed block `pbn`, decompressed.
+pub(crate) fn fragment_key(pbn: u64, slot: u8) -> u64 {
+    debug_assert!(pbn < FRAGMENT_KEY_BIT / FRAGMENT_SLOTS, "pbn {pbn} beyond the fragment key space");
+    FRAGMENT_KEY_BIT | (pbn * FRAGMENT_SLOTS) | u64::from(slot)
+}
 
 /// The crc32c a cache entry keeps for `block`.
 pub(crate) fn block_crc(block: &[u8]) -> u32 {
@@ -148,11 +163,25 @@ impl ContentCache {
         }
     }
 
-    /// Drops an entry (freed block, checksum mismatch, reallocation).
+    /// Drops a physical block and its decompressed fragments (freed block, checksum
+    /// mismatch, reallocation).
     pub fn remove(&mut self, pbn: u64) {
         if let Some(t) = self.table.as_mut() {
             t.remove(&pbn);
+            for slot in 0..crate::metadata::block_map::PACKED_SLOTS_MAX {
+                t.remove(&fragment_key(pbn, slot));
+            }
         }
+    }
+
+    /// Looks up a decompressed fragment and its crc32c; only a hit is counted (a miss
+    /// goes on to the packed block, which counts it).
+    pub fn get_fragment(&mut self, pbn: u64, slot: u8) -> Option<(Block, u32)> {
+        let found = self.table.as_ref().and_then(|t| t.get(&fragment_key(pbn, slot))).map(|c| (c.block.clone(), c.crc));
+        if found.is_some() {
+            self.hits += 1;
+        }
+        found
     }
 
     /// Blocks cached.

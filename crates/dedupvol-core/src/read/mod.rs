@@ -54,6 +54,8 @@ struct Hit {
     crc: Option<u32>,
     /// Taken from this request's prefetch of packed blocks.
     prefetched: bool,
+    /// `block` is the decompressed fragment the map entry names, not a physical block.
+    fragment: bool,
 }
 
 /// A block's mapping as step 1 found it.
@@ -177,14 +179,19 @@ impl Volume {
                 .iter()
                 .map(|l| match packed.get(&l.e.pbn) {
                     _ if l.done => Hit::default(),
-                    Some(b) => Hit { block: Some(b.clone()), crc: None, prefetched: true },
-                    None => {
-                        let (block, crc) = cache.get_with_crc(l.e.pbn).unzip();
-                        Hit { block, crc, prefetched: false }
-                    }
+                    Some(b) => Hit { block: Some(b.clone()), crc: None, prefetched: true, fragment: false },
+                    None => match l.e.slot().and_then(|slot| cache.get_fragment(l.e.pbn, slot)) {
+                        Some((b, crc)) => Hit { block: Some(b), crc: Some(crc), prefetched: false, fragment: true },
+                        None => {
+                            let (block, crc) = cache.get_with_crc(l.e.pbn).unzip();
+                            Hit { block, crc, prefetched: false, fragment: false }
+                        }
+                    },
                 })
                 .collect()
         };
+        // Fragments decompressed by this pass, offered to the cache at its end (one lock).
+        let mut decoded: Vec<(u64, Block, u32)> = Vec::new();
         let mut k = 0;
         while let Some(&Looked { i, e, done, refs, epoch }) = looked.get(k) {
             if done {
@@ -199,8 +206,21 @@ impl Volume {
                     format!("physical block {}", e.pbn),
                 ));
             }
-            let Hit { block: cached_block, crc: cached_crc, prefetched: from_prefetch } =
+            let Hit { block: cached_block, crc: cached_crc, prefetched: from_prefetch, fragment } =
                 hits.get(k).cloned().unwrap_or_default();
+            if let (true, Some(block)) = (fragment, &cached_block) {
+                // Already decompressed: shared or copied like a cached raw block.
+                let matched = cached_crc == Some(e.crc);
+                match parts.as_deref_mut().and_then(|p| p.get_mut(i)) {
+                    Some(part) if matched => *part = Some(block.clone()),
+                    _ => block_mut(out, i)?.copy_from_slice(block),
+                }
+                if !matched {
+                    self.read_mismatch(lba0, i, e, attempts, retry)?;
+                }
+                k += 1;
+                continue;
+            }
             let in_tier = self.tier_holds(e.pbn);
             let run = if cached_block.is_none() && e.slot().is_none() && !in_tier {
                 self.raw_run(looked, &hits, k)
@@ -269,7 +289,13 @@ impl Volume {
                     }
                     matched
                 }
-                Some(slot) => packer::unpack(&block, e.pbn, slot, dst).is_ok() && crc32c::crc32c(dst) == e.crc,
+                Some(slot) => {
+                    let ok = packer::unpack(&block, e.pbn, slot, dst).is_ok() && crc32c::crc32c(dst) == e.crc;
+                    if ok {
+                        decoded.push((cache::fragment_key(e.pbn, slot), Block::from(&*dst), e.crc));
+                    }
+                    ok
+                }
             };
             if !ok {
                 self.read_mismatch(lba0, i, e, attempts, retry)?;
@@ -278,6 +304,12 @@ impl Volume {
                 t.note_read(e.pbn, e.slot(), &block, refs, epoch);
             }
             k += 1;
+        }
+        if !decoded.is_empty() {
+            let mut cache = self.cache.lock();
+            for (key, b, crc) in decoded {
+                cache.fill(key, b, crc);
+            }
         }
         Ok(())
     }
@@ -298,6 +330,7 @@ impl Volume {
                         && l.e.slot().is_some()
                         && self.data.contains(l.e.pbn)
                         && !cache.contains(l.e.pbn)
+                        && !l.e.slot().is_some_and(|s| cache.contains(cache::fragment_key(l.e.pbn, s)))
                         && !self.tier_holds(l.e.pbn)
                 })
                 .map(|l| l.e.pbn)
