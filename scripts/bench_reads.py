@@ -190,8 +190,9 @@ def memory_section(cfg, work, results):
     if not CGROUP_MEM.exists():
         raise RuntimeError("no cgroup-v1 memory controller at /sys/fs/cgroup/memory")
     size, limit, pct = cfg["memory_region"], parse_size(cfg["memory_limit"]), 90
-    # The engine's content cache is sized to fit the group beside the engine's structures.
-    cache = f"{max(64, (limit >> 20) - 512)}M"
+    # The content cache takes half the group: the engine's structures, its threads' buffers
+    # and allocator slack must fit beside it, or the group's limit kills the server.
+    cache = f"{max(64, (limit >> 20) // 2)}M"
     out = {"limit_bytes": limit, "region": size, "reducible_pct": pct, "cache_size": cache, "jobs": {}}
     paths = {"dedupvol": work / "mem-dedupvol.img", "nbdkit": work / "mem-nbdkit.img"}
     for p in paths.values():
@@ -212,6 +213,7 @@ def memory_section(cfg, work, results):
             finally:
                 srv.stop()
                 g.close()
+        out["rss_bound_mib"] = server_bound_mib(parse_size(cache), paths["dedupvol"])
         for rnd in range(cfg["rounds"]):
             for name, args in memory_jobs(cfg["runtime"]):
                 order = ("dedupvol", "nbdkit") if rnd % 2 == 0 else ("nbdkit", "dedupvol")
@@ -252,6 +254,10 @@ def print_memory(out):
         per = ", ".join(f"{a / b:.2f}" for a, b in zip(d, n) if b)
         peak = "/".join(f"{max(r['group_peak_bytes'] for r in by.get(k, [{'group_peak_bytes': 0}])) >> 20}" for k in ("dedupvol", "nbdkit"))
         print(f"| {name} | {mean(d):.0f} | {mean(n):.0f} | {mean(d) / mean(n) if mean(n) else 0:.2f}x | {per} | {peak} MiB |")
+    rss = max(((r.get("rss_kib") or (0, 0))[1] or 0) for by in out["jobs"].values() for r in by.get("dedupvol", []))
+    bound = out.get("rss_bound_mib", 0)
+    print(f"\ndedupvol peak RSS {rss / 1024:.0f} MiB, bound {bound:.0f} MiB (cache + index + block-map cache + 256 MiB): "
+          f"{'within' if rss / 1024 <= bound else 'ABOVE'}")
 
 
 CGROUP_BLKIO = Path("/sys/fs/cgroup/blkio")

@@ -15,6 +15,7 @@
 //! - Besides physical blocks it holds decompressed fragments of packed blocks, keyed by
 //!   `fragment_key(pbn, slot)` (a key space no pbn reaches): a re-read of compressed data
 //!   then costs neither a decompression nor a copy. Removing a pbn removes its fragments.
+//!   Fragments are admitted only while the cache has spare room (`fill_fragment`).
 //! - Each entry keeps the crc32c of its 4 KiB, computed from that content when it entered
 //!   (an `Arc` never changes): a read of a raw block compares it with the map entry's crc
 //!   instead of hashing the block again, which is as strong a check of the same bytes.
@@ -171,6 +172,17 @@ impl ContentCache {
             for slot in 0..crate::metadata::block_map::PACKED_SLOTS_MAX {
                 t.remove(&fragment_key(pbn, slot));
             }
+        }
+    }
+
+    /// Stores a decompressed fragment, only while the cache has spare room (under 7/8
+    /// full). Why: a packed block holds several fragments in 4 KiB, their decompressed
+    /// copies take 4 KiB each; when the working set does not fit, caching the denser packed
+    /// blocks serves more reads from memory than caching fragments would.
+    pub fn fill_fragment(&mut self, key: u64, block: Block, crc: u32) {
+        let spare = self.table.as_ref().is_some_and(|t| (t.len() as u64) < t.capacity() - t.capacity() / 8);
+        if spare {
+            self.fill(key, block, crc);
         }
     }
 

@@ -308,7 +308,7 @@ impl Volume {
         if !decoded.is_empty() {
             let mut cache = self.cache.lock();
             for (key, b, crc) in decoded {
-                cache.fill(key, b, crc);
+                cache.fill_fragment(key, b, crc);
             }
         }
         Ok(())
