@@ -371,6 +371,9 @@ pub struct ReplayReport {
     pub all: OpSummary,
     /// A signal stopped the replay before the end of the trace.
     pub interrupted: bool,
+    /// The engine's statistics after the replay (`vol:` targets; JSON only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<serde_json::Value>,
 }
 
 impl ReplayReport {
@@ -537,6 +540,7 @@ fn replay_open(path: &Path, target: &dyn Target, opts: &ReplayOptions) -> anyhow
         writes: OpSummary::of(&writes, write_bytes),
         all: OpSummary::of(&all, read_bytes + write_bytes),
         interrupted: d.interrupted,
+        engine: target.engine_stats(),
     })
 }
 

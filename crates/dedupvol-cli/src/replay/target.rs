@@ -32,6 +32,11 @@ pub trait Target: Send + Sync {
     fn flush(&self) -> anyhow::Result<()>;
     /// Closes the target cleanly (a volume writes its checkpoint).
     fn close(self: Box<Self>) -> anyhow::Result<()>;
+    /// The engine's statistics after the replay (cache, tier and device figures), for
+    /// targets that have them.
+    fn engine_stats(&self) -> Option<serde_json::Value> {
+        None
+    }
 }
 
 /// How to open a `vol:` target.
@@ -114,6 +119,10 @@ impl Target for VolumeTarget {
     }
     fn flush(&self) -> anyhow::Result<()> {
         self.volume.flush().context("volume flush")
+    }
+    fn engine_stats(&self) -> Option<serde_json::Value> {
+        self.volume.wait_tier_idle();
+        serde_json::to_value(self.volume.stats()).ok()
     }
     fn close(self: Box<Self>) -> anyhow::Result<()> {
         let path = self.path.clone();
