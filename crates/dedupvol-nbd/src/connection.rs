@@ -555,16 +555,14 @@ fn execute(
             let shared = len <= READ_SCRATCH_BYTES_MAX;
             let r = if shared { backend.read_shared(offset, buf, parts) } else { backend.read(offset, buf) };
             match r {
-                Ok(()) if shared => {
-                    writer.read_ok_shared(job.cookie, offset, buf, parts);
-                    // Sent: the worker must not keep cache blocks alive (and memory held)
-                    // after the cache evicts them.
-                    parts.clear();
-                }
+                Ok(()) if shared => writer.read_ok_shared(job.cookie, offset, buf, parts),
                 Ok(()) => writer.read_ok(job.cookie, offset, buf),
                 // No data follows an error, in either reply mode.
                 Err(e) => writer.read_err(job.cookie, report(&e), &e.message),
             }
+            // Sent or failed: the worker must not keep cache blocks alive (and their memory
+            // held) after the cache evicts them.
+            parts.clear();
         }
         Command::Write { offset, fua, .. } => {
             status(backend.write(offset, &job.payload, fua));

@@ -323,3 +323,31 @@ impl Drop for Listener {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// A reply of more pieces than one `sendmsg` takes (a 4 MiB read of shared cached
+    /// blocks and copied ones, alternating) arrives whole and in order.
+    #[test]
+    fn a_reply_of_more_parts_than_one_system_call_takes_arrives_whole() {
+        let (a, mut b) = UnixStream::pair().expect("socketpair");
+        let blocks: Vec<Vec<u8>> = (0..SEND_PARTS_MAX - 1).map(|i| vec![(i % 251) as u8; 4096]).collect();
+        let mut parts: Vec<&[u8]> = vec![b"header"];
+        parts.extend(blocks.iter().map(Vec::as_slice));
+        assert!(parts.len() > IOVECS_PER_CALL);
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; total];
+            b.read_exact(&mut got).expect("read");
+            got
+        });
+        Stream::Unix(a).send_all(&parts, || Duration::from_secs(10)).expect("send");
+        assert_eq!(reader.join().expect("reader"), parts.concat());
+        let too_many = vec![&b"x"[..]; SEND_PARTS_MAX + 1];
+        let (c, _d) = UnixStream::pair().expect("socketpair");
+        assert!(Stream::Unix(c).send_all(&too_many, || Duration::from_secs(1)).is_err(), "beyond the bound is refused");
+    }
+}
