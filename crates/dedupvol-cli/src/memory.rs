@@ -13,11 +13,21 @@ const AUTO_CACHE_BYTES_MIN: u64 = 64 << 20;
 /// Largest automatically sized content cache.
 const AUTO_CACHE_BYTES_MAX: u64 = 64 << 30;
 
+/// A `/proc/meminfo` figure (`MemTotal`, `MemAvailable`, ...) in bytes, if known.
+fn meminfo_bytes(field: &str) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.strip_prefix(field).is_some_and(|rest| rest.starts_with(':')))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
 /// The machine's memory (`MemTotal`), if known.
 fn mem_total_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+    meminfo_bytes("MemTotal")
+}
+
+/// Memory the kernel says can be allocated without swapping (`MemAvailable`), if known.
+pub(crate) fn mem_available_bytes() -> Option<u64> {
+    meminfo_bytes("MemAvailable")
 }
 
 /// The memory limit of this process's cgroup (v1 `memory.limit_in_bytes` or v2

@@ -242,7 +242,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         BenchMode::Overwrite => a.writes.saturating_mul(4096),
         BenchMode::Ingest | BenchMode::Primitives => 0,
     };
-    if let Some(avail) = mem_available_bytes() {
+    if let Some(avail) = crate::memory::mem_available_bytes() {
         if held_bytes > avail {
             bail!(
                 "this run generates {held_bytes} bytes of data in memory (--size, --writes x 4K), more than the \
@@ -441,13 +441,6 @@ fn run_gen(a: GenArgs) -> anyhow::Result<ExitCode> {
         outln!("wrote {} MiB to {} in {:.2} s: {}", size >> 20, a.output.display(), secs, spec.describe())?;
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Memory the kernel says can be allocated without swapping (`MemAvailable`), if known.
-fn mem_available_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
 }
 
 /// Bytes free for an unprivileged writer where `output` would be created, or `None` when

@@ -442,18 +442,7 @@ impl ReplyWriter {
 
     /// A successful read of `data` at `offset`.
     fn read_ok(&self, cookie: u64, offset: u64, data: &[u8]) {
-        if !self.structured {
-            return self.write(&proto::encode_simple_reply(0, cookie), data);
-        }
-        let len = data.len() as u32;
-        if data.is_empty() {
-            self.write(&proto::encode_chunk_header(proto::REPLY_FLAG_DONE, proto::REPLY_TYPE_NONE, cookie, 0), &[]);
-        } else if data.iter().all(|&b| b == 0) {
-            // Thin volumes read mostly zeros: 32 bytes instead of the data.
-            self.write(&proto::encode_hole_chunk(cookie, offset, len), &[]);
-        } else {
-            self.write(&proto::encode_data_chunk_prefix(cookie, offset, len), data);
-        }
+        self.read_ok_pieces(cookie, offset, data.len(), vec![&[], data]);
     }
 
     /// A successful read whose data is `parts[i]` where present, else block `i` of `buf`
@@ -463,7 +452,7 @@ impl ReplyWriter {
             return self.read_ok(cookie, offset, buf);
         }
         let mut pieces: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-        pieces.push(&[]); // the header, below
+        pieces.push(&[]); // the header's place
         let mut from = None;
         for (i, part) in parts.iter().enumerate() {
             match part {
@@ -481,17 +470,30 @@ impl ReplyWriter {
         if let Some(f) = from {
             pieces.push(buf.get(f * BLOCK_BYTES..parts.len() * BLOCK_BYTES).unwrap_or_default());
         }
-        let len = buf.len() as u32;
+        self.read_ok_pieces(cookie, offset, buf.len(), pieces);
+    }
+
+    /// Sends a successful read of `len` bytes whose data is `pieces[1..]` back to back
+    /// (`pieces[0]` is the header's place): a simple reply, or in structured mode a data
+    /// chunk, a hole chunk for all-zero data, or an empty final chunk for no data.
+    fn read_ok_pieces(&self, cookie: u64, offset: u64, len: usize, pieces: Vec<&[u8]>) {
+        let len = len as u32;
         let (simple, chunk);
         let head: &[u8] = if !self.structured {
             simple = proto::encode_simple_reply(0, cookie);
             &simple
+        } else if len == 0 {
+            return self
+                .write(&proto::encode_chunk_header(proto::REPLY_FLAG_DONE, proto::REPLY_TYPE_NONE, cookie, 0), &[]);
         } else if pieces.iter().all(|p| p.iter().all(|&b| b == 0)) {
+            // Thin volumes read mostly zeros: 32 bytes instead of the data.
             return self.write(&proto::encode_hole_chunk(cookie, offset, len), &[]);
         } else {
             chunk = proto::encode_data_chunk_prefix(cookie, offset, len);
             &chunk
         };
+        // Rebound (the vector is covariant) so it may hold the local header.
+        let mut pieces: Vec<&[u8]> = pieces;
         if let Some(h) = pieces.first_mut() {
             *h = head;
         }

@@ -211,10 +211,7 @@ impl Volume {
             if let (true, Some(block)) = (fragment, &cached_block) {
                 // Already decompressed: shared or copied like a cached raw block.
                 let matched = cached_crc == Some(e.crc);
-                match parts.as_deref_mut().and_then(|p| p.get_mut(i)) {
-                    Some(part) if matched => *part = Some(block.clone()),
-                    _ => block_mut(out, i)?.copy_from_slice(block),
-                }
+                deliver(parts.as_deref_mut(), i, block, matched, block_mut(out, i)?);
                 if !matched {
                     self.read_mismatch(lba0, i, e, attempts, retry)?;
                 }
@@ -283,10 +280,7 @@ impl Volume {
                 // A caller taking shared blocks gets the block itself, not a copy.
                 None => {
                     let matched = crc.unwrap_or_else(|| crc32c::crc32c(&block)) == e.crc;
-                    match parts.as_deref_mut().and_then(|p| p.get_mut(i)) {
-                        Some(part) if matched => *part = Some(block.clone()),
-                        _ => dst.copy_from_slice(&block),
-                    }
+                    deliver(parts.as_deref_mut(), i, &block, matched, dst);
                     matched
                 }
                 Some(slot) => {
@@ -475,6 +469,16 @@ impl Volume {
         let crc = cache::block_crc(&b);
         self.cache.lock().fill(pbn, b.clone(), crc);
         Ok((b, Some(crc), false))
+    }
+}
+
+/// Hands a whole cached block (raw, or a decompressed fragment) as block `i` of a read:
+/// in place through `parts` when the caller takes shared blocks and its crc `matched`,
+/// else copied into `dst` (a mismatch is retried, which overwrites it).
+fn deliver(parts: Option<&mut [Option<Block>]>, i: usize, block: &Block, matched: bool, dst: &mut [u8]) {
+    match parts.and_then(|p| p.get_mut(i)) {
+        Some(part) if matched => *part = Some(block.clone()),
+        _ => dst.copy_from_slice(block),
     }
 }
 
