@@ -4,7 +4,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use dedupvol_core::{
     parse_size, Compression, DedupVerify, FormatOptions, IoMode, OpenOptions, TierOptions, TierStats, Volume,
-    WritePolicy, BLOCK_SIZE, TIER_PROMOTE_REFCOUNT_DEFAULT,
+    WritePolicy, BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
@@ -103,6 +103,11 @@ pub struct TierArgs {
     /// uncompressed block is copied at twice it.
     #[arg(long, default_value_t = TIER_PROMOTE_REFCOUNT_DEFAULT, requires = "tier_device")]
     pub(crate) tier_promote_refs: u32,
+    /// While less than this percent of the tier is in use, newly written blocks are
+    /// copied to it too (first reads of fresh data then skip the data device); 0: only
+    /// hot blocks are copied.
+    #[arg(long, default_value_t = TIER_FILL_PERCENT_DEFAULT, value_parser = clap::value_parser!(u8).range(0..=100), requires = "tier_device")]
+    pub(crate) tier_fill_percent: u8,
 }
 
 impl TierArgs {
@@ -112,6 +117,7 @@ impl TierArgs {
             let mut t = TierOptions::path(p);
             t.size_bytes = self.tier_size;
             t.promote_refcount = self.tier_promote_refs;
+            t.fill_percent = self.tier_fill_percent;
             t
         })
     }
@@ -129,7 +135,7 @@ pub(crate) fn warn_tier_notes(v: &Volume) {
 pub(crate) fn tier_summary(t: &TierStats) -> String {
     format!(
         "hot-chunk tier: {} of {} slots in use, {} hits / {} misses ({:.1}% of data block reads), \
-         {} + {} promotions (references + re-reads), {} dropped, {} demoted, {} written, \
+         {} + {} promotions (references + re-reads), {} fills, {} dropped, {} demoted, {} written, \
          {} validation failures, {} slot crc failures, {} device errors{}",
         t.entries,
         t.capacity_slots,
@@ -138,6 +144,7 @@ pub(crate) fn tier_summary(t: &TierStats) -> String {
         100.0 * t.hit_share,
         t.promotions_write,
         t.promotions_read,
+        t.fills,
         t.promotions_dropped,
         t.demotions,
         human(t.slot_bytes_written),

@@ -275,6 +275,9 @@ impl Default for OpenOptions {
 /// Reference count at which a stored block is copied to the hot-chunk tier by default
 /// (the SAR paper's threshold).
 pub const TIER_PROMOTE_REFCOUNT_DEFAULT: u32 = 5;
+/// Default share of the tier's slots (percent) below which newly written blocks are
+/// copied to it as well (`TierOptions::fill_percent`).
+pub const TIER_FILL_PERCENT_DEFAULT: u8 = 50;
 
 /// Where the hot-chunk tier lives.
 #[derive(Clone)]
@@ -307,6 +310,14 @@ pub struct TierOptions {
     /// at twice it); default `TIER_PROMOTE_REFCOUNT_DEFAULT`. 0: only read-hot blocks are
     /// promoted.
     pub promote_refcount: u32,
+    /// While fewer than this percent of the tier's slots are in use (or about to be),
+    /// every newly written data block is copied to the tier too, so first reads of fresh
+    /// data skip the data device; above it only hot blocks are promoted, and a fill never
+    /// demotes anything. Why: a tier with free slots is flash bought and left idle, and
+    /// first reads are the misses that no hotness policy can reach. 0: off (only blocks
+    /// promoted for their references or re-reads). Default `TIER_FILL_PERCENT_DEFAULT`;
+    /// at most 100.
+    pub fill_percent: u8,
 }
 
 impl TierOptions {
@@ -316,6 +327,7 @@ impl TierOptions {
             device: TierDevice::Path(path.into()),
             size_bytes: None,
             promote_refcount: TIER_PROMOTE_REFCOUNT_DEFAULT,
+            fill_percent: TIER_FILL_PERCENT_DEFAULT,
         }
     }
 
@@ -325,6 +337,7 @@ impl TierOptions {
             device: TierDevice::Storage(dev),
             size_bytes: None,
             promote_refcount: TIER_PROMOTE_REFCOUNT_DEFAULT,
+            fill_percent: TIER_FILL_PERCENT_DEFAULT,
         }
     }
 }

@@ -40,7 +40,7 @@ mod volume;
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{
     parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, TierDevice, TierOptions, WritePolicy, BLOCK_SIZE,
-    TIER_PROMOTE_REFCOUNT_DEFAULT,
+    TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};

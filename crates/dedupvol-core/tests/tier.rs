@@ -22,8 +22,13 @@ fn format_mem(physical: u64, logical: u64) -> Arc<MemStorage> {
 }
 
 /// Open options without a content cache, so every read of a block on the device goes to
-/// the tier or the data device.
+/// the tier or the data device; no fills, so only the hotness policy puts blocks there.
 fn with_tier(tier: TierOptions) -> OpenOptions {
+    with_filling_tier(TierOptions { fill_percent: 0, ..tier })
+}
+
+/// The same with the tier's fill setting as given.
+fn with_filling_tier(tier: TierOptions) -> OpenOptions {
     OpenOptions { content_cache_bytes: 0, tier: Some(tier), ..small_open() }
 }
 
@@ -445,7 +450,7 @@ fn concurrent_writes_and_reads_never_see_a_stale_copy() {
     let data = format_mem(16 << 20, 8 << 20);
     let tier = Arc::new(MemStorage::new(256 << 10));
     let v =
-        Arc::new(open(&data, &OpenOptions { content_cache_bytes: 64 << 10, ..with_tier(TierOptions::storage(tier)) }));
+        Arc::new(open(&data, &OpenOptions { content_cache_bytes: 64 << 10, ..with_filling_tier(TierOptions::storage(tier)) }));
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let v = v.clone();
@@ -591,6 +596,50 @@ fn an_entry_freed_during_its_validation_never_becomes_valid() {
         assert_eq!(read_block(&v, lba), block(6000 + lba, 1));
     }
     assert_eq!(tier_stats(&v).hits, 0);
+    v.audit_memory().expect("audit");
+    v.close().expect("close");
+}
+
+/// Fills: while the tier has room, blocks are copied as they are written, so their first
+/// reads skip the data device; the copies stop at the fill mark and never demote anything,
+/// and a hot block still gets in above the mark.
+#[test]
+fn written_blocks_fill_a_tier_up_to_its_mark_and_first_reads_come_from_it() {
+    let data = format_mem(32 << 20, 16 << 20);
+    let tier = Arc::new(MemStorage::new(1 << 20));
+    let opts = TierOptions { fill_percent: 50, ..TierOptions::storage(tier) };
+    let v = open(&data, &with_filling_tier(opts));
+    let slots = tier_stats(&v).capacity_slots;
+    let mark = slots * 50 / 100;
+    let n = slots; // more raw blocks than the mark lets in
+    let blocks: Vec<Vec<u8>> = (0..n).map(|i| block(5000 + i, 1)).collect();
+    for (lba, b) in blocks.iter().enumerate() {
+        v.write(lba as u64 * B, b, false).expect("write");
+    }
+    v.flush().expect("flush");
+    v.wait_tier_idle();
+    let t = tier_stats(&v);
+    assert_eq!((t.fills, t.entries, t.demotions), (mark, mark, 0), "{t:?}");
+    // The first blocks written are in the tier: their first reads skip the data device.
+    let before = data_read_ops(&v);
+    for lba in 0..8 {
+        assert_eq!(read_block(&v, lba), blocks[lba as usize]);
+    }
+    assert_eq!(data_read_ops(&v), before, "a filled block was read from the data device");
+    assert_eq!(tier_stats(&v).hits, 8);
+    // The last ones came after the mark: the data device serves them.
+    assert_eq!(read_block(&v, n - 1), blocks[(n - 1) as usize]);
+    assert_eq!(data_read_ops(&v), before + 1);
+    // A block with many references above the mark is promoted (pushing out a cold copy).
+    let hot = block(77, 0);
+    write_copies(&v, &hot, n..n + 10);
+    v.flush().expect("flush");
+    v.wait_tier_idle();
+    let t = tier_stats(&v);
+    assert_eq!((t.promotions_write, t.fills), (1, mark), "{t:?}");
+    let before = data_read_ops(&v);
+    assert_eq!(read_block(&v, n + 3), hot);
+    assert_eq!(data_read_ops(&v), before, "the hot block was read from the data device");
     v.audit_memory().expect("audit");
     v.close().expect("close");
 }

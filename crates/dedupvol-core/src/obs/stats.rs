@@ -134,6 +134,8 @@ pub struct TierStats {
     pub promotions_write: u64,
     /// Blocks copied because they were read again soon.
     pub promotions_read: u64,
+    /// Blocks copied as they were written, while the tier had room.
+    pub fills: u64,
     /// Promotions dropped (queue full, or no slot free of in-flight copies).
     pub promotions_dropped: u64,
     /// Copies demoted to make room.

@@ -87,6 +87,9 @@ impl Volume {
             None => {
                 let pbn = self.alloc_block(st)?;
                 let block = d.raw.take().unwrap_or_else(|| Block::from(chunk));
+                if let Some(t) = &self.tier {
+                    t.offer_written(pbn, &block, false);
+                }
                 self.stage(st, pbn, block)?;
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, d.crc)

@@ -11,6 +11,11 @@
 //! - read path: a block read again while still in the recent-reads LRU (`RecentReads`),
 //!   unless it came in a sequential run (two or more physically consecutive blocks in one
 //!   device request are never noted).
+//! - fills: while fewer than `fill_percent` of the slots are in use or claimed, every
+//!   block written (raw, or packed at its sealing) is copied too, into a free slot only:
+//!   a fill never demotes. First reads of fresh data, which no hotness policy can reach,
+//!   then skip the data device; once the tier is that full, only hot blocks get in and
+//!   push out cold ones.
 //!
 //! How: promotions go to a bounded queue (`PROMOTE_QUEUE_MAX`; a full queue drops and
 //! counts) served by one background thread (`worker`), which writes copies in batches to
@@ -77,11 +82,23 @@ pub(crate) struct Job {
     content: Option<Block>,
     packed: bool,
     refs: u32,
-    from_read: bool,
+    origin: Origin,
     /// The map entry that made the block hot (crc, packed slot): the content must decode
     /// to it, or the promotion is abandoned (content taken from the content cache may be
     /// a previous life's after a race with reuse).
     check: Option<(u32, Option<u8>)>,
+}
+
+/// Why a block is promoted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// Its reference count reached the threshold.
+    Refs,
+    /// It was read again while remembered.
+    Read,
+    /// Written while the tier had room (`TierOptions::fill_percent`): takes a free slot
+    /// or none, never demotes.
+    Fill,
 }
 
 /// What the tier's lock protects.
@@ -108,6 +125,7 @@ struct Counters {
     misses: AtomicU64,
     promotions_write: AtomicU64,
     promotions_read: AtomicU64,
+    fills: AtomicU64,
     dropped: AtomicU64,
     slot_bytes_written: AtomicU64,
     validation_failures: AtomicU64,
@@ -121,6 +139,8 @@ pub(crate) struct Shared {
     geo: TierGeometry,
     data: DataDevice,
     promote_refs: u32,
+    /// Slots in use (or queued) below which written blocks are copied too.
+    fill_below: u64,
     inner: Mutex<Inner>,
     /// Wakes the worker.
     wake: Condvar,
@@ -277,6 +297,7 @@ impl Tier {
             geo,
             data,
             promote_refs: opts.promote_refcount,
+            fill_below: geo.slot_count * u64::from(opts.fill_percent.min(100)) / 100,
             inner: Mutex::new(Inner {
                 slots,
                 recent: RecentReads::new(RECENT_READS_MAX),
@@ -319,7 +340,23 @@ impl Tier {
         check: Option<(u32, Option<u8>)>,
     ) {
         let mut g = self.sh.inner.lock();
-        self.sh.queue(&mut g, pbn, content, packed, refs, false, check);
+        self.sh.queue(&mut g, pbn, content, packed, refs, Origin::Refs, check);
+    }
+
+    /// Offers a block being written (state lock held): copied to a free slot while the
+    /// tier has room (`TierOptions::fill_percent`), so its first read skips the data
+    /// device. `block` is the content being written, so nothing needs checking.
+    pub(crate) fn offer_written(&self, pbn: u64, block: &Block, packed: bool) {
+        let sh = &self.sh;
+        if sh.fill_below == 0 || sh.disabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut g = sh.inner.lock();
+        // In use, about to be, and already asked for: a fill never pushes out anything.
+        let claimed = (g.slots.entries() + g.pending.len()) as u64;
+        if claimed < sh.fill_below && g.queue.len() < PROMOTE_QUEUE_MAX / 2 {
+            sh.queue(&mut g, pbn, Some(block.clone()), packed, 0, Origin::Fill, None);
+        }
     }
 
     /// The forget epoch of `pbn`, taken under the state lock at a read's lookup.
@@ -343,7 +380,7 @@ impl Tier {
         }
         if g.recent.touch(recent::key(pbn, slot)) {
             // Checked by the read against the entry it looked up at `epoch`.
-            self.sh.queue(&mut g, pbn, Some(block.clone()), slot.is_some(), refs, true, None);
+            self.sh.queue(&mut g, pbn, Some(block.clone()), slot.is_some(), refs, Origin::Read, None);
         }
     }
 
@@ -438,6 +475,7 @@ impl Tier {
             hit_share: if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 },
             promotions_write: get(&c.promotions_write),
             promotions_read: get(&c.promotions_read),
+            fills: get(&c.fills),
             promotions_dropped: get(&c.dropped),
             demotions,
             slot_bytes_written: get(&c.slot_bytes_written),
@@ -486,7 +524,7 @@ impl Shared {
         content: Option<Block>,
         packed: bool,
         refs: u32,
-        from_read: bool,
+        origin: Origin,
         check: Option<(u32, Option<u8>)>,
     ) {
         if self.disabled.load(Ordering::Relaxed) || g.slots.get(pbn).is_some() || g.pending.contains_key(&pbn) {
@@ -499,7 +537,7 @@ impl Shared {
         g.next_token += 1;
         let token = g.next_token;
         g.pending.insert(pbn, token);
-        g.queue.push_back(Job { pbn, token, content, packed, refs, from_read, check });
+        g.queue.push_back(Job { pbn, token, content, packed, refs, origin, check });
         self.wake.notify_one();
     }
 

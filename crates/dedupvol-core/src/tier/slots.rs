@@ -23,6 +23,8 @@ use crate::read::cache::PbnMap;
 const CREDITS_MAX: u8 = 3;
 /// Most occupants the hand spares per allocation before it demotes whatever it points at.
 const HAND_SKIPS_MAX: u32 = 64;
+/// Most slots the hand passes looking for a free one for a fill.
+const FILL_SCAN_MAX: usize = 256;
 
 /// What a slot holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,6 +198,24 @@ impl Slots {
             let m = self.meta.get_mut(slot)?;
             *m = SlotMeta { state: SlotState::Filling, token, ..EMPTY };
             return u32::try_from(slot).ok();
+        }
+        None
+    }
+
+    /// A free slot for a fill (a copy nobody asked for), marked `Filling`: never a
+    /// demotion. The hand looks at most `FILL_SCAN_MAX` slots ahead; None when it finds no
+    /// free one there (the fill is skipped).
+    pub(crate) fn allocate_free(&mut self) -> Option<u32> {
+        let n = self.meta.len();
+        for _ in 0..n.min(FILL_SCAN_MAX) {
+            let slot = self.hand;
+            self.hand = (self.hand + 1) % n.max(1);
+            if self.meta.get(slot).is_some_and(|m| m.state == SlotState::Free) {
+                let token = self.token();
+                let m = self.meta.get_mut(slot)?;
+                *m = SlotMeta { state: SlotState::Filling, token, ..EMPTY };
+                return u32::try_from(slot).ok();
+            }
         }
         None
     }

@@ -15,7 +15,7 @@
 //!   (token) after the data device read.
 
 use super::layout::{self, TIER_RECORDS_PER_PAGE, TIER_RECORD_BYTES};
-use super::{Inner, Job, Shared, PROMOTE_BATCH_MAX};
+use super::{Inner, Job, Origin, Shared, PROMOTE_BATCH_MAX};
 use crate::config::BLOCK_SIZE;
 use crate::io::IoKind;
 use crate::read::cache::{new_block, Block};
@@ -128,14 +128,18 @@ fn promote(sh: &Shared, jobs: Vec<Job>) {
                 abandon(&mut g, &job);
                 continue;
             }
-            match g.slots.allocate() {
+            let slot = if job.origin == Origin::Fill { g.slots.allocate_free() } else { g.slots.allocate() };
+            match slot {
                 Some(slot) => {
                     let gen = g.next_gen;
                     g.next_gen += 1;
                     placed.push((slot, gen, job, b));
                 }
                 None => {
-                    sh.c.dropped.fetch_add(1, Ordering::Relaxed);
+                    // A fill finding no free slot is simply not made.
+                    if job.origin != Origin::Fill {
+                        sh.c.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
                     abandon(&mut g, &job);
                 }
             }
@@ -177,7 +181,11 @@ fn promote(sh: &Shared, jobs: Vec<Job>) {
                     refs: job.refs,
                 };
                 g.slots.install(*slot, rec, super::SlotState::Valid);
-                let counter = if job.from_read { &sh.c.promotions_read } else { &sh.c.promotions_write };
+                let counter = match job.origin {
+                    Origin::Refs => &sh.c.promotions_write,
+                    Origin::Read => &sh.c.promotions_read,
+                    Origin::Fill => &sh.c.fills,
+                };
                 counter.fetch_add(1, Ordering::Relaxed);
             } else {
                 g.slots.release(*slot);

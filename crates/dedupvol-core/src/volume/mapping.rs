@@ -76,13 +76,16 @@ impl Volume {
     }
 
     /// A packed block being sealed: queued for the tier when its fragments already have
-    /// the threshold's references (they were counted while it was open).
+    /// the threshold's references (they were counted while it was open), else offered
+    /// as a fill.
     pub(crate) fn tier_on_seal(&self, st: &State, pbn: u64, block: &crate::read::cache::Block) {
         let Some(t) = &self.tier else { return };
         let refs = u32::from(st.rc.get(pbn));
         // A threshold of 0 turns write-path promotion off.
         if t.promote_refs() > 0 && refs >= t.promote_refs() {
             t.promote_written(pbn, Some(block.clone()), true, refs, None);
+        } else {
+            t.offer_written(pbn, block, true);
         }
     }
 
