@@ -16,6 +16,10 @@
 //!   `fragment_key(pbn, slot)` (a key space no pbn reaches): a re-read of compressed data
 //!   then costs neither a decompression nor a copy. Removing a pbn removes its fragments.
 //!   Fragments are admitted only while the cache has spare room (`fill_fragment`).
+//! - A pbn with a fragment cached has its bit set in `fragment_pbns` (one bit per data
+//!   block up to the highest pbn seen: 32 KiB of bits per GiB of data device); removing a
+//!   pbn whose bit is clear costs one lookup instead of one per slot (every overwrite
+//!   removes its old block, and most blocks never had fragments cached).
 //! - Each entry keeps the crc32c of its 4 KiB, computed from that content when it entered
 //!   (an `Arc` never changes): a read of a raw block compares it with the map entry's crc
 //!   instead of hashing the block again, which is as strong a check of the same bytes.
@@ -75,6 +79,8 @@ pub struct ContentCache {
     hits: u64,
     /// Misses since open.
     misses: u64,
+    /// Bit per pbn: set when a fragment of it may be cached (see the invariants).
+    fragment_pbns: Vec<u64>,
 }
 
 /// A map keyed by block or page number, hashed with `PbnHasher`.
@@ -115,7 +121,7 @@ impl ContentCache {
                 quick_cache::unsync::DefaultLifecycle::default(),
             )
         });
-        ContentCache { table, hits: 0, misses: 0 }
+        ContentCache { table, hits: 0, misses: 0, fragment_pbns: Vec::new() }
     }
 
     /// Looks up a block (a hit counts towards keeping it).
@@ -169,8 +175,12 @@ impl ContentCache {
     pub fn remove(&mut self, pbn: u64) {
         if let Some(t) = self.table.as_mut() {
             t.remove(&pbn);
-            for slot in 0..crate::metadata::block_map::PACKED_SLOTS_MAX {
-                t.remove(&fragment_key(pbn, slot));
+            let (word, bit) = ((pbn / 64) as usize, 1u64 << (pbn % 64));
+            if let Some(w) = self.fragment_pbns.get_mut(word).filter(|w| **w & bit != 0) {
+                *w &= !bit;
+                for slot in 0..crate::metadata::block_map::PACKED_SLOTS_MAX {
+                    t.remove(&fragment_key(pbn, slot));
+                }
             }
         }
     }
@@ -179,10 +189,17 @@ impl ContentCache {
     /// full). Why: a packed block holds several fragments in 4 KiB, their decompressed
     /// copies take 4 KiB each; when the working set does not fit, caching the denser packed
     /// blocks serves more reads from memory than caching fragments would.
-    pub fn fill_fragment(&mut self, key: u64, block: Block, crc: u32) {
+    pub fn fill_fragment(&mut self, pbn: u64, slot: u8, block: Block, crc: u32) {
         let spare = self.table.as_ref().is_some_and(|t| (t.len() as u64) < t.capacity() - t.capacity() / 8);
         if spare {
-            self.fill(key, block, crc);
+            let word = (pbn / 64) as usize;
+            if word >= self.fragment_pbns.len() {
+                self.fragment_pbns.resize(word + 1, 0);
+            }
+            if let Some(w) = self.fragment_pbns.get_mut(word) {
+                *w |= 1u64 << (pbn % 64);
+            }
+            self.fill(fragment_key(pbn, slot), block, crc);
         }
     }
 
@@ -268,6 +285,27 @@ mod tests {
         let kept = hot.iter().filter(|&&p| c.contains(p)).count();
         assert!(kept >= 180, "the scan flushed the hot set: {kept} of {} hot blocks kept", hot.len());
         c.audit().expect("bound");
+    }
+
+    #[test]
+    fn removing_a_pbn_removes_its_fragments_only() {
+        let mut c = ContentCache::new(64 * 4096);
+        let b = |v: u8| -> Block { Arc::from(vec![v; 4096]) };
+        c.fill_fragment(7, 0, b(1), block_crc(&b(1)));
+        c.fill_fragment(7, 13, b(2), block_crc(&b(2)));
+        c.fill_fragment(9, 3, b(3), block_crc(&b(3)));
+        c.fill(8, b(4), block_crc(&b(4)));
+        assert!(c.get_fragment(7, 13).is_some());
+        c.remove(8);
+        assert!(c.get(8).is_none());
+        assert!(c.get_fragment(7, 0).is_some() && c.get_fragment(9, 3).is_some(), "another pbn's fragments went");
+        c.remove(7);
+        assert!(c.get_fragment(7, 0).is_none() && c.get_fragment(7, 13).is_none(), "a removed pbn's fragment stayed");
+        assert!(c.get_fragment(9, 3).is_some());
+        // Cached again after its removal (the block reused and packed again): removed again.
+        c.fill_fragment(7, 5, b(5), block_crc(&b(5)));
+        c.remove(7);
+        assert!(c.get_fragment(7, 5).is_none());
     }
 
     #[test]

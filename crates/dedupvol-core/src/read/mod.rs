@@ -191,7 +191,7 @@ impl Volume {
                 .collect()
         };
         // Fragments decompressed by this pass, offered to the cache at its end (one lock).
-        let mut decoded: Vec<(u64, Block, u32)> = Vec::new();
+        let mut decoded: Vec<(u64, u8, Block, u32)> = Vec::new();
         let mut k = 0;
         while let Some(&Looked { i, e, done, refs, epoch }) = looked.get(k) {
             if done {
@@ -286,7 +286,7 @@ impl Volume {
                 Some(slot) => {
                     let ok = packer::unpack(&block, e.pbn, slot, dst).is_ok() && crc32c::crc32c(dst) == e.crc;
                     if ok {
-                        decoded.push((cache::fragment_key(e.pbn, slot), Block::from(&*dst), e.crc));
+                        decoded.push((e.pbn, slot, Block::from(&*dst), e.crc));
                     }
                     ok
                 }
@@ -301,8 +301,8 @@ impl Volume {
         }
         if !decoded.is_empty() {
             let mut cache = self.cache.lock();
-            for (key, b, crc) in decoded {
-                cache.fill_fragment(key, b, crc);
+            for (pbn, slot, b, crc) in decoded {
+                cache.fill_fragment(pbn, slot, b, crc);
             }
         }
         Ok(())
