@@ -173,23 +173,21 @@ impl Volume {
         // just prefetched is taken from the prefetch, not looked up again: a second touch
         // would count it as re-read and promote a one-pass scan's blocks past the cache's
         // probation queue.
-        let hits: Vec<Hit> = {
-            let mut cache = self.cache.lock();
-            looked
-                .iter()
-                .map(|l| match packed.get(&l.e.pbn) {
-                    _ if l.done => Hit::default(),
-                    Some(b) => Hit { block: Some(b.clone()), crc: None, prefetched: true, fragment: false },
-                    None => match l.e.slot().and_then(|slot| cache.get_fragment(l.e.pbn, slot)) {
-                        Some((b, crc)) => Hit { block: Some(b), crc: Some(crc), prefetched: false, fragment: true },
-                        None => {
-                            let (block, crc) = cache.get_with_crc(l.e.pbn).unzip();
-                            Hit { block, crc, prefetched: false, fragment: false }
-                        }
-                    },
-                })
-                .collect()
-        };
+        let keys: Vec<Option<(u64, Option<u8>)>> = looked
+            .iter()
+            .map(|l| (!l.done && !packed.contains_key(&l.e.pbn)).then(|| (l.e.pbn, l.e.slot())))
+            .collect();
+        let found = self.cache.lock().get_many(&keys);
+        let hits: Vec<Hit> = looked
+            .iter()
+            .zip(found)
+            .map(|(l, f)| match (f, packed.get(&l.e.pbn)) {
+                _ if l.done => Hit::default(),
+                (Some(f), _) => Hit { block: Some(f.block), crc: Some(f.crc), prefetched: false, fragment: f.fragment },
+                (None, Some(b)) => Hit { block: Some(b.clone()), crc: None, prefetched: true, fragment: false },
+                (None, None) => Hit::default(),
+            })
+            .collect();
         // Fragments decompressed by this pass, offered to the cache at its end (one lock).
         let mut decoded: Vec<(u64, u8, Block, u32)> = Vec::new();
         let mut k = 0;
