@@ -291,11 +291,13 @@ impl Listener {
                 s.set_nonblocking(false)?;
                 // Replies are written header-then-payload; don't let Nagle hold the header.
                 s.set_nodelay(true)?;
+                widen_send_buffer(s.as_raw_fd());
                 Ok(Stream::Tcp(s))
             }
             Listener::Unix(u, _) => {
                 let (s, _) = u.accept()?;
                 s.set_nonblocking(false)?;
+                widen_send_buffer(s.as_raw_fd());
                 Ok(Stream::Unix(s))
             }
         }
@@ -322,6 +324,29 @@ impl Drop for Listener {
             }
         }
     }
+}
+
+/// Send buffer asked for on every accepted connection (the kernel caps it at
+/// `net.core.wmem_max`).
+const SEND_BUFFER_BYTES: libc::c_int = 4 << 20;
+
+/// Asks for a send buffer that holds a few large read replies. Why: with the default
+/// (about 208 KiB) a 1 MiB reply blocks the worker several times while the client drains
+/// the socket, and each block is a sleep and a wake-up on both sides. Best effort: a
+/// refusal leaves the default.
+fn widen_send_buffer(fd: RawFd) {
+    let v: libc::c_int = SEND_BUFFER_BYTES;
+    // SAFETY: `fd` is an open socket owned by the caller; the option value is a c_int
+    // that lives across the call, and its size is passed with it.
+    let _ = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&v as *const libc::c_int).cast::<libc::c_void>(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
 }
 
 #[cfg(test)]

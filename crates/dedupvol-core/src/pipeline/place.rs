@@ -90,7 +90,8 @@ impl Volume {
                 if let Some(t) = &self.tier {
                     t.offer_written(pbn, &block, false);
                 }
-                self.stage(st, pbn, block)?;
+                // A raw block is the chunk itself: its crc is the map entry's.
+                self.stage(st, pbn, block, Some(d.crc))?;
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, d.crc)
             }
@@ -111,7 +112,7 @@ impl Volume {
         if !st.packer.can_open() {
             if let Some((pbn, block, _)) = st.packer.seal_oldest() {
                 self.tier_on_seal(st, pbn, &block);
-                self.stage(st, pbn, block)?;
+                self.stage(st, pbn, block, None)?;
                 st.red.packed_blocks_written += 1;
             }
         }
@@ -156,7 +157,7 @@ impl Volume {
                 st.alloc.unreserve(pbn);
             } else {
                 self.tier_on_seal(st, pbn, &block);
-                self.stage(st, pbn, block)?;
+                self.stage(st, pbn, block, None)?;
                 st.red.packed_blocks_written += 1;
             }
         }
@@ -166,9 +167,9 @@ impl Volume {
     /// Queues a placed data block for writing (and caches it when writes are cached). The
     /// writer that fills the buffer writes it outside the lock; a buffer past its hard
     /// bound (one huge request) is written here.
-    pub(crate) fn stage(&self, st: &mut State, pbn: u64, block: Block) -> Result<()> {
+    pub(crate) fn stage(&self, st: &mut State, pbn: u64, block: Block, crc: Option<u32>) -> Result<()> {
         if self.cache_writes {
-            let crc = crate::read::cache::block_crc(&block);
+            let crc = crc.unwrap_or_else(|| crate::read::cache::block_crc(&block));
             self.cache.lock().put(pbn, block.clone(), crc);
         }
         st.staging.push(pbn, block);
