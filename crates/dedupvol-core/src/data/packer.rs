@@ -29,50 +29,9 @@ const CRC_OFFSET: usize = 4;
 
 const _: () = assert!(12 + 4 * PACKED_SLOTS_MAX as usize <= PACKED_HEADER_BYTES);
 
-/// Bytes `looks_incompressible` samples from a block (evenly spaced), in four quarters.
-const SAMPLE_BYTES: usize = 256;
-/// Distinct values among all samples from which a block may be taken for incompressible.
-/// Uniformly random bytes give about 162 (256 · (1 − 1/e)), with a standard deviation near
-/// 4.5; a block a fifth of which repeats earlier bytes (LZ4 saves about 18 % of it)
-/// gives about 142. The threshold between the two misjudges about 1 % of either kind.
-const SAMPLE_DISTINCT_MIN: u32 = 152;
-/// Distinct values among one quarter's 64 samples from which that quarter looks random
-/// (random: about 57, deviation near 3; text or zeros: well under 40).
-const QUARTER_DISTINCT_MIN: u32 = 48;
-
-/// True when a sample of `src` looks like random bytes, so compressing it would fail or
-/// save almost nothing: a 256-byte look (about 0.1 µs) instead of a full compression
-/// attempt (microseconds) on every incompressible block written (random, encrypted or
-/// already compressed data). Both tests must pass: as many distinct values overall as
-/// random data has (repetition of earlier bytes lowers it), and in each quarter of the
-/// block (a quarter of text or zeros lowers its own count even when the rest is random).
-pub(crate) fn looks_incompressible(src: &[u8]) -> bool {
-    if src.len() < SAMPLE_BYTES * 4 {
-        return false;
-    }
-    let step = src.len() / SAMPLE_BYTES;
-    let mut all = [0u64; 4];
-    for quarter in src.chunks(step * SAMPLE_BYTES / 4).take(4) {
-        let mut seen = [0u64; 4];
-        for b in quarter.iter().step_by(step) {
-            if let Some(w) = seen.get_mut(usize::from(b >> 6)) {
-                *w |= 1u64 << (b & 63);
-            }
-        }
-        if seen.iter().map(|w| w.count_ones()).sum::<u32>() < QUARTER_DISTINCT_MIN {
-            return false;
-        }
-        for (a, w) in all.iter_mut().zip(seen) {
-            *a |= w;
-        }
-    }
-    all.iter().map(|w| w.count_ones()).sum::<u32>() >= SAMPLE_DISTINCT_MIN
-}
-
-/// Compresses a 4 KiB block; None when the result would not fit in a packed block, or
-/// a sample says it would not compress (`looks_incompressible`).
+/// Compresses a 4 KiB block; None when the result would not fit in a packed block.
 pub fn compress(codec: Compression, src: &[u8]) -> Option<Vec<u8>> {
-    if codec == Compression::None || looks_incompressible(src) {
+    if codec == Compression::None {
         return None;
     }
     // Compress into a per-thread scratch buffer (sized for lz4_flex's worst case) and copy
@@ -345,57 +304,6 @@ impl Packer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn xorshift(seed: u64) -> impl FnMut() -> u8 {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        }
-    }
-
-    /// Nearly every random block is skipped; among blocks LZ4 would shrink by 15 % or
-    /// more (part random, the rest repeating earlier bytes, zeros or text), hardly any
-    /// are (the sample is a statistical test: the constants' comments give the odds).
-    #[test]
-    fn blocks_that_compress_are_rarely_taken_for_incompressible() {
-        let mut skipped_random = 0;
-        for seed in 0..400u64 {
-            let mut r = xorshift(seed);
-            let b: Vec<u8> = (0..BLOCK_SIZE).map(|_| r()).collect();
-            skipped_random += usize::from(looks_incompressible(&b));
-        }
-        assert!(skipped_random >= 380, "only {skipped_random} of 400 random blocks skipped");
-        let (mut compressible, mut wrongly_skipped) = (0, 0);
-        for seed in 0..96u64 {
-            for random_bytes in (0..=BLOCK_SIZE).step_by(128) {
-                let mut r = xorshift(seed + 1000);
-                let mut b: Vec<u8> = (0..random_bytes).map(|_| r()).collect();
-                // The rest: by seed, a repeat of the random part, zeros or text.
-                while b.len() < BLOCK_SIZE {
-                    let next = match (seed % 3, random_bytes) {
-                        (0, n) if n > 0 => b[(b.len() * 7) % n],
-                        (1, _) => 0,
-                        _ => b"the quick brown fox jumps "[b.len() % 26],
-                    };
-                    b.push(next);
-                }
-                let mut out = vec![0u8; lz4_flex::block::get_maximum_output_size(BLOCK_SIZE)];
-                let n = lz4_flex::block::compress_into(&b, &mut out).expect("lz4");
-                if n * 100 <= BLOCK_SIZE * 85 {
-                    compressible += 1;
-                    wrongly_skipped += usize::from(looks_incompressible(&b));
-                }
-            }
-        }
-        assert!(compressible > 1000, "{compressible} compressible blocks made");
-        assert!(
-            wrongly_skipped * 100 <= compressible,
-            "{wrongly_skipped} of {compressible} blocks that compress by 15 % or more were skipped"
-        );
-    }
 
     #[test]
     fn pack_seal_unpack_round_trip() {
