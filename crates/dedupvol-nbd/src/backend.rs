@@ -9,7 +9,7 @@
 //!   covers every write that completed before it, on any connection.
 //! - Errors carry the host errno the frontend maps to an NBD error code, plus context.
 
-use dedupvol_core::Volume;
+use dedupvol_core::{Extent, ExtentKind, Volume};
 use parking_lot::RwLock;
 
 /// A backend failure: the errno to report and a message for the log.
@@ -48,6 +48,16 @@ pub trait Backend: Send + Sync {
     fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError>;
     /// Writes zeros to a range; durable on return when `fua`.
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), BackendError>;
+    /// Which parts of a range are holes that read as zeros: consecutive runs covering a
+    /// non-empty prefix of a non-empty range, at most `extents_max` of them. The default
+    /// reports it all as data, which is always true enough (clients then read it).
+    fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
+        let _ = extents_max;
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size() => Ok(vec![Extent { len, kind: ExtentKind::Data }]),
+            _ => Err(BackendError { errno: libc::EINVAL, message: format!("{offset}+{len} beyond {}", self.size()) }),
+        }
+    }
 }
 
 fn engine_error(op: &str, offset: u64, len: u64, e: dedupvol_core::Error) -> BackendError {
@@ -80,6 +90,9 @@ impl Backend for Volume {
     }
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), BackendError> {
         Volume::write_zeroes(self, offset, len, fua).map_err(|e| engine_error("write-zeroes", offset, len, e))
+    }
+    fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
+        Volume::block_status(self, offset, len, extents_max).map_err(|e| engine_error("block-status", offset, len, e))
     }
 }
 
@@ -145,6 +158,27 @@ impl Backend for MemBackend {
     }
     fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError> {
         self.write_zeroes(offset, len, false)
+    }
+    /// All-zero 4 KiB blocks (and partial blocks at the ends) are holes: a RAM disk has no
+    /// allocation, and this lets protocol tests see both kinds without the engine.
+    fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
+        let r = self.range(offset, len)?;
+        let data = self.data.read();
+        let bytes = data.get(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let mut out: Vec<Extent> = Vec::new();
+        // The first piece ends at a block boundary, so later pieces are aligned blocks.
+        let first = ((4096 - offset % 4096) % 4096).min(len) as usize;
+        let (head, rest) = bytes.split_at(first);
+        for piece in std::iter::once(head).chain(rest.chunks(4096)).filter(|p| !p.is_empty()) {
+            let kind = if piece.iter().all(|&b| b == 0) { ExtentKind::Hole } else { ExtentKind::Data };
+            let full = out.len() == extents_max.max(1);
+            match out.last_mut() {
+                Some(last) if last.kind == kind => last.len += piece.len() as u64,
+                _ if full => break,
+                _ => out.push(Extent { len: piece.len() as u64, kind }),
+            }
+        }
+        Ok(out)
     }
     fn write_zeroes(&self, offset: u64, len: u64, _fua: bool) -> Result<(), BackendError> {
         self.check_writable()?;

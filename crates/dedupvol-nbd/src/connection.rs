@@ -242,6 +242,8 @@ pub fn refuse_connection(stream: Stream, message: &str, stopping: &Arc<AtomicBoo
 struct Session {
     /// Reads are answered with structured reply chunks.
     structured: bool,
+    /// The client selected `base:allocation` (see `block_status`).
+    allocation: bool,
 }
 
 /// Option haggling. Ok(Some): enter transmission; Ok(None): the client left politely.
@@ -262,7 +264,7 @@ fn handshake(
     }
     let client = proto::parse_client_flags(&flags).map_err(|e| invalid(e.to_string()))?;
     let tflags = export.transmission_flags();
-    let mut session = Session { structured: false };
+    let mut session = Session { structured: false, allocation: false };
     for _ in 0..OPTIONS_PER_CONNECTION_MAX {
         let mut hdr = [0u8; proto::OPTION_HEADER_BYTES];
         if !read_exact_or_eof(s, &mut hdr)? {
@@ -337,8 +339,17 @@ fn handshake(
                 session.structured = true;
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
             }
+            crate::block_status::OPT_LIST_META_CONTEXT | crate::block_status::OPT_SET_META_CONTEXT => {
+                let n = crate::block_status::negotiate(h.option, &data, session.structured, |name| export.matches(name));
+                if let Some(selected) = n.allocation {
+                    session.allocation = selected;
+                }
+                for (reply, d) in &n.replies {
+                    send_option_reply(s, h.option, *reply, d)?;
+                }
+            }
             other => {
-                // STARTTLS, META_CONTEXT, EXTENDED_HEADERS, ...: clients go on without them.
+                // STARTTLS, EXTENDED_HEADERS, ...: clients go on without them.
                 let msg = format!("option {other} is not supported");
                 send_option_reply(s, other, proto::REP_ERR_UNSUP, msg.as_bytes())?;
             }
@@ -579,6 +590,12 @@ fn execute(
         Command::WriteZeroes { offset, len, fua } => {
             status(backend.write_zeroes(offset, u64::from(len), fua));
         }
+        Command::BlockStatus { offset, len, req_one } => {
+            match crate::block_status::reply(backend, job.cookie, offset, len, req_one) {
+                Ok(chunk) => writer.write(&chunk, &[]),
+                Err(e) => writer.read_err(job.cookie, report(&e), &e.message),
+            }
+        }
     }
 }
 
@@ -686,7 +703,11 @@ fn transmission(
     });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
     let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0) });
-    let lim = ExportLimits { size: backend.size(), read_only: export.read_only };
+    let lim = ExportLimits {
+        size: backend.size(),
+        read_only: export.read_only,
+        block_status: session.structured && session.allocation,
+    };
     let requests = Arc::new(Mutex::new(RequestReader {
         reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
         ended: None,

@@ -27,6 +27,7 @@ macro_rules! log {
 }
 
 pub mod backend;
+pub mod block_status;
 pub mod client;
 pub mod connection;
 pub mod proto;

@@ -5,7 +5,8 @@ use dedupvol_nbd::proto::*;
 use proptest::prelude::*;
 
 fn export() -> impl Strategy<Value = ExportLimits> {
-    (any::<u64>(), any::<bool>()).prop_map(|(size, read_only)| ExportLimits { size, read_only })
+    (any::<u64>(), any::<bool>(), any::<bool>())
+        .prop_map(|(size, read_only, block_status)| ExportLimits { size, read_only, block_status })
 }
 
 proptest! {
@@ -29,6 +30,10 @@ proptest! {
                             (offset, len)
                         }
                         Command::Flush => (0, 0),
+                        Command::BlockStatus { offset, len, .. } => {
+                            prop_assert!(e.block_status && len > 0);
+                            (offset, len)
+                        }
                     };
                     prop_assert!(off.checked_add(u64::from(len)).is_some_and(|end| end <= e.size));
                     if matches!(c, Command::Write { .. }) { prop_assert!(!e.read_only); }
