@@ -12,14 +12,48 @@
 use dedupvol_core::{Extent, ExtentKind, Volume};
 use parking_lot::RwLock;
 
-/// A backend failure: the errno to report and a message for the log.
+/// A backend failure: the errno to report, what kind of failure it was (for the server's
+/// counters), and a message for the log.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message} (errno {errno})")]
 pub struct BackendError {
     /// Host errno (EIO, ENOSPC, EINVAL, EROFS, ...).
     pub errno: i32,
+    /// The failure's kind.
+    pub kind: ErrorKind,
     /// What went wrong.
     pub message: String,
+}
+
+/// What kind of failure a backend error is; several kinds share an errno (EIO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The device failed a read, write or sync (or the volume refuses writes after one).
+    Device,
+    /// Stored data or metadata did not match its checksum.
+    Checksum,
+    /// The volume is full.
+    NoSpace,
+    /// The volume or export is read-only.
+    ReadOnly,
+    /// The request was out of range or otherwise invalid.
+    Invalid,
+    /// Anything else.
+    Other,
+}
+
+impl BackendError {
+    /// An error whose kind follows from its errno (a backend without finer knowledge).
+    pub fn new(errno: i32, message: impl Into<String>) -> Self {
+        let kind = match errno {
+            libc::EIO => ErrorKind::Device,
+            libc::ENOSPC => ErrorKind::NoSpace,
+            libc::EROFS | libc::EPERM => ErrorKind::ReadOnly,
+            libc::EINVAL => ErrorKind::Invalid,
+            _ => ErrorKind::Other,
+        };
+        BackendError { errno, kind, message: message.into() }
+    }
 }
 
 /// A disk the server can export.
@@ -55,13 +89,22 @@ pub trait Backend: Send + Sync {
         let _ = extents_max;
         match offset.checked_add(len) {
             Some(end) if end <= self.size() => Ok(vec![Extent { len, kind: ExtentKind::Data }]),
-            _ => Err(BackendError { errno: libc::EINVAL, message: format!("{offset}+{len} beyond {}", self.size()) }),
+            _ => Err(BackendError::new(libc::EINVAL, format!("{offset}+{len} beyond {}", self.size()))),
         }
     }
 }
 
 fn engine_error(op: &str, offset: u64, len: u64, e: dedupvol_core::Error) -> BackendError {
-    BackendError { errno: e.errno(), message: format!("{op} at {offset}+{len}: {e}") }
+    use dedupvol_core::Error as E;
+    let kind = match &e {
+        E::Corruption(_) => ErrorKind::Checksum,
+        E::Io { .. } | E::Failed(_) => ErrorKind::Device,
+        E::NoSpace(_) => ErrorKind::NoSpace,
+        E::ReadOnly => ErrorKind::ReadOnly,
+        E::OutOfRange { .. } | E::InvalidArgument(_) => ErrorKind::Invalid,
+        _ => ErrorKind::Other,
+    };
+    BackendError { errno: e.errno(), kind, message: format!("{op} at {offset}+{len}: {e}") }
 }
 
 impl Backend for Volume {
@@ -109,12 +152,12 @@ impl MemBackend {
     /// A zero-filled disk of `size` bytes (at most [`MEM_BACKEND_BYTES_MAX`]).
     pub fn new(size: u64, read_only: bool) -> Result<Self, BackendError> {
         if size > MEM_BACKEND_BYTES_MAX {
-            return Err(BackendError {
-                errno: libc::EINVAL,
-                message: format!("memory backend of {size} bytes exceeds {MEM_BACKEND_BYTES_MAX}"),
-            });
+            return Err(BackendError::new(
+                libc::EINVAL,
+                format!("memory backend of {size} bytes exceeds {MEM_BACKEND_BYTES_MAX}"),
+            ));
         }
-        let len = usize::try_from(size).map_err(|_| BackendError { errno: libc::EINVAL, message: "size".into() })?;
+        let len = usize::try_from(size).map_err(|_| BackendError::new(libc::EINVAL, "size"))?;
         Ok(MemBackend { data: RwLock::new(vec![0; len]), read_only })
     }
 
@@ -122,13 +165,13 @@ impl MemBackend {
         let size = self.size();
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(offset as usize..end as usize),
-            _ => Err(BackendError { errno: libc::EINVAL, message: format!("{offset}+{len} beyond {size}") }),
+            _ => Err(BackendError::new(libc::EINVAL, format!("{offset}+{len} beyond {size}"))),
         }
     }
 
     fn check_writable(&self) -> Result<(), BackendError> {
         if self.read_only {
-            return Err(BackendError { errno: libc::EROFS, message: "memory backend is read-only".into() });
+            return Err(BackendError::new(libc::EROFS, "memory backend is read-only"));
         }
         Ok(())
     }
@@ -141,7 +184,7 @@ impl Backend for MemBackend {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
         let r = self.range(offset, buf.len() as u64)?;
         let data = self.data.read();
-        let src = data.get(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let src = data.get(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         buf.copy_from_slice(src);
         Ok(())
     }
@@ -149,7 +192,7 @@ impl Backend for MemBackend {
         self.check_writable()?;
         let r = self.range(offset, src.len() as u64)?;
         let mut data = self.data.write();
-        let dst = data.get_mut(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let dst = data.get_mut(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         dst.copy_from_slice(src);
         Ok(())
     }
@@ -164,7 +207,7 @@ impl Backend for MemBackend {
     fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
         let r = self.range(offset, len)?;
         let data = self.data.read();
-        let bytes = data.get(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let bytes = data.get(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         let mut out: Vec<Extent> = Vec::new();
         // The first piece ends at a block boundary, so later pieces are aligned blocks.
         let first = ((4096 - offset % 4096) % 4096).min(len) as usize;
@@ -184,7 +227,7 @@ impl Backend for MemBackend {
         self.check_writable()?;
         let r = self.range(offset, len)?;
         let mut data = self.data.write();
-        let dst = data.get_mut(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let dst = data.get_mut(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         dst.fill(0);
         Ok(())
     }

@@ -252,10 +252,10 @@ pub fn reply(backend: &dyn Backend, cookie: u64, offset: u64, len: u32, req_one:
     if d.is_empty() {
         // The spec requires at least one descriptor; a backend that found nothing broke
         // its contract, and the client must not loop on an empty answer.
-        return Err(BackendError {
-            errno: libc::EIO,
-            message: format!("block status at {offset}+{len}: the backend reported no extent"),
-        });
+        return Err(BackendError::new(
+            libc::EIO,
+            format!("block status at {offset}+{len}: the backend reported no extent"),
+        ));
     }
     Ok(encode_block_status_chunk(cookie, BASE_ALLOCATION_ID, &d))
 }

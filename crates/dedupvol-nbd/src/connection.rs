@@ -23,6 +23,7 @@
 //!   that stopped reading cannot hold up shutdown.
 
 use crate::backend::Backend;
+use crate::metrics::ServerMetrics;
 use crate::proto::{self, Command, Disposition, ExportLimits};
 use crate::stream::Stream;
 use parking_lot::{Condvar, Mutex};
@@ -152,6 +153,7 @@ pub fn serve_connection(
     export: &ExportConfig,
     limits: &ConnectionLimits,
     stopping: &Arc<AtomicBool>,
+    metrics: &Arc<ServerMetrics>,
 ) -> Outcome {
     let mut s = stream;
     if let Err(e) = s.set_read_timeout(Some(limits.handshake_timeout)) {
@@ -171,7 +173,7 @@ pub fn serve_connection(
     if let Err(e) = s.set_read_timeout(None) {
         return Outcome::Dropped(format!("clearing the handshake timeout: {e}"));
     }
-    transmission(s, session, backend, export, limits, send)
+    transmission(s, session, backend, export, limits, send, metrics.clone())
 }
 
 /// Writes to a client within the stall limits of [`ConnectionLimits`].
@@ -358,9 +360,11 @@ fn handshake(
     Err(invalid(format!("client sent more than {OPTIONS_PER_CONNECTION_MAX} options")))
 }
 
-/// Per-connection error log with a line budget.
+/// Per-connection error log with a line budget; failures are also counted in the server's
+/// metrics, all of them.
 struct ErrorLog {
     count: std::sync::atomic::AtomicU64,
+    metrics: Arc<ServerMetrics>,
 }
 
 impl ErrorLog {
@@ -541,6 +545,7 @@ fn execute(
     parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
 ) {
     let report = |e: &crate::backend::BackendError| {
+        log.metrics.failed(&job.cmd, e.kind);
         log.log(format_args!("request {:#x} failed: {e}", job.cookie));
         proto::nbd_error_from_errno(e.errno)
     };
@@ -639,6 +644,7 @@ fn next_request(
         Disposition::Disconnect => Next::End(Outcome::Closed),
         Disposition::Close(why) => Next::End(Outcome::Dropped(why)),
         Disposition::Reject { error, skip, reason } => {
+            log.metrics.rejected();
             log.log(format_args!("rejecting request {:#x}: {reason}", req.cookie));
             match io::copy(&mut r.take(u64::from(skip)), &mut io::sink()) {
                 Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => {
@@ -689,6 +695,7 @@ fn transmission(
     export: &ExportConfig,
     limits: &ConnectionLimits,
     send: Sender,
+    metrics: Arc<ServerMetrics>,
 ) -> Outcome {
     let write_half = match stream.try_clone() {
         Ok(w) => w,
@@ -702,7 +709,7 @@ fn transmission(
         structured: session.structured,
     });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
-    let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0) });
+    let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0), metrics });
     let lim = ExportLimits {
         size: backend.size(),
         read_only: export.read_only,
@@ -738,9 +745,11 @@ fn transmission(
                     }
                 };
                 // An engine bug must cost one request (EIO), not the connection's accounting.
+                let started = std::time::Instant::now();
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     execute(backend.as_ref(), &job, &writer, &log, &mut scratch, &mut parts)
                 }));
+                log.metrics.request(&job.cmd, started.elapsed());
                 if ran.is_err() {
                     log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
                     match job.cmd {

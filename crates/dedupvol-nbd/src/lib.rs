@@ -30,12 +30,14 @@ pub mod backend;
 pub mod block_status;
 pub mod client;
 pub mod connection;
+pub mod metrics;
 pub mod proto;
 pub mod server;
 pub mod stream;
 
-pub use backend::{Backend, BackendError, MemBackend};
+pub use backend::{Backend, BackendError, ErrorKind, MemBackend};
 pub use client::{ClientError, NbdClient, NbdUri};
 pub use connection::{ConnectionLimits, ExportConfig};
+pub use metrics::{ServerMetrics, ServerMetricsSnapshot};
 pub use server::{RunSummary, Server, ServerConfig, StopHandle};
 pub use stream::{ListenAddr, Listener};
