@@ -83,12 +83,15 @@ macro_rules! usage_bail {
     ($($t:tt)*) => { return Err($crate::usage(format!($($t)*))) };
 }
 
+mod admin;
 mod copy;
 mod interrupt;
 mod memory;
+mod metrics;
 mod probe;
 mod replay;
 mod serve;
+mod service;
 mod trace_cmds;
 mod volume_cmds;
 mod workload_cmds;
