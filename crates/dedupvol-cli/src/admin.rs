@@ -39,7 +39,9 @@ pub const RUNTIME_DIR_ENV: &str = "DEDUPVOL_RUNTIME_DIR";
 /// What a running server reports about itself and its volume.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
-    /// The volume's statistics (None when serving a RAM disk).
+    /// The volume's statistics (None when serving a RAM disk). Flattened, so the JSON has
+    /// the same fields as `stats --json` of a closed volume, and more.
+    #[serde(flatten)]
     pub volume: Option<Stats>,
     /// Physical blocks by reference count.
     pub refcount_histogram: Vec<RefcountBucket>,
@@ -166,7 +168,8 @@ pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Servic
 /// Asks the server of `volume` for its report. `Ok(None)` when no server answers (no
 /// socket, or a stale one): the volume is not being served.
 pub fn query(volume: &Path) -> anyhow::Result<Option<Report>> {
-    let path = socket_path(volume)?;
+    // A path that cannot be looked at is nobody's volume; opening it says why.
+    let Ok(path) = socket_path(volume) else { return Ok(None) };
     let mut s = match std::os::unix::net::UnixStream::connect(&path) {
         Ok(s) => s,
         Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) => return Ok(None),

@@ -92,6 +92,7 @@ mod probe;
 mod replay;
 mod serve;
 mod service;
+mod stats_cmd;
 mod trace_cmds;
 mod volume_cmds;
 mod workload_cmds;
