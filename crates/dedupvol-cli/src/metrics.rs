@@ -49,12 +49,19 @@ struct Sampled {
 
 impl EncodeMetric for Sampled {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        for (labels, v) in &self.samples {
-            let mut e = encoder.encode_family(labels)?;
-            match self.kind {
+        fn value(kind: MetricType, e: &mut MetricEncoder, v: f64) -> Result<(), std::fmt::Error> {
+            match kind {
                 // Counters are whole numbers here; integers keep them exact past 2^53.
-                MetricType::Counter => e.encode_counter::<(), _, u64>(&(*v as u64), None)?,
-                _ => e.encode_gauge(v)?,
+                MetricType::Counter => e.encode_counter::<(), _, u64>(&(v as u64), None),
+                _ => e.encode_gauge(&v),
+            }
+        }
+        for (labels, v) in &self.samples {
+            if labels.is_empty() {
+                // An unlabelled series is written bare (`name value`, not `name{} value`).
+                value(self.kind, &mut encoder, *v)?;
+            } else {
+                value(self.kind, &mut encoder.encode_family(labels)?, *v)?;
             }
         }
         Ok(())
