@@ -202,6 +202,24 @@ fn metrics_endpoint_serves_openmetrics_that_moves_with_io() {
         after["dedupvol_nbd_request_duration_seconds_count{command=\"write\"}"]
     );
 
+    // Every series the Grafana dashboard queries exists, so the dashboard cannot drift
+    // from the exposition.
+    let dashboard =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/grafana-dashboard.json")).unwrap();
+    let names: std::collections::HashSet<&str> =
+        after.keys().map(|k| k.split('{').next().unwrap()).collect();
+    let mut queried = 0;
+    for (i, _) in dashboard.match_indices("dedupvol_") {
+        let name: String =
+            dashboard[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        if name == "dedupvol_" {
+            continue;
+        }
+        queried += 1;
+        assert!(names.contains(name.as_str()), "the dashboard queries {name}, which the endpoint does not serve");
+    }
+    assert!(queried > 20, "found only {queried} series in the dashboard");
+
     let (status, _, _) = http_get(&addr, "/nothing");
     assert!(status.contains(" 404 "), "{status}");
     assert!(srv.stop().success());

@@ -19,7 +19,7 @@ use crate::config::BLOCK_SIZE_U64;
 use crate::error::Result;
 use crate::metadata::refcount::REFCOUNT_MAX;
 
-/// Map entries looked up per hold of the state lock (64 MiB of logical space, 21 block map
+/// Map entries looked up per hold of the state lock (64 MiB of logical space, 41 block map
 /// pages): a lookup that misses the block map cache reads pages under the lock.
 pub const BLOCK_STATUS_BLOCKS_PER_HOLD: u64 = 16 << 10;
 /// Blocks one call looks at, at most (4 GiB, the longest NBD request).
