@@ -130,7 +130,8 @@ fn prepare_runtime_dir(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Starts the admin socket of `volume_path`. `Ok(None)` (with a warning on stderr) when a
-/// live server already answers on it: a second read-only server of the volume.
+/// live server already answers on it: a second read-only server of the volume. An error
+/// (runtime directory unusable) is the caller's to report; the server can run without.
 pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Service>> {
     let path = socket_path(volume_path)?;
     if let Some(dir) = path.parent() {
@@ -188,4 +189,39 @@ pub fn query(volume: &Path) -> anyhow::Result<Option<Report>> {
     }
     let report = serde_json::from_str(&answer).with_context(|| format!("decoding the answer of {}", path.display()))?;
     Ok(Some(report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_directory_must_be_private() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let dir = t.path().join("run");
+        prepare_runtime_dir(&dir).expect("created");
+        let mode = std::fs::metadata(&dir).expect("stat").mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        prepare_runtime_dir(&dir).expect("an existing private directory is fine");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let e = prepare_runtime_dir(&dir).expect_err("open to others");
+        assert!(e.to_string().contains("closed to others"), "{e}");
+        let file = t.path().join("file");
+        std::fs::write(&file, b"x").expect("write");
+        assert!(prepare_runtime_dir(&file).is_err(), "a file is not a directory");
+    }
+
+    #[test]
+    fn every_spelling_of_a_volume_path_names_one_socket() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let vol = t.path().join("vol.img");
+        std::fs::write(&vol, b"x").expect("write");
+        let link = t.path().join("link.img");
+        std::os::unix::fs::symlink(&vol, &link).expect("symlink");
+        let dotted = t.path().join(".").join("vol.img");
+        let a = socket_path(&vol).expect("path");
+        assert_eq!(a, socket_path(&link).expect("path"));
+        assert_eq!(a, socket_path(&dotted).expect("path"));
+        assert!(socket_path(&t.path().join("missing")).is_err());
+    }
 }

@@ -35,6 +35,8 @@ use std::io::{self, Read, Write};
 
 /// Longest HTTP request head read.
 pub const REQUEST_HEAD_BYTES_MAX: usize = 8 << 10;
+/// Bytes of an oversized request read and dropped after refusing it.
+const DRAIN_BYTES_MAX: u64 = 64 << 10;
 /// The content type of OpenMetrics text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -296,7 +298,12 @@ fn answer(s: &mut dedupvol_nbd::stream::Stream, source: &Source) -> io::Result<(
         }
         head.extend_from_slice(buf.get(..n).unwrap_or_default());
         if head.len() > REQUEST_HEAD_BYTES_MAX {
-            return respond(s, "431 Request Header Fields Too Large", "text/plain", "request head too large\n");
+            respond(s, "431 Request Header Fields Too Large", "text/plain", "request head too large\n")?;
+            // Closing with unread bytes would reset the connection and could discard the
+            // answer before the client reads it: end our side, then drain a little.
+            s.shutdown(std::net::Shutdown::Write)?;
+            let _ = io::copy(&mut s.take(DRAIN_BYTES_MAX), &mut io::sink());
+            return Ok(());
         }
     }
     let line = String::from_utf8_lossy(&head);

@@ -248,8 +248,12 @@ fn serve(
         Some(a) => Some(crate::metrics::start(a, source.clone()).with_context(|| format!("--metrics {a}"))?),
         None => None,
     };
+    // Without its admin socket the server still serves; `stats` then cannot reach it.
     let admin = match source.volume {
-        Some(_) => crate::admin::start(&side.volume_path, source)?,
+        Some(_) => crate::admin::start(&side.volume_path, source).unwrap_or_else(|e| {
+            let _ = writeln!(std::io::stderr(), "dedupvol: warning: no admin socket: {}", crate::error_line(&e));
+            None
+        }),
         None => None,
     };
     // A reader that closed our stdout after the readiness line does not stop the server.

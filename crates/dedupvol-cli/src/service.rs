@@ -5,6 +5,7 @@
 //! - One client at a time, each with read and write timeouts of [`CLIENT_TIMEOUT`]: the
 //!   service holds at most one connection and one thread, whatever clients do; a client
 //!   that stalls delays the next by at most the timeout.
+//! - A failed or panicking answer costs that client only; the service goes on.
 //! - [`Service::stop`] returns only after the thread has exited and dropped its handler,
 //!   so whatever the handler holds (the volume) is released before the volume is closed.
 
@@ -48,12 +49,16 @@ impl Service {
                         continue;
                     }
                 };
-                let answered = s
-                    .set_read_timeout(Some(CLIENT_TIMEOUT))
-                    .and_then(|()| s.set_write_timeout(Some(CLIENT_TIMEOUT)))
-                    .and_then(|()| handle(&mut s));
-                // A client that went away or timed out concerns only itself.
-                let _ = answered;
+                // A client that went away or timed out concerns only itself; a bug in
+                // answering one must not take the service down for the next.
+                let answered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    s.set_read_timeout(Some(CLIENT_TIMEOUT))
+                        .and_then(|()| s.set_write_timeout(Some(CLIENT_TIMEOUT)))
+                        .and_then(|()| handle(&mut s))
+                }));
+                if answered.is_err() {
+                    let _ = writeln!(io::stderr(), "dedupvol: {log_name}: answering a client panicked");
+                }
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
         })?;

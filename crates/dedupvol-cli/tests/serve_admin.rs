@@ -222,6 +222,20 @@ fn metrics_endpoint_serves_openmetrics_that_moves_with_io() {
 
     let (status, _, _) = http_get(&addr, "/nothing");
     assert!(status.contains(" 404 "), "{status}");
+    // A request head past the bound is refused, and the endpoint keeps answering.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let _ = write!(s, "GET /metrics HTTP/1.1\r\nX-Long: {}\r\n\r\n", "a".repeat(16 << 10));
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 431 "), "{answer}");
+    drop(s);
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    write!(s, "POST /metrics HTTP/1.1\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 405 "), "{answer}");
+    assert!(http_get(&addr, "/metrics").0.contains(" 200 "));
     assert!(srv.stop().success());
     assert!(std::net::TcpStream::connect(&addr).is_err(), "the endpoint goes with the server");
 }

@@ -66,5 +66,14 @@ proptest! {
         if let Ok(name) = parse_name(&bytes) {
             prop_assert!(!name.contains('\0'));
         }
+        if let Ok(r) = dedupvol_nbd::block_status::parse_meta_context_request(&bytes) {
+            prop_assert!(r.export.len() <= NAME_BYTES_MAX);
+            prop_assert!(r.queries.len() <= dedupvol_nbd::block_status::META_QUERIES_MAX);
+            prop_assert!(r.queries.iter().all(|q| q.contains(':') && !q.starts_with(':')));
+        }
+        for option in [dedupvol_nbd::block_status::OPT_LIST_META_CONTEXT, dedupvol_nbd::block_status::OPT_SET_META_CONTEXT] {
+            let n = dedupvol_nbd::block_status::negotiate(option, &bytes, true, |_| true);
+            prop_assert!(!n.replies.is_empty());
+        }
     }
 }
