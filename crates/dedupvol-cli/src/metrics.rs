@@ -215,6 +215,7 @@ pub fn encode(r: &Report) -> String {
             vec![
                 (labels(&[("reason", "refcount")]), t.promotions_write as f64),
                 (labels(&[("reason", "reread")]), t.promotions_read as f64),
+                (labels(&[("reason", "fill")]), t.fills as f64),
                 (labels(&[("reason", "dropped")]), t.promotions_dropped as f64),
             ],
         );
