@@ -73,11 +73,14 @@ impl EncodeMetric for Sampled {
     }
 }
 
+/// One histogram: its labels, the sum of observations, and per-bucket counts with their
+/// upper bounds (the last bound is +Inf, written `f64::MAX`).
+type HistogramSample = (Labels, f64, Vec<(f64, u64)>);
+
 /// Histograms from bucket counts kept elsewhere (the server's latency buckets).
 #[derive(Debug)]
 struct Histograms {
-    /// (labels, sum, per-bucket counts with their upper bounds; the last bound is +Inf).
-    samples: Vec<(Labels, f64, Vec<(f64, u64)>)>,
+    samples: Vec<HistogramSample>,
 }
 
 impl EncodeMetric for Histograms {
