@@ -22,8 +22,9 @@ pub struct StatsArgs {
     vol: OpenArgs,
     /// Machine-readable output: `lifetime` counts over the volume's life (as of its last
     /// close or checkpoint); `counters` and `io` count the serving process (or this one, for
-    /// a volume nobody serves). A served volume adds `server` (NBD requests, latency,
-    /// errors, connections), `refcount_histogram`, `export`, `address`, `pid`, `uptime_seconds`.
+    /// a volume nobody serves); `refcount_histogram` buckets physical blocks by references.
+    /// A served volume adds `server` (NBD requests, latency, errors, connections), `export`,
+    /// `address`, `pid` and `uptime_seconds`.
     #[arg(long)]
     json: bool,
     /// Redraw a live view of a served volume until interrupted (with --json: one JSON
@@ -52,12 +53,18 @@ pub fn run(a: StatsArgs) -> anyhow::Result<ExitCode> {
     }
     let vol = open(&a.vol, true)?;
     let s = vol.stats();
+    let histogram = vol.refcount_histogram();
     if a.json {
-        outln!("{}", serde_json::to_string_pretty(&s)?)?;
+        // The same fields a served volume reports, less the server's.
+        let mut j = serde_json::to_value(&s)?;
+        if let Some(m) = j.as_object_mut() {
+            m.insert("refcount_histogram".into(), serde_json::to_value(&histogram)?);
+        }
+        outln!("{}", serde_json::to_string_pretty(&j)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     print_stats(&s)?;
-    print_histogram(&vol.refcount_histogram())?;
+    print_histogram(&histogram)?;
     Ok(ExitCode::SUCCESS)
 }
 

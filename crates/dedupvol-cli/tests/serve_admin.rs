@@ -75,6 +75,7 @@ fn stats_of_a_served_volume_asks_the_server() {
     // Not served: the volume itself is read, and --watch says why it cannot run.
     let closed = stats_json(&vol, dir.path());
     assert!(closed.get("server").is_none());
+    assert_eq!(closed["refcount_histogram"], busy["refcount_histogram"], "same histogram, served or not");
     assert_eq!(closed["logical_bytes_used"], busy["logical_bytes_used"]);
     let watch = stats(&vol, dir.path(), &["--watch", "--count", "1"]);
     assert_eq!(watch.status.code(), Some(1));
