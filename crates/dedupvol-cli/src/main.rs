@@ -83,12 +83,16 @@ macro_rules! usage_bail {
     ($($t:tt)*) => { return Err($crate::usage(format!($($t)*))) };
 }
 
+mod admin;
 mod copy;
 mod interrupt;
 mod memory;
+mod metrics;
 mod probe;
 mod replay;
 mod serve;
+mod service;
+mod stats_cmd;
 mod trace_cmds;
 mod volume_cmds;
 mod workload_cmds;

@@ -4,6 +4,9 @@
 //! which is what lets the server advertise multi-conn. To serve several volumes, run
 //! several processes on different ports or sockets.
 //!
+//! Beside the NBD listener it runs the admin socket (`dedupvol stats` on a served volume
+//! asks it; see `admin`) and, with `--metrics`, an OpenMetrics endpoint (see `metrics`).
+//!
 //! Shutdown: SIGINT/SIGTERM/SIGHUP stop accepting, in-flight requests finish and are
 //! answered (a client that stopped reading is not waited for), then the volume is closed
 //! cleanly (flushed, marked clean). A second signal exits at once.
@@ -79,6 +82,11 @@ pub enum ServeCommand {
         /// memory; more may pay on more cores.
         #[arg(long, default_value_t = 4)]
         workers_per_connection: usize,
+        /// Serve OpenMetrics (Prometheus) text at http://ADDR/metrics (HOST:PORT; port 0
+        /// picks a free port, printed on start). Loopback unless you mean it: no TLS, no
+        /// authentication.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<String>,
         /// Serve a RAM disk of this size instead of the volume (protocol testing only;
         /// PATH is ignored and nothing is stored).
         #[arg(long, hide = true)]
@@ -103,6 +111,7 @@ impl ServeCommand {
             cache_writes,
             tier,
             workers_per_connection,
+            metrics,
             in_memory,
         } = self;
         if connections_max == 0 {
@@ -177,7 +186,8 @@ impl ServeCommand {
         };
         // Whatever happens to the server, the volume is closed cleanly afterwards: dropping
         // it unclosed would look like a crash and cost a journal replay at the next open.
-        let served = serve(&addr, config, backend);
+        let side = SideServices { volume_path: path.clone(), volume: volume.clone(), metrics_addr: metrics };
+        let served = serve(&addr, config, backend, side);
         let mut tier_stats = None;
         let closed = match volume {
             Some(v) => match Arc::try_unwrap(v) {
@@ -205,14 +215,60 @@ impl ServeCommand {
     }
 }
 
-/// Binds, prints the readiness line, and serves until SIGINT/SIGTERM/SIGHUP. Consumes
-/// `backend` so that, on return, the caller holds the only reference to the volume.
-fn serve(addr: &ListenAddr, config: ServerConfig, backend: Arc<dyn Backend>) -> anyhow::Result<RunSummary> {
+/// What runs beside the NBD server: the admin socket (always, for a volume) and the
+/// metrics endpoint (with `--metrics`).
+struct SideServices {
+    volume_path: PathBuf,
+    volume: Option<Arc<Volume>>,
+    metrics_addr: Option<String>,
+}
+
+/// Binds, starts the admin socket and metrics endpoint, prints the readiness line, and
+/// serves until SIGINT/SIGTERM/SIGHUP. Consumes `backend` and `side` so that, on return
+/// (the side services stopped and joined), the caller holds the only reference to the volume.
+fn serve(
+    addr: &ListenAddr,
+    config: ServerConfig,
+    backend: Arc<dyn Backend>,
+    side: SideServices,
+) -> anyhow::Result<RunSummary> {
     let name = config.export.name.clone();
     let server = Server::bind(addr, config).with_context(|| format!("listening on {addr}"))?;
     server.stop_on_signals().context("installing signal handlers")?;
     let size = backend.size();
+    let source = crate::admin::Source {
+        volume: side.volume,
+        metrics: server.metrics(),
+        export: name.clone(),
+        address: server.display_addr(),
+        started: std::time::Instant::now(),
+    };
+    // Started before the readiness line, so a script that waited for it finds them.
+    let metrics_service = match &side.metrics_addr {
+        Some(a) => Some(crate::metrics::start(a, source.clone()).with_context(|| format!("--metrics {a}"))?),
+        None => None,
+    };
+    // Without its admin socket the server still serves; `stats` then cannot reach it.
+    let admin = match source.volume {
+        Some(_) => crate::admin::start(&side.volume_path, source).unwrap_or_else(|e| {
+            let _ = writeln!(std::io::stderr(), "dedupvol: warning: no admin socket: {}", crate::error_line(&e));
+            None
+        }),
+        None => None,
+    };
     // A reader that closed our stdout after the readiness line does not stop the server.
     outln!("dedupvol: serving {name} ({size} bytes) on {}", server.display_addr())?;
-    server.run(backend).context("serving")
+    // After the readiness line, which stays the first line scripts wait for.
+    if let Some(m) = &metrics_service {
+        outln!("dedupvol: metrics on http://{}/metrics", m.address())?;
+    }
+    let summary = server.run(backend).context("serving");
+    // Stopped before the volume is closed: they hold it.
+    if let Some(a) = admin {
+        a.stop();
+    }
+    if let Some(m) = metrics_service {
+        m.stop();
+    }
+    summary
 }

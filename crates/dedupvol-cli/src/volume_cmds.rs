@@ -23,8 +23,9 @@ pub enum VolumeCommand {
     Import(crate::copy::ImportArgs),
     /// Copy the volume's logical contents out to a file, block device, pipe or stdout (-).
     Export(crate::copy::ExportArgs),
-    /// Show space, savings, and counters kept over the volume's life.
-    Stats(StatsArgs),
+    /// Show space, savings, and counters kept over the volume's life; on a served volume,
+    /// the running server's live figures (--watch redraws them).
+    Stats(crate::stats_cmd::StatsArgs),
     /// Audit a closed volume: reference counts, leaks, double use, checksums.
     Check(CheckArgs),
 }
@@ -156,16 +157,6 @@ pub(crate) fn tier_summary(t: &TierStats) -> String {
 }
 
 #[derive(Args)]
-pub struct StatsArgs {
-    #[command(flatten)]
-    vol: OpenArgs,
-    /// Machine-readable output: `lifetime` counts over the volume's life (as of its last
-    /// close or checkpoint); `counters` and `io` count this process only.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args)]
 pub struct CheckArgs {
     #[command(flatten)]
     vol: OpenArgs,
@@ -250,7 +241,7 @@ impl VolumeCommand {
             VolumeCommand::Info(a) => info(a),
             VolumeCommand::Import(a) => crate::copy::import(a),
             VolumeCommand::Export(a) => crate::copy::export(a),
-            VolumeCommand::Stats(a) => stats(a),
+            VolumeCommand::Stats(a) => crate::stats_cmd::run(a),
             VolumeCommand::Check(a) => check(a),
         }
     }
@@ -379,53 +370,6 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     for (what, b) in mem {
         outln!("  {what:<34} {}", human(b))?;
     }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn stats(a: StatsArgs) -> anyhow::Result<ExitCode> {
-    let vol = open(&a.vol, true)?;
-    let s = vol.stats();
-    if a.json {
-        outln!("{}", serde_json::to_string_pretty(&s)?)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    outln!("logical size        {}", human(s.logical_size_bytes))?;
-    outln!("logical in use      {}", human(s.logical_bytes_used))?;
-    outln!(
-        "physical data used  {} of {} ({} blocks)",
-        human(s.physical_data_bytes_used),
-        human(s.data_blocks_total * 4096),
-        s.data_blocks_used
-    )?;
-    outln!("metadata            {}", human(s.metadata_bytes))?;
-    // An empty volume has no ratio: "-" rather than a misleading 0.00:1.
-    outln!("reduction ratio     {}", crate::ratio_text(s.reduction_ratio))?;
-    outln!("savings: zero       {}", human(s.savings.zero_bytes))?;
-    outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
-    outln!("savings: compress   {}", human(s.savings.compression_bytes))?;
-    outln!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes))?;
-    if let Some(t) = &s.tier {
-        outln!("{}", tier_summary(t))?;
-    }
-    // Kept in the volume (updated at checkpoints and close), not counted by this process.
-    let l = &s.lifetime;
-    outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;
-    outln!(
-        "lifetime: written   {} blocks (zero {}, deduplicated {}, compressed {}, raw {})",
-        l.blocks_written,
-        l.zero_blocks,
-        l.dedup_hits,
-        l.compressed_blocks,
-        l.raw_blocks
-    )?;
-    outln!(
-        "lifetime: device    {} data + {} metadata written, {} data read, {} read to verify, {} syncs",
-        human(l.data_write_bytes),
-        human(l.metadata_write_bytes),
-        human(l.data_read_bytes),
-        human(l.verify_read_bytes),
-        l.syncs
-    )?;
     Ok(ExitCode::SUCCESS)
 }
 

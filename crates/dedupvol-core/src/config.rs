@@ -5,7 +5,7 @@
 //! - Format-time settings are stored in the superblock; open-time tunables are not.
 
 use crate::error::{Error, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Bytes in a logical and a physical block.
 pub const BLOCK_SIZE: usize = 4096;
@@ -13,7 +13,7 @@ pub const BLOCK_SIZE: usize = 4096;
 pub const BLOCK_SIZE_U64: u64 = BLOCK_SIZE as u64;
 
 /// Compressor used for new data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Compression {
     /// Store every block raw.
@@ -68,7 +68,7 @@ impl std::fmt::Display for Compression {
 }
 
 /// When a write is acknowledged (docs/design.md, durability contract).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WritePolicy {
     /// Durable before the acknowledgement (group commit).
@@ -99,7 +99,7 @@ impl std::fmt::Display for WritePolicy {
 }
 
 /// How a duplicate is confirmed before it is shared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DedupVerify {
     /// Read the candidate (content cache, else a device read) and compare every byte.

@@ -84,6 +84,12 @@ fn a_block_map_page_with_an_unknown_entry_state_is_corruption_of_that_page() {
     assert_eq!(out, vec![0u8; BLOCK]);
     let e = vol.read(LBA * BLOCK as u64, &mut out).expect_err("still damaged");
     assert_eq!(e.errno(), libc::EIO, "corruption is reported as EIO");
+    // An allocation query over the damaged entry fails the same way (the NBD server
+    // answers it with an error chunk); one that stops short of it still answers.
+    let c = corruption(vol.block_status(0, 8 * BLOCK as u64, 16));
+    assert_eq!((c.structure, c.address), ("block map page", 0), "{c}");
+    let before = vol.block_status(0, LBA * BLOCK as u64, 16).expect("lbas before the damaged one");
+    assert_eq!(before.iter().map(|e| e.len).sum::<u64>(), LBA * BLOCK as u64);
     drop(vol);
 }
 

@@ -9,17 +9,51 @@
 //!   covers every write that completed before it, on any connection.
 //! - Errors carry the host errno the frontend maps to an NBD error code, plus context.
 
-use dedupvol_core::Volume;
+use dedupvol_core::{Extent, ExtentKind, Volume};
 use parking_lot::RwLock;
 
-/// A backend failure: the errno to report and a message for the log.
+/// A backend failure: the errno to report, what kind of failure it was (for the server's
+/// counters), and a message for the log.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message} (errno {errno})")]
 pub struct BackendError {
     /// Host errno (EIO, ENOSPC, EINVAL, EROFS, ...).
     pub errno: i32,
+    /// The failure's kind.
+    pub kind: ErrorKind,
     /// What went wrong.
     pub message: String,
+}
+
+/// What kind of failure a backend error is; several kinds share an errno (EIO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The device failed a read, write or sync (or the volume refuses writes after one).
+    Device,
+    /// Stored data or metadata did not match its checksum.
+    Checksum,
+    /// The volume is full.
+    NoSpace,
+    /// The volume or export is read-only.
+    ReadOnly,
+    /// The request was out of range or otherwise invalid.
+    Invalid,
+    /// Anything else.
+    Other,
+}
+
+impl BackendError {
+    /// An error whose kind follows from its errno (a backend without finer knowledge).
+    pub fn new(errno: i32, message: impl Into<String>) -> Self {
+        let kind = match errno {
+            libc::EIO => ErrorKind::Device,
+            libc::ENOSPC => ErrorKind::NoSpace,
+            libc::EROFS | libc::EPERM => ErrorKind::ReadOnly,
+            libc::EINVAL => ErrorKind::Invalid,
+            _ => ErrorKind::Other,
+        };
+        BackendError { errno, kind, message: message.into() }
+    }
 }
 
 /// A disk the server can export.
@@ -48,10 +82,29 @@ pub trait Backend: Send + Sync {
     fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError>;
     /// Writes zeros to a range; durable on return when `fua`.
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), BackendError>;
+    /// Which parts of a range are holes that read as zeros: consecutive runs covering a
+    /// non-empty prefix of a non-empty range, at most `extents_max` of them. The default
+    /// reports it all as data, which is always true enough (clients then read it).
+    fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
+        let _ = extents_max;
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size() => Ok(vec![Extent { len, kind: ExtentKind::Data }]),
+            _ => Err(BackendError::new(libc::EINVAL, format!("{offset}+{len} beyond {}", self.size()))),
+        }
+    }
 }
 
 fn engine_error(op: &str, offset: u64, len: u64, e: dedupvol_core::Error) -> BackendError {
-    BackendError { errno: e.errno(), message: format!("{op} at {offset}+{len}: {e}") }
+    use dedupvol_core::Error as E;
+    let kind = match &e {
+        E::Corruption(_) => ErrorKind::Checksum,
+        E::Io { .. } | E::Failed(_) => ErrorKind::Device,
+        E::NoSpace(_) => ErrorKind::NoSpace,
+        E::ReadOnly => ErrorKind::ReadOnly,
+        E::OutOfRange { .. } | E::InvalidArgument(_) => ErrorKind::Invalid,
+        _ => ErrorKind::Other,
+    };
+    BackendError { errno: e.errno(), kind, message: format!("{op} at {offset}+{len}: {e}") }
 }
 
 impl Backend for Volume {
@@ -81,6 +134,9 @@ impl Backend for Volume {
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), BackendError> {
         Volume::write_zeroes(self, offset, len, fua).map_err(|e| engine_error("write-zeroes", offset, len, e))
     }
+    fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
+        Volume::block_status(self, offset, len, extents_max).map_err(|e| engine_error("block-status", offset, len, e))
+    }
 }
 
 /// Largest RAM disk [`MemBackend`] will allocate.
@@ -96,12 +152,12 @@ impl MemBackend {
     /// A zero-filled disk of `size` bytes (at most [`MEM_BACKEND_BYTES_MAX`]).
     pub fn new(size: u64, read_only: bool) -> Result<Self, BackendError> {
         if size > MEM_BACKEND_BYTES_MAX {
-            return Err(BackendError {
-                errno: libc::EINVAL,
-                message: format!("memory backend of {size} bytes exceeds {MEM_BACKEND_BYTES_MAX}"),
-            });
+            return Err(BackendError::new(
+                libc::EINVAL,
+                format!("memory backend of {size} bytes exceeds {MEM_BACKEND_BYTES_MAX}"),
+            ));
         }
-        let len = usize::try_from(size).map_err(|_| BackendError { errno: libc::EINVAL, message: "size".into() })?;
+        let len = usize::try_from(size).map_err(|_| BackendError::new(libc::EINVAL, "size"))?;
         Ok(MemBackend { data: RwLock::new(vec![0; len]), read_only })
     }
 
@@ -109,13 +165,13 @@ impl MemBackend {
         let size = self.size();
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(offset as usize..end as usize),
-            _ => Err(BackendError { errno: libc::EINVAL, message: format!("{offset}+{len} beyond {size}") }),
+            _ => Err(BackendError::new(libc::EINVAL, format!("{offset}+{len} beyond {size}"))),
         }
     }
 
     fn check_writable(&self) -> Result<(), BackendError> {
         if self.read_only {
-            return Err(BackendError { errno: libc::EROFS, message: "memory backend is read-only".into() });
+            return Err(BackendError::new(libc::EROFS, "memory backend is read-only"));
         }
         Ok(())
     }
@@ -128,7 +184,7 @@ impl Backend for MemBackend {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
         let r = self.range(offset, buf.len() as u64)?;
         let data = self.data.read();
-        let src = data.get(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let src = data.get(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         buf.copy_from_slice(src);
         Ok(())
     }
@@ -136,7 +192,7 @@ impl Backend for MemBackend {
         self.check_writable()?;
         let r = self.range(offset, src.len() as u64)?;
         let mut data = self.data.write();
-        let dst = data.get_mut(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let dst = data.get_mut(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         dst.copy_from_slice(src);
         Ok(())
     }
@@ -146,11 +202,32 @@ impl Backend for MemBackend {
     fn trim(&self, offset: u64, len: u64) -> Result<(), BackendError> {
         self.write_zeroes(offset, len, false)
     }
+    /// All-zero 4 KiB blocks (and partial blocks at the ends) are holes: a RAM disk has no
+    /// allocation, and this lets protocol tests see both kinds without the engine.
+    fn block_status(&self, offset: u64, len: u64, extents_max: usize) -> Result<Vec<Extent>, BackendError> {
+        let r = self.range(offset, len)?;
+        let data = self.data.read();
+        let bytes = data.get(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
+        let mut out: Vec<Extent> = Vec::new();
+        // The first piece ends at a block boundary, so later pieces are aligned blocks.
+        let first = ((4096 - offset % 4096) % 4096).min(len) as usize;
+        let (head, rest) = bytes.split_at(first);
+        for piece in std::iter::once(head).chain(rest.chunks(4096)).filter(|p| !p.is_empty()) {
+            let kind = if piece.iter().all(|&b| b == 0) { ExtentKind::Hole } else { ExtentKind::Data };
+            let full = out.len() == extents_max.max(1);
+            match out.last_mut() {
+                Some(last) if last.kind == kind => last.len += piece.len() as u64,
+                _ if full => break,
+                _ => out.push(Extent { len: piece.len() as u64, kind }),
+            }
+        }
+        Ok(out)
+    }
     fn write_zeroes(&self, offset: u64, len: u64, _fua: bool) -> Result<(), BackendError> {
         self.check_writable()?;
         let r = self.range(offset, len)?;
         let mut data = self.data.write();
-        let dst = data.get_mut(r).ok_or_else(|| BackendError { errno: libc::EINVAL, message: "range".into() })?;
+        let dst = data.get_mut(r).ok_or_else(|| BackendError::new(libc::EINVAL, "range"))?;
         dst.fill(0);
         Ok(())
     }

@@ -23,6 +23,7 @@
 //!   that stopped reading cannot hold up shutdown.
 
 use crate::backend::Backend;
+use crate::metrics::ServerMetrics;
 use crate::proto::{self, Command, Disposition, ExportLimits};
 use crate::stream::Stream;
 use parking_lot::{Condvar, Mutex};
@@ -152,6 +153,7 @@ pub fn serve_connection(
     export: &ExportConfig,
     limits: &ConnectionLimits,
     stopping: &Arc<AtomicBool>,
+    metrics: &Arc<ServerMetrics>,
 ) -> Outcome {
     let mut s = stream;
     if let Err(e) = s.set_read_timeout(Some(limits.handshake_timeout)) {
@@ -171,7 +173,7 @@ pub fn serve_connection(
     if let Err(e) = s.set_read_timeout(None) {
         return Outcome::Dropped(format!("clearing the handshake timeout: {e}"));
     }
-    transmission(s, session, backend, export, limits, send)
+    transmission(s, session, backend, export, limits, send, metrics.clone())
 }
 
 /// Writes to a client within the stall limits of [`ConnectionLimits`].
@@ -242,6 +244,8 @@ pub fn refuse_connection(stream: Stream, message: &str, stopping: &Arc<AtomicBoo
 struct Session {
     /// Reads are answered with structured reply chunks.
     structured: bool,
+    /// The client selected `base:allocation` (see `block_status`).
+    allocation: bool,
 }
 
 /// Option haggling. Ok(Some): enter transmission; Ok(None): the client left politely.
@@ -262,7 +266,7 @@ fn handshake(
     }
     let client = proto::parse_client_flags(&flags).map_err(|e| invalid(e.to_string()))?;
     let tflags = export.transmission_flags();
-    let mut session = Session { structured: false };
+    let mut session = Session { structured: false, allocation: false };
     for _ in 0..OPTIONS_PER_CONNECTION_MAX {
         let mut hdr = [0u8; proto::OPTION_HEADER_BYTES];
         if !read_exact_or_eof(s, &mut hdr)? {
@@ -337,8 +341,17 @@ fn handshake(
                 session.structured = true;
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
             }
+            crate::block_status::OPT_LIST_META_CONTEXT | crate::block_status::OPT_SET_META_CONTEXT => {
+                let n = crate::block_status::negotiate(h.option, &data, session.structured, |name| export.matches(name));
+                if let Some(selected) = n.allocation {
+                    session.allocation = selected;
+                }
+                for (reply, d) in &n.replies {
+                    send_option_reply(s, h.option, *reply, d)?;
+                }
+            }
             other => {
-                // STARTTLS, META_CONTEXT, EXTENDED_HEADERS, ...: clients go on without them.
+                // STARTTLS, EXTENDED_HEADERS, ...: clients go on without them.
                 let msg = format!("option {other} is not supported");
                 send_option_reply(s, other, proto::REP_ERR_UNSUP, msg.as_bytes())?;
             }
@@ -347,9 +360,11 @@ fn handshake(
     Err(invalid(format!("client sent more than {OPTIONS_PER_CONNECTION_MAX} options")))
 }
 
-/// Per-connection error log with a line budget.
+/// Per-connection error log with a line budget; failures are also counted in the server's
+/// metrics, all of them.
 struct ErrorLog {
     count: std::sync::atomic::AtomicU64,
+    metrics: Arc<ServerMetrics>,
 }
 
 impl ErrorLog {
@@ -530,6 +545,7 @@ fn execute(
     parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
 ) {
     let report = |e: &crate::backend::BackendError| {
+        log.metrics.failed(&job.cmd, e.kind);
         log.log(format_args!("request {:#x} failed: {e}", job.cookie));
         proto::nbd_error_from_errno(e.errno)
     };
@@ -579,6 +595,12 @@ fn execute(
         Command::WriteZeroes { offset, len, fua } => {
             status(backend.write_zeroes(offset, u64::from(len), fua));
         }
+        Command::BlockStatus { offset, len, req_one } => {
+            match crate::block_status::reply(backend, job.cookie, offset, len, req_one) {
+                Ok(chunk) => writer.write(&chunk, &[]),
+                Err(e) => writer.read_err(job.cookie, report(&e), &e.message),
+            }
+        }
     }
 }
 
@@ -622,6 +644,7 @@ fn next_request(
         Disposition::Disconnect => Next::End(Outcome::Closed),
         Disposition::Close(why) => Next::End(Outcome::Dropped(why)),
         Disposition::Reject { error, skip, reason } => {
+            log.metrics.rejected();
             log.log(format_args!("rejecting request {:#x}: {reason}", req.cookie));
             match io::copy(&mut r.take(u64::from(skip)), &mut io::sink()) {
                 Ok(n) if n == u64::from(skip) && req.kind == proto::CMD_READ => {
@@ -672,6 +695,7 @@ fn transmission(
     export: &ExportConfig,
     limits: &ConnectionLimits,
     send: Sender,
+    metrics: Arc<ServerMetrics>,
 ) -> Outcome {
     let write_half = match stream.try_clone() {
         Ok(w) => w,
@@ -685,8 +709,12 @@ fn transmission(
         structured: session.structured,
     });
     let budget = Arc::new(Budget { used: Mutex::new(0), freed: Condvar::new(), max: limits.inflight_bytes_max });
-    let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0) });
-    let lim = ExportLimits { size: backend.size(), read_only: export.read_only };
+    let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0), metrics });
+    let lim = ExportLimits {
+        size: backend.size(),
+        read_only: export.read_only,
+        block_status: session.structured && session.allocation,
+    };
     let requests = Arc::new(Mutex::new(RequestReader {
         reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
         ended: None,
@@ -717,9 +745,11 @@ fn transmission(
                     }
                 };
                 // An engine bug must cost one request (EIO), not the connection's accounting.
+                let started = std::time::Instant::now();
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     execute(backend.as_ref(), &job, &writer, &log, &mut scratch, &mut parts)
                 }));
+                log.metrics.request(&job.cmd, started.elapsed());
                 if ran.is_err() {
                     log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
                     match job.cmd {

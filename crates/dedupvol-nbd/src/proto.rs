@@ -482,6 +482,9 @@ pub struct ExportLimits {
     pub size: u64,
     /// Writes, trims and write-zeroes are refused with EPERM.
     pub read_only: bool,
+    /// The client selected `base:allocation` (with structured replies): block status is
+    /// answered; otherwise it is refused with EINVAL.
+    pub block_status: bool,
 }
 
 /// A request the server will execute.
@@ -522,6 +525,15 @@ pub enum Command {
         len: u32,
         /// Durable before the reply.
         fua: bool,
+    },
+    /// Report the allocation of a range (`base:allocation`).
+    BlockStatus {
+        /// Byte offset.
+        offset: u64,
+        /// Length (non-zero).
+        len: u32,
+        /// One extent only, no longer than `len`.
+        req_one: bool,
     },
 }
 
@@ -630,6 +642,34 @@ pub fn classify_request(r: &Request, export: &ExportLimits) -> Disposition {
             // which read back identically, and the spec lets a server ignore allocation.
             Disposition::Execute(Command::WriteZeroes { offset: r.offset, len: r.len, fua })
         }
+        crate::block_status::CMD_BLOCK_STATUS => {
+            use crate::block_status::CMD_FLAG_REQ_ONE;
+            if !export.block_status {
+                return reject(
+                    NBD_EINVAL,
+                    0,
+                    "block status without a selected metadata context (negotiate base:allocation first)".into(),
+                );
+            }
+            if r.flags & !CMD_FLAG_REQ_ONE != 0 {
+                return reject(NBD_EINVAL, 0, format!("block status with unsupported flags {:#x}", r.flags));
+            }
+            if r.len == 0 {
+                return reject(NBD_EINVAL, 0, "block status of zero length".into());
+            }
+            if !in_range {
+                return reject(
+                    NBD_EINVAL,
+                    0,
+                    format!("block status {}+{} beyond export size {}", r.offset, r.len, export.size),
+                );
+            }
+            Disposition::Execute(Command::BlockStatus {
+                offset: r.offset,
+                len: r.len,
+                req_one: r.flags & CMD_FLAG_REQ_ONE != 0,
+            })
+        }
         other => reject(NBD_EINVAL, 0, format!("unknown command {other}")),
     }
 }
@@ -651,7 +691,7 @@ pub fn nbd_error_from_errno(errno: i32) -> u32 {
 mod tests {
     use super::*;
 
-    const EXPORT: ExportLimits = ExportLimits { size: 1 << 20, read_only: false };
+    const EXPORT: ExportLimits = ExportLimits { size: 1 << 20, read_only: false, block_status: true };
 
     fn req(kind: u16, flags: u16, offset: u64, len: u32) -> Request {
         Request { flags, kind, cookie: 7, offset, len }
@@ -696,6 +736,16 @@ mod tests {
             Disposition::Close(_)
         ));
         assert_eq!(classify_request(&req(CMD_DISC, 0, 0, 0), &EXPORT), Disposition::Disconnect);
+        use crate::block_status::{CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE};
+        let unnegotiated = ExportLimits { block_status: false, ..EXPORT };
+        assert_eq!(err(classify_request(&req(CMD_BLOCK_STATUS, 0, 0, 4096), &unnegotiated)), (NBD_EINVAL, 0));
+        assert_eq!(err(classify_request(&req(CMD_BLOCK_STATUS, 0, 0, 0), &EXPORT)), (NBD_EINVAL, 0));
+        assert_eq!(err(classify_request(&req(CMD_BLOCK_STATUS, CMD_FLAG_FUA, 0, 1), &EXPORT)), (NBD_EINVAL, 0));
+        assert_eq!(err(classify_request(&req(CMD_BLOCK_STATUS, 0, 1 << 20, 1), &EXPORT)), (NBD_EINVAL, 0));
+        assert_eq!(
+            classify_request(&req(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 512), &ro),
+            Disposition::Execute(Command::BlockStatus { offset: 4096, len: 512, req_one: true })
+        );
         assert_eq!(
             classify_request(&req(CMD_WRITE_ZEROES, CMD_FLAG_FUA | CMD_FLAG_NO_HOLE, 0, 8), &EXPORT),
             Disposition::Execute(Command::WriteZeroes { offset: 0, len: 8, fua: true })

@@ -16,6 +16,7 @@
 //!   at once, beyond that extra clients are closed at accept.
 
 use crate::backend::Backend;
+use crate::metrics::ServerMetrics;
 use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, ExportConfig, Outcome};
 use crate::stream::{ListenAddr, Listener, Stream};
 use parking_lot::Mutex;
@@ -69,6 +70,7 @@ pub struct Server {
     config: ServerConfig,
     stop_read: UnixStream,
     stop_write: UnixStream,
+    metrics: Arc<ServerMetrics>,
 }
 
 impl Server {
@@ -79,12 +81,18 @@ impl Server {
         let (stop_read, stop_write) = UnixStream::pair()?;
         stop_read.set_nonblocking(true)?;
         stop_write.set_nonblocking(true)?;
-        Ok(Server { listener, config, stop_read, stop_write })
+        Ok(Server { listener, config, stop_read, stop_write, metrics: Arc::new(ServerMetrics::default()) })
     }
 
     /// The bound address (`127.0.0.1:10809`, or `unix:/path`).
     pub fn display_addr(&self) -> String {
         self.listener.display_addr()
+    }
+
+    /// The server's live counters (requests, latency, errors, connections), for an admin
+    /// socket or a metrics endpoint; they keep counting until [`Server::run`] returns.
+    pub fn metrics(&self) -> Arc<ServerMetrics> {
+        self.metrics.clone()
     }
 
     /// A handle that stops [`Server::run`].
@@ -143,6 +151,7 @@ impl Server {
                     self.config.connections_max
                 );
                 summary.connections_refused += 1;
+                self.metrics.connection_refused();
                 if let Some(t) = self.spawn_refusal(id, stream, &refusing, &stopping) {
                     threads.push(t);
                 }
@@ -156,19 +165,22 @@ impl Server {
                 }
             };
             live.lock().insert(id, shutdown_handle);
-            let (backend, export, limits, stopping, live2) = (
+            let (backend, export, limits, stopping, live2, metrics) = (
                 backend.clone(),
                 self.config.export.clone(),
                 self.config.limits.clone(),
                 stopping.clone(),
                 live.clone(),
+                self.metrics.clone(),
             );
             let peer = stream.peer();
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
-                let outcome = serve_connection(stream, backend, &export, &limits, &stopping);
+                metrics.connection_accepted();
+                let outcome = serve_connection(stream, backend, &export, &limits, &stopping, &metrics);
                 if let Outcome::Dropped(why) = outcome {
                     log!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
                 }
+                metrics.connection_closed();
                 live2.lock().remove(&id);
             });
             match spawned {

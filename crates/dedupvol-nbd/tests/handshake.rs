@@ -59,8 +59,9 @@ fn unknown_option_and_unknown_export_are_errors_not_disconnects() {
     greet(&mut s, FLAG_C_FIXED_NEWSTYLE);
     send_option(&mut s, 5 /* STARTTLS */, &[]);
     assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
+    // Understood, but refused: metadata contexts need structured replies first.
     send_option(&mut s, 10 /* SET_META_CONTEXT */, &[0; 8]);
-    assert_eq!(read_option_reply(&mut s).1, REP_ERR_UNSUP);
+    assert_eq!(read_option_reply(&mut s).1, REP_ERR_INVALID);
     send_option(&mut s, OPT_STRUCTURED_REPLY, b"x");
     assert_eq!(read_option_reply(&mut s).1, REP_ERR_INVALID);
     send_option(&mut s, 0xdead, b"junk");

@@ -5,7 +5,8 @@ use dedupvol_nbd::proto::*;
 use proptest::prelude::*;
 
 fn export() -> impl Strategy<Value = ExportLimits> {
-    (any::<u64>(), any::<bool>()).prop_map(|(size, read_only)| ExportLimits { size, read_only })
+    (any::<u64>(), any::<bool>(), any::<bool>())
+        .prop_map(|(size, read_only, block_status)| ExportLimits { size, read_only, block_status })
 }
 
 proptest! {
@@ -29,6 +30,10 @@ proptest! {
                             (offset, len)
                         }
                         Command::Flush => (0, 0),
+                        Command::BlockStatus { offset, len, .. } => {
+                            prop_assert!(e.block_status && len > 0);
+                            (offset, len)
+                        }
                     };
                     prop_assert!(off.checked_add(u64::from(len)).is_some_and(|end| end <= e.size));
                     if matches!(c, Command::Write { .. }) { prop_assert!(!e.read_only); }
@@ -60,6 +65,15 @@ proptest! {
         }
         if let Ok(name) = parse_name(&bytes) {
             prop_assert!(!name.contains('\0'));
+        }
+        if let Ok(r) = dedupvol_nbd::block_status::parse_meta_context_request(&bytes) {
+            prop_assert!(r.export.len() <= NAME_BYTES_MAX);
+            prop_assert!(r.queries.len() <= dedupvol_nbd::block_status::META_QUERIES_MAX);
+            prop_assert!(r.queries.iter().all(|q| q.contains(':') && !q.starts_with(':')));
+        }
+        for option in [dedupvol_nbd::block_status::OPT_LIST_META_CONTEXT, dedupvol_nbd::block_status::OPT_SET_META_CONTEXT] {
+            let n = dedupvol_nbd::block_status::negotiate(option, &bytes, true, |_| true);
+            prop_assert!(!n.replies.is_empty());
         }
     }
 }

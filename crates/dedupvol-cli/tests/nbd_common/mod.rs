@@ -91,13 +91,21 @@ pub struct ServerProc {
     pub tcp: Option<String>,
     pub ready_line: String,
     pub size: u64,
+    /// The server's stdout lines after the readiness line.
+    pub lines: mpsc::Receiver<String>,
+}
+
+/// The runtime directory (admin sockets) the tests' servers and `dedupvol stats` use:
+/// one per test directory, so tests never see each other's servers.
+pub fn runtime_dir(dir: &Path) -> PathBuf {
+    dir.join("run")
 }
 
 impl ServerProc {
     /// Starts `dedupvol serve` on a Unix socket in `dir` (or TCP port 0 when `tcp`).
     pub fn start(vol: &Path, dir: &Path, tcp: bool, extra: &[&str]) -> ServerProc {
         let mut cmd = Command::new(dedupvol());
-        cmd.arg("serve").arg(vol).args(extra);
+        cmd.arg("serve").arg(vol).args(extra).env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir));
         let socket = dir.join("nbd.sock");
         if tcp {
             cmd.args(["--listen", "127.0.0.1:0"]);
@@ -121,12 +129,11 @@ impl ServerProc {
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(l)) = lines.next() {
+            // Every line goes to the test; draining keeps the server from blocking on a
+            // full pipe even when nobody asks for the later lines.
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
                 let _ = tx.send(l);
             }
-            // Keep draining so the server never blocks on a full pipe.
-            for _ in lines {}
         });
         let line = match rx.recv_timeout(READY_TIMEOUT) {
             Ok(l) => l,
@@ -150,7 +157,12 @@ impl ServerProc {
             assert_eq!(addr, format!("unix:{}", socket.display()));
             (format!("nbd+unix:///dedupvol?socket={}", socket.display()), Some(socket), None)
         };
-        ServerProc { child: Some(child), uri, socket: sock, tcp: tcp_addr, ready_line: line, size }
+        ServerProc { child: Some(child), uri, socket: sock, tcp: tcp_addr, ready_line: line, size, lines: rx }
+    }
+
+    /// The next stdout line after the readiness line (e.g. the metrics address).
+    pub fn next_line(&self) -> String {
+        self.lines.recv_timeout(READY_TIMEOUT).expect("the server printed no further line")
     }
 
     /// SIGTERM, then wait for a clean exit.

@@ -1,6 +1,6 @@
 //! Live I/O counters by category: the data of the I/O overhead breakdown.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a device access was for: the categories of the paper's I/O overhead breakdown.
@@ -44,7 +44,7 @@ impl IoCounter {
 }
 
 /// A snapshot of one counter.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IoFigure {
     /// Bytes moved.
     pub bytes: u64,
@@ -115,7 +115,7 @@ impl IoCounters {
 }
 
 /// I/O counters by category (bytes and operations), as reported by `stats`.
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct IoStats {
     /// Client data written to the data device (raw and packed blocks).
     pub data_write: IoFigure,

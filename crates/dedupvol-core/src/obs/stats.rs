@@ -13,10 +13,10 @@
 
 use crate::config::{Compression, DedupVerify, WritePolicy};
 use crate::obs::io::IoStats;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Savings split by mechanism, in logical bytes that did not become physical bytes.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Savings {
     /// Logical bytes written as zero blocks (no data I/O, no space).
     pub zero_bytes: u64,
@@ -27,7 +27,7 @@ pub struct Savings {
 }
 
 /// Counters of the reduction pipeline in this process (since open).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ReductionCounters {
     /// 4 KiB blocks written by clients.
     pub blocks_written: u64,
@@ -62,7 +62,7 @@ pub struct ReductionCounters {
 }
 
 /// A full statistics snapshot.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Stats {
     /// Volume UUID (hex).
     pub uuid: String,
@@ -116,7 +116,7 @@ pub struct Stats {
 }
 
 /// Figures of the hot-chunk tier in this process (since open).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TierStats {
     /// Slots on the tier device.
     pub capacity_slots: u64,
@@ -159,7 +159,7 @@ macro_rules! lifetime_counters {
         /// Counters over a volume's whole life, persisted in the superblock: every read-write
         /// open adds what its process did. Read-only opens (`stats`, `info`, `check`, `export`)
         /// add nothing. The field order is the on-disk order (`to_words`).
-        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
         pub struct LifetimeCounters {
             $($(#[$doc])* pub $field: u64,)*
         }

@@ -28,6 +28,7 @@
 //! - The content a block map entry points to always hashes (crc32c) to the entry's crc; a
 //!   read that finds otherwise retries once from the mapping, then reports corruption.
 
+pub(crate) mod block_status;
 mod commit;
 mod lifecycle;
 pub(crate) use lifecycle::OpenNote;
