@@ -234,7 +234,7 @@ mod tests {
         assert_eq!(t.candidates(&h(1), 3, 4), vec![(3, 7)]);
         t.insert(&h(1), 5, 2, 5);
         assert_eq!(t.candidates(&h(1), 5, 4), vec![(5, 2)], "the newer record replaces the older");
-        assert_eq!(t.candidates(&h(1), 8, 4), vec![], "chapter 5 left a 4-chapter window at 9");
+        assert_eq!(t.candidates(&h(1), 9, 4), vec![], "chapter 5 left the 4-chapter window at 9");
         assert_eq!(t.candidates(&h(2), 5, 4), vec![]);
         t.remove(&h(1), 5, 2);
         assert_eq!(t.len(), 0);

@@ -211,8 +211,9 @@ impl Volume {
     /// 2. the fingerprint index is allocated (nothing written yet);
     /// 3. recovery: journal replay into the block map and reference counts, made durable
     ///    in their pages (`recover`);
-    /// 4. the in-memory state; the fingerprint index rebuilt from its chapter ring (a
-    ///    read-only open never looks anything up, and skips it); the data writer.
+    /// 4. the in-memory state; the fingerprint index rebuilt from its chapter ring (it
+    ///    only reads, so a read-only open does it too, for its statistics); the data
+    ///    writer.
     pub fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Volume> {
         let io = Arc::new(IoCounters::default());
         let (data, meta, mut sb, mut notes) = open_devices(data, meta, &io)?;
@@ -220,12 +221,9 @@ impl Volume {
         let ulo = uuid_lo(&sb.uuid);
         // Allocated before anything is written: an index this machine cannot hold is a
         // clear error that leaves the volume exactly as it was, and `index_memory_bytes`
-        // can lower it. A read-only open never inserts, so its index is the smallest.
+        // can lower it.
         let hash_mode = sb.verify == DedupVerify::Hash;
-        let memory = match opts.read_only {
-            true => 0,
-            false => opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes),
-        };
+        let memory = opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes);
         let index = Index::new(
             sb.index_mode,
             Some(meta.clone()),
@@ -237,7 +235,7 @@ impl Volume {
         let rec = super::recovery::recover(&data, &meta, &mut sb, opts.read_only, opts.block_map_cache_bytes)?;
         notes.extend(rec.notes.into_iter().map(OpenNote::Info));
         let mut dedup = Deduper::new(index, hash_mode, geo.data_blocks);
-        if sb.dedup && !opts.read_only {
+        if sb.dedup {
             dedup.index_mut().rebuild();
         }
         let state = State {
