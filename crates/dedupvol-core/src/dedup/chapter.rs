@@ -18,7 +18,7 @@
 //!   checks of `Deduper` (block in use; current stamp or byte verification).
 
 use crate::codec::{crc_ok, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, seal_crc};
-use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::config::{IndexMode, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::dedup::index::Location;
 
 /// Magic of a record page ("DVCP").
@@ -36,6 +36,8 @@ pub const CHAPTER_PAGES_MAX: u64 = 256;
 /// Most chapters in the ring (the in-memory index keeps chapter numbers in 16 bits and
 /// sweeps expired ones long before they could alias a live chapter).
 pub const RING_CHAPTERS_MAX: u64 = 16384;
+/// Smallest chapter of a sparse index, in pages.
+pub const SPARSE_CHAPTER_PAGES_MIN: u64 = 20;
 /// Chapters the ring aims for when it is large enough (more chapters: the window drops a
 /// finer slice at a time; larger chapters: fewer, longer sequential writes).
 const RING_CHAPTERS_TARGET: u64 = 1024;
@@ -77,24 +79,35 @@ pub struct RingLayout {
 }
 
 impl RingLayout {
-    /// The layout of an index area of `blocks` blocks at `start_block`; `None` when it
-    /// cannot hold two chapters (no persistent index). Depends on the area alone, so a
-    /// volume needs no further setting to find its chapters.
-    pub fn for_area(start_block: u64, blocks: u64) -> Option<RingLayout> {
+    /// The layout of an index area of `blocks` blocks at `start_block` for `mode`; `None`
+    /// when it cannot hold two chapters (no persistent index). Depends on the area and the
+    /// mode alone, so a volume needs no further setting to find its chapters.
+    pub fn for_area(start_block: u64, blocks: u64, mode: IndexMode) -> Option<RingLayout> {
         if blocks < 2 {
             return None;
         }
-        let pages = (blocks / RING_CHAPTERS_TARGET).clamp(1, CHAPTER_PAGES_MAX);
+        let pages_min = Self::pages_min(mode).min(blocks / 2).max(1);
+        let pages = (blocks / RING_CHAPTERS_TARGET).clamp(pages_min, CHAPTER_PAGES_MAX);
         let pages = pages.max(blocks.div_ceil(RING_CHAPTERS_MAX)).min(CHAPTER_PAGES_MAX);
         let chapters = (blocks / pages).min(RING_CHAPTERS_MAX);
         (chapters >= 2).then_some(RingLayout { start_block, chapters, pages_per_chapter: pages })
     }
 
+    /// Smallest chapter for `mode`, in pages. Sparse mode finds a chapter through its
+    /// first hook, one block in `SPARSE_SAMPLE` on average: the blocks before it are lost
+    /// to dedup, so its chapters are large (20 pages: about 63 hooks each).
+    fn pages_min(mode: IndexMode) -> u64 {
+        match mode {
+            IndexMode::Dense => 1,
+            IndexMode::Sparse => SPARSE_CHAPTER_PAGES_MIN,
+        }
+    }
+
     /// Ring blocks wanted for a window of `window_blocks` data blocks (one more chapter
     /// than the window, since the open chapter is part of the ring).
-    pub fn blocks_for_window(window_blocks: u64) -> u64 {
+    pub fn blocks_for_window(window_blocks: u64, mode: IndexMode) -> u64 {
         let pages = window_blocks.div_ceil(RECORDS_PER_PAGE as u64);
-        pages + pages.div_ceil(RING_CHAPTERS_TARGET).max(1)
+        pages + pages.div_ceil(RING_CHAPTERS_TARGET).max(Self::pages_min(mode))
     }
 
     /// Records one chapter holds.
@@ -188,14 +201,17 @@ mod tests {
 
     #[test]
     fn layouts_fit_their_area() {
-        assert_eq!(RingLayout::for_area(10, 1), None);
-        for blocks in [2u64, 3, 100, 1024, 5000, 1 << 20, 1 << 23, 1 << 30] {
-            let r = RingLayout::for_area(10, blocks).expect("layout");
-            assert!(r.blocks() <= blocks && r.chapters >= 2 && r.chapters <= RING_CHAPTERS_MAX);
-            assert!((1..=CHAPTER_PAGES_MAX).contains(&r.pages_per_chapter));
+        for mode in [IndexMode::Dense, IndexMode::Sparse] {
+            assert_eq!(RingLayout::for_area(10, 1, mode), None);
+            for blocks in [2u64, 3, 100, 1024, 5000, 1 << 20, 1 << 23, 1 << 30] {
+                let r = RingLayout::for_area(10, blocks, mode).expect("layout");
+                assert!(r.blocks() <= blocks && r.chapters >= 2 && r.chapters <= RING_CHAPTERS_MAX);
+                assert!((1..=CHAPTER_PAGES_MAX).contains(&r.pages_per_chapter));
+            }
+            for window in [1000u64, 1 << 20, 1 << 28] {
+                let r = RingLayout::for_area(0, RingLayout::blocks_for_window(window, mode), mode).expect("layout");
+                assert!(r.window_blocks() >= window, "{r:?} covers less than {window} blocks");
+            }
         }
-        let want = RingLayout::blocks_for_window(1 << 20);
-        let r = RingLayout::for_area(0, want).expect("layout");
-        assert!(r.window_blocks() >= 1 << 20, "{r:?} covers less than asked");
     }
 }

@@ -175,7 +175,7 @@ impl Index {
         memory_bytes_max: u64,
         prefault: bool,
     ) -> Result<Self> {
-        let (ring, meta) = match RingLayout::for_area(area.0, area.1) {
+        let (ring, meta) = match RingLayout::for_area(area.0, area.1, mode) {
             Some(r) => (r, meta),
             None => (RingLayout { start_block: 0, chapters: 2, pages_per_chapter: 1 }, None),
         };
@@ -291,8 +291,14 @@ impl Index {
         if let Some(r) = self.open_by_prefix.get(&p).and_then(|&i| self.open.get(i as usize)).filter(|r| r.hash == *h) {
             return Some(r.loc);
         }
-        if let Some((vcn, r)) = self.chapters.lock().find(h) {
+        let cached = self.chapters.lock().find(h);
+        if let Some((vcn, r, near_end)) = cached {
             if self.in_window(vcn) {
+                // Readahead: a stream reaching the end of a chapter goes on into the next,
+                // which it would otherwise find only at that chapter's first hook.
+                if near_end && vcn + 1 < self.open_vcn && !self.chapters.lock().has(vcn + 1) {
+                    self.load_chapter(vcn + 1, io);
+                }
                 return Some(r.loc);
             }
         }
@@ -303,16 +309,21 @@ impl Index {
             if vcn == self.open_vcn || self.chapters.lock().has(vcn) {
                 continue;
             }
-            if let Some(recs) = self.read_chapter(vcn) {
-                *io = true;
-                self.counters.chapter_loads.fetch_add(1, Ordering::Relaxed);
-                self.chapters.lock().put(vcn, recs);
-            }
-            if let Some((_, r)) = self.chapters.lock().find(h) {
+            self.load_chapter(vcn, io);
+            if let Some((_, r, _)) = self.chapters.lock().find(h) {
                 return Some(r.loc);
             }
         }
         None
+    }
+
+    /// Loads closed chapter `vcn` into the chapter cache (sets `io`).
+    fn load_chapter(&self, vcn: u64, io: &mut bool) {
+        if let Some(recs) = self.read_chapter(vcn) {
+            *io = true;
+            self.counters.chapter_loads.fetch_add(1, Ordering::Relaxed);
+            self.chapters.lock().put(vcn, recs);
+        }
     }
 
     /// Page `page` of closed chapter `vcn`: from the cache, else read (sets `io`).
@@ -619,8 +630,9 @@ mod tests {
         }
         let mut re = Index::new(IndexMode::Sparse, Some(meta), (0, 64), 7, 1 << 20, false).expect("index");
         re.rebuild();
-        let hook = (0..rpc).find(|&i| is_hook(&h(i))).expect("a hook in chapter 0");
-        let plain = (0..rpc).find(|&i| !is_hook(&h(i))).expect("a non-hook");
+        // Chapter 2 is in the window (the rebuild opened chapter 3, dropping chapter 0).
+        let hook = (2 * rpc..3 * rpc).find(|&i| is_hook(&h(i))).expect("a hook in chapter 2");
+        let plain = (2 * rpc..3 * rpc).find(|&i| !is_hook(&h(i))).expect("a non-hook");
         assert_eq!(re.lookup(&h(plain)), None, "nothing loaded yet");
         assert_eq!(re.lookup(&h(hook)).map(|l| l.pbn), Some(hook));
         assert_eq!(re.lookup(&h(plain)).map(|l| l.pbn), Some(plain), "the hook loaded its chapter");

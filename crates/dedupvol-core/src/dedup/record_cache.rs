@@ -110,11 +110,14 @@ impl ChapterCache {
         self.chapters.contains_key(&vcn)
     }
 
-    /// The record for `h` among the cached chapters, with its chapter.
-    pub fn find(&self, h: &[u8; 32]) -> Option<(u64, Record)> {
+    /// The record for `h` among the cached chapters, with its chapter and whether it lies
+    /// in the chapter's last page.
+    pub fn find(&self, h: &[u8; 32]) -> Option<(u64, Record, bool)> {
         let (vcn, i) = self.by_prefix.get(&prefix(h))?;
-        let r = self.chapters.get(vcn)?.get(*i as usize)?;
-        (r.hash == *h).then_some((*vcn, *r))
+        let recs = self.chapters.get(vcn)?;
+        let r = recs.get(*i as usize)?;
+        let near_end = *i as usize + crate::dedup::chapter::RECORDS_PER_PAGE >= recs.len();
+        (r.hash == *h).then_some((*vcn, *r, near_end))
     }
 
     /// Adds chapter `vcn`, evicting the oldest added when full.
@@ -183,7 +186,7 @@ mod tests {
 
         let mut s = ChapterCache::new(1);
         s.put(5, Arc::new(vec![rec(1), rec(2)]));
-        assert_eq!(s.find(&rec(2).hash).map(|(v, r)| (v, r.loc.pbn)), Some((5, 2)));
+        assert_eq!(s.find(&rec(2).hash).map(|(v, r, _)| (v, r.loc.pbn)), Some((5, 2)));
         s.put(6, Arc::new(vec![rec(3)]));
         assert_eq!(s.find(&rec(2).hash), None);
         assert_eq!(s.records(), 1);

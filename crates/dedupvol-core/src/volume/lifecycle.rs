@@ -112,9 +112,9 @@ impl Volume {
             meta.as_ref().map(|m| m.len()),
             opts.slab_size_bytes / BLOCK_SIZE_U64,
             opts.journal_size_bytes,
-            RingLayout::blocks_for_window(window_blocks),
+            RingLayout::blocks_for_window(window_blocks, opts.index_mode),
         )?;
-        let memory = RingLayout::for_area(geo.index_start, geo.index_blocks)
+        let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode)
             .map_or(0, |r| Index::memory_wanted(opts.index_mode, &r));
         if memory > opts.index_memory_bytes {
             return Err(Error::InvalidArgument(format!(
