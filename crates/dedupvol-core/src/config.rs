@@ -232,8 +232,8 @@ impl Default for FormatOptions {
 pub const LOGICAL_SIZE_BYTES_MAX: u64 = 1 << 52;
 /// Largest index memory accepted.
 pub const INDEX_MEMORY_BYTES_MAX: u64 = 1 << 40;
-/// Largest dedup window accepted (the chapter ring's limits: 16384 chapters of 256 pages).
-pub const DEDUP_WINDOW_BYTES_MAX: u64 = 16384 * 256 * 101 * BLOCK_SIZE_U64;
+/// Largest dedup window accepted (the chapter ring's limits: 32768 chapters of 256 pages).
+pub const DEDUP_WINDOW_BYTES_MAX: u64 = 32768 * 256 * 101 * BLOCK_SIZE_U64;
 /// Smallest index memory accepted.
 pub const INDEX_MEMORY_BYTES_MIN: u64 = 64 << 10;
 

@@ -35,7 +35,7 @@ pub const CHAPTER_CRC_OFFSET: usize = 4;
 pub const CHAPTER_PAGES_MAX: u64 = 256;
 /// Most chapters in the ring (the in-memory index keeps chapter numbers in 16 bits and
 /// sweeps expired ones long before they could alias a live chapter).
-pub const RING_CHAPTERS_MAX: u64 = 16384;
+pub const RING_CHAPTERS_MAX: u64 = 32768;
 /// Smallest chapter of a sparse index, in pages.
 pub const SPARSE_CHAPTER_PAGES_MIN: u64 = 20;
 /// Chapters the ring aims for when it is large enough (more chapters: the window drops a

@@ -95,6 +95,13 @@ impl Volume {
         meta_path: Option<String>,
     ) -> Result<()> {
         opts.validate()?;
+        if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
+            // A bound this machine could never honour is a mistake, not a setting.
+            return Err(Error::InvalidArgument(format!(
+                "index memory {} exceeds this machine's {machine} bytes of memory",
+                opts.index_memory_bytes
+            )));
+        }
         let io = Arc::new(IoCounters::default());
         let data = Dev::new(data, io.clone());
         let meta = meta.map(|m| Dev::new(m, io));

@@ -230,3 +230,35 @@ fn consecutive_packed_blocks_are_read_in_one_request() {
     vol.read(0, &mut ok).expect("blocks far from the damage");
     assert!(ok[..] == data[..32 * BLOCK_SIZE]);
 }
+
+/// A volume made by a build that saved its index at close holds that save (a `DVIX`
+/// header and entries) where the chapter ring now lives, and counts its entries in the
+/// superblock: it must still open, skip the old contents as invalid pages, and index anew.
+#[test]
+fn an_index_saved_by_an_older_build_is_skipped() {
+    let mem: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    Volume::format(mem.clone(), None, &small_format(), false).expect("format");
+    let dev = crate::io::Dev::new(mem.clone(), Arc::new(crate::io::IoCounters::default()));
+    let (mut sb, _) = crate::metadata::superblock::Superblock::read(&dev, 0).expect("superblock");
+    let geo = sb.geometry;
+    let mut old = vec![0u8; 4 * BLOCK_SIZE];
+    old[..4].copy_from_slice(b"DVIX");
+    crate::codec::put_u64(&mut old, 8, 3);
+    crate::codec::put_u32(&mut old, 16, 40);
+    old[BLOCK_SIZE..].iter_mut().enumerate().for_each(|(i, b)| *b = (i * 31 % 251) as u8);
+    dev.write(crate::io::IoKind::Index, &old, geo.index_start * BLOCK_SIZE as u64).expect("old save");
+    sb.index_saved_entries = 3;
+    super::lifecycle::write_superblock(&dev, None, &mut sb).expect("superblock");
+
+    let vol = Volume::open(mem.clone(), None, &OpenOptions::default()).expect("open");
+    let s = vol.stats().index;
+    assert_eq!((s.rebuild_records, s.chapters_used), (0, 1), "{s:?}");
+    let a = crate::codec::test_random_bytes(5, 8 * BLOCK_SIZE);
+    vol.write(0, &a, false).expect("write");
+    vol.write(1 << 20, &a, false).expect("write again");
+    assert_eq!(vol.stats().counters.dedup_hits, 8);
+    vol.close().expect("close");
+    let vol = Volume::open(mem, None, &OpenOptions::default()).expect("reopen");
+    assert_eq!(vol.stats().index.rebuild_records, 8);
+    vol.close().expect("close");
+}
