@@ -24,6 +24,11 @@
 //!   record of this epoch) or the bytes were compared.
 //! - `current` is true exactly for records of this epoch: the epoch changes only between
 //!   chapters (a new epoch closes the open chapter and empties the caches).
+//! - Epochs are never reused: a session's first epoch is `session << EPOCH_SESSION_SHIFT`
+//!   (the superblock's read-write open count, persisted before anything is written) and
+//!   above every epoch in the ring; a session that runs out of its `2^EPOCH_SESSION_SHIFT`
+//!   epochs stops trusting stamps altogether (`stamps_untrusted`). A page whose epoch is
+//!   not below the session's first was not written by an earlier session and is skipped.
 //! - The open chapter holds fewer than `records_per_chapter` records.
 
 use super::chapter::{decode_page, encode_page, PageHeader, Record, RingLayout, RECORDS_PER_PAGE};
@@ -37,6 +42,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// Epochs each session may use (a new one per reuse stamp that wraps).
+pub const EPOCH_SESSION_SHIFT: u32 = 10;
 /// One fingerprint in `SPARSE_SAMPLE` is a hook in sparse mode.
 pub const SPARSE_SAMPLE: u64 = 32;
 /// Record cache budget in pages (16 MiB): single pages (dense) or whole chapters (sparse).
@@ -138,6 +145,8 @@ pub struct Index {
     meta: Option<Dev>,
     uuid_lo: u64,
     epoch: u32,
+    /// The session used up its epochs: no record is `current`, all are verified by bytes.
+    stamps_untrusted: bool,
     open_vcn: u64,
     open: Vec<Record>,
     /// Sparse: fingerprint prefix → position in `open`.
@@ -189,6 +198,7 @@ impl Index {
             meta,
             uuid_lo,
             epoch: 1,
+            stamps_untrusted: false,
             open_vcn: 0,
             open: Vec::new(),
             open_by_prefix: HashMap::new(),
@@ -348,7 +358,7 @@ impl Index {
         if hd.vcn != vcn || u64::from(hd.page) != page {
             return None;
         }
-        let current = hd.epoch == self.epoch;
+        let current = hd.epoch == self.epoch && !self.stamps_untrusted;
         recs.iter_mut().for_each(|r| r.loc.current = current);
         Some(Arc::new(recs))
     }
@@ -373,7 +383,7 @@ impl Index {
     pub fn insert(&mut self, h: &[u8; 32], loc: Location) {
         let idx = self.open.len();
         let page = idx / RECORDS_PER_PAGE;
-        self.open.push(Record { hash: *h, loc: Location { current: true, ..loc } });
+        self.open.push(Record { hash: *h, loc: Location { current: !self.stamps_untrusted, ..loc } });
         match self.mode {
             IndexMode::Dense => self.table.insert(h, self.open_vcn, page as u64, self.open_vcn),
             IndexMode::Sparse => {
@@ -447,7 +457,13 @@ impl Index {
     /// wrapped, so an old record's stamp could match again).
     pub fn new_epoch(&mut self) {
         self.close_chapter();
-        self.epoch = self.epoch.wrapping_add(1).max(1);
+        let next = self.epoch.wrapping_add(1);
+        if next.trailing_zeros() >= EPOCH_SESSION_SHIFT {
+            // The next session's first epoch: stay, and trust no stamp from now on.
+            self.stamps_untrusted = true;
+        } else {
+            self.epoch = next;
+        }
         self.pages.lock().clear();
         self.chapters.lock().clear();
     }
@@ -467,8 +483,11 @@ impl Index {
     /// Rebuilds the volume index from the ring (at open): the first page of every slot
     /// says which chapter it holds; the chapters of the window are then read oldest first,
     /// each in one sequential read, and their records (hooks only, in sparse mode) enter
-    /// the volume index. The next chapter and epoch follow the newest found.
-    pub fn rebuild(&mut self) {
+    /// the volume index. The next chapter follows the newest found; the epoch is the first
+    /// of read-write session `session`, or above every epoch found if that is higher.
+    pub fn rebuild(&mut self, session: u64) {
+        let base = u32::try_from(session).unwrap_or(u32::MAX).checked_shl(EPOCH_SESSION_SHIFT).unwrap_or(0);
+        let base = if u64::from(base) >> EPOCH_SESSION_SHIFT == session { base } else { 0 };
         let Some(meta) = self.meta.clone() else { return };
         let t0 = std::time::Instant::now();
         let ring = self.ring;
@@ -491,12 +510,14 @@ impl Index {
                 }
             }
         }
+        // Past the last epoch counter value, the session trusts no stamp (as above).
+        self.epoch = base.max(epoch_max.saturating_add(1)).max(1);
+        self.stamps_untrusted = (base == 0 && session > 0) || epoch_max == u32::MAX;
         let Some(newest) = heads.iter().flatten().copied().max() else {
             self.rebuild = Rebuild { millis: t0.elapsed().as_millis() as u64, bytes_read, ..Rebuild::default() };
             return;
         };
         self.open_vcn = newest + 1;
-        self.epoch = epoch_max.wrapping_add(1).max(1);
         let mut r = Rebuild::default();
         let mut chapter = vec![0u8; (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize];
         let first = self.open_vcn.saturating_sub(ring.chapters - 1);
@@ -510,12 +531,11 @@ impl Index {
             }
             r.chapters += 1;
             for (i, b) in chapter.chunks_exact(BLOCK_SIZE).enumerate() {
-                let Some((h, recs)) = decode_page(b, self.uuid_lo).filter(|(h, _)| h.vcn == vcn && usize::from(h.page) == i)
-                else {
+                let valid = |h: &PageHeader| h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch;
+                let Some((_, recs)) = decode_page(b, self.uuid_lo).filter(|(h, _)| valid(h)) else {
                     r.pages_skipped += 1;
                     continue;
                 };
-                debug_assert!(h.epoch < self.epoch || self.epoch == 1);
                 for rec in &recs {
                     if self.mode == IndexMode::Dense || is_hook(&rec.hash) {
                         self.table.insert(&rec.hash, vcn, i as u64, self.open_vcn);
@@ -600,7 +620,7 @@ mod tests {
             ix.write_dirty(&meta, &d);
         }
         let mut re = Index::new(IndexMode::Dense, Some(meta.clone()), (16, 8), 7, 1 << 20, false).expect("index");
-        re.rebuild();
+        re.rebuild(2);
         let l = re.lookup(&h(999)).expect("open chapter record written with the commit");
         assert_eq!((l.pbn, l.current), (999, false), "records of an earlier epoch are not current");
         // The rebuild opened chapter 10, so chapter 2 (records 202..303) left the window.
@@ -615,7 +635,7 @@ mod tests {
         }
         meta.write(IoKind::Index, &torn, re.ring().page_offset(3, 0)).expect("write");
         let mut re2 = Index::new(IndexMode::Dense, Some(meta), (16, 8), 7, 1 << 20, false).expect("index");
-        re2.rebuild();
+        re2.rebuild(3);
         assert_eq!(re2.lookup(&h(3 * 101 + 5)), None, "the torn chapter's records are gone");
         assert_eq!(re2.lookup(&h(500)).map(|l| l.pbn), Some(500));
     }
@@ -629,7 +649,7 @@ mod tests {
             ix.insert(&h(i), loc(i));
         }
         let mut re = Index::new(IndexMode::Sparse, Some(meta), (0, 64), 7, 1 << 20, false).expect("index");
-        re.rebuild();
+        re.rebuild(2);
         // Chapter 2 is in the window (the rebuild opened chapter 3, dropping chapter 0).
         let hook = (2 * rpc..3 * rpc).find(|&i| is_hook(&h(i))).expect("a hook in chapter 2");
         let plain = (2 * rpc..3 * rpc).find(|&i| !is_hook(&h(i))).expect("a non-hook");

@@ -243,7 +243,8 @@ impl Volume {
         notes.extend(rec.notes.into_iter().map(OpenNote::Info));
         let mut dedup = Deduper::new(index, hash_mode, geo.data_blocks);
         if sb.dedup {
-            dedup.index_mut().rebuild();
+            // Recovery counted this open (and made it durable) before anything is written.
+            dedup.index_mut().rebuild(sb.lifetime.read_write_opens);
         }
         let state = State {
             alloc: Allocator::from_counts(rec.rc.counts(), geo.slab_blocks),
