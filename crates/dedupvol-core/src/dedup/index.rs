@@ -283,11 +283,13 @@ impl Index {
 
     fn lookup_dense(&self, h: &[u8; 32], io: &mut bool) -> Option<Location> {
         for (vcn, page) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
+            // The newest record of the fingerprint in the page: a block at the reference
+            // cap got a new copy recorded after it.
             let found = if vcn == self.open_vcn {
                 let from = page as usize * RECORDS_PER_PAGE;
-                self.open.iter().skip(from).take(RECORDS_PER_PAGE).find(|r| r.hash == *h).copied()
+                self.open.iter().skip(from).take(RECORDS_PER_PAGE).rev().find(|r| r.hash == *h).copied()
             } else {
-                self.page(vcn, page, io).and_then(|p| p.iter().find(|r| r.hash == *h).copied())
+                self.page(vcn, page, io).and_then(|p| p.iter().rev().find(|r| r.hash == *h).copied())
             };
             if let Some(r) = found {
                 return Some(r.loc);
