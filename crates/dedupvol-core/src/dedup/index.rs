@@ -42,6 +42,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// Largest read of the rebuild at open (whole chapters, in ring order).
+const REBUILD_READ_BYTES: u64 = 4 << 20;
 /// Epochs each session may use (a new one per reuse stamp that wraps).
 pub const EPOCH_SESSION_SHIFT: u32 = 10;
 /// One fingerprint in `SPARSE_SAMPLE` is a hook in sparse mode.
@@ -483,8 +485,8 @@ impl Index {
     }
 
     /// Rebuilds the volume index from the ring (at open): the first page of every slot
-    /// says which chapter it holds; the chapters of the window are then read oldest first,
-    /// each in one sequential read, and their records (hooks only, in sparse mode) enter
+    /// says which chapter it holds; the chapters of the window are then read in ring
+    /// order, several per sequential read, and their records (hooks only, in sparse mode) enter
     /// the volume index. The next chapter follows the newest found; the epoch is the first
     /// of read-write session `session`, or above every epoch found if that is higher.
     pub fn rebuild(&mut self, session: u64) {
@@ -521,29 +523,45 @@ impl Index {
         };
         self.open_vcn = newest + 1;
         let mut r = Rebuild::default();
-        let mut chapter = vec![0u8; (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize];
+        // The window's chapters in ring order, in reads of up to `REBUILD_READ_BYTES`: the
+        // volume index keeps the newer record whatever the order it sees them in.
         let first = self.open_vcn.saturating_sub(ring.chapters - 1);
-        for vcn in first..self.open_vcn {
-            if heads.get((vcn % ring.chapters) as usize).copied().flatten() != Some(vcn) {
+        let run = (REBUILD_READ_BYTES / (ring.pages_per_chapter * BLOCK_SIZE_U64)).max(1);
+        let chapter_bytes = (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+        let mut buf = vec![0u8; run as usize * chapter_bytes];
+        let mut slot = 0;
+        while slot < ring.chapters {
+            let n = run.min(ring.chapters - slot);
+            let want: Vec<Option<u64>> = (slot..slot + n)
+                .map(|s| heads.get(s as usize).copied().flatten().filter(|&v| v >= first && v < self.open_vcn))
+                .collect();
+            let start = slot;
+            slot += n;
+            if want.iter().all(Option::is_none) {
                 continue;
             }
-            bytes_read += chapter.len() as u64;
-            if meta.read(IoKind::Index, &mut chapter, ring.page_offset(vcn, 0)).is_err() {
+            let Some(chunk) = buf.get_mut(..n as usize * chapter_bytes) else { break };
+            bytes_read += chunk.len() as u64;
+            let off = (ring.start_block + start * ring.pages_per_chapter) * BLOCK_SIZE_U64;
+            if meta.read(IoKind::Index, chunk, off).is_err() {
                 continue;
             }
-            r.chapters += 1;
-            for (i, b) in chapter.chunks_exact(BLOCK_SIZE).enumerate() {
-                let valid = |h: &PageHeader| h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch;
-                let Some((_, recs)) = decode_page(b, self.uuid_lo).filter(|(h, _)| valid(h)) else {
-                    r.pages_skipped += 1;
-                    continue;
-                };
-                for rec in &recs {
-                    if self.mode == IndexMode::Dense || is_hook(&rec.hash) {
-                        self.table.insert(&rec.hash, vcn, i as u64, self.open_vcn);
+            for (vcn, pages) in want.iter().zip(chunk.chunks_exact(chapter_bytes)) {
+                let Some(vcn) = *vcn else { continue };
+                r.chapters += 1;
+                for (i, b) in pages.chunks_exact(BLOCK_SIZE).enumerate() {
+                    let valid = |h: &PageHeader| h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch;
+                    let Some((_, recs)) = decode_page(b, self.uuid_lo).filter(|(h, _)| valid(h)) else {
+                        r.pages_skipped += 1;
+                        continue;
+                    };
+                    for rec in &recs {
+                        if self.mode == IndexMode::Dense || is_hook(&rec.hash) {
+                            self.table.insert(&rec.hash, vcn, i as u64, self.open_vcn);
+                        }
                     }
+                    r.records += recs.len() as u64;
                 }
-                r.records += recs.len() as u64;
             }
         }
         r.bytes_read = bytes_read;
