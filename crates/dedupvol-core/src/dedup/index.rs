@@ -42,6 +42,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// Closed chapters' pages waiting for the next commit, at most (past it they are written
+/// at once, under the state lock).
+const PENDING_BYTES_MAX: usize = 8 << 20;
 /// Largest read of the rebuild at open (whole chapters, in ring order).
 const REBUILD_READ_BYTES: u64 = 4 << 20;
 /// Epochs each session may use (a new one per reuse stamp that wraps).
@@ -155,19 +158,23 @@ pub struct Index {
     open_by_prefix: HashMap<u64, u32>,
     /// First page of the open chapter changed since it was last handed out.
     dirty_from: Option<usize>,
+    /// Pages of closed chapters not handed out yet, and their bytes.
+    pending: DirtyPages,
+    pending_bytes: usize,
     pages: Mutex<PageCache>,
     chapters: Mutex<ChapterCache>,
     counters: Counters,
     rebuild: Rebuild,
 }
 
-/// Record pages of the open chapter, back to back, and the device offset of the first.
-pub type DirtyPages = (u64, Vec<u8>);
+/// Runs of record pages to write: each the device offset of its first page and the pages
+/// back to back.
+pub type DirtyPages = Vec<(u64, Vec<u8>)>;
 
 /// Writes record pages handed out by `Index::take_dirty` (by a commit, without the
-/// index); false when the write failed, which costs dedup only.
+/// index); false when a write failed, which costs dedup only.
 pub fn write_pages(meta: &Dev, pages: &DirtyPages) -> bool {
-    meta.write(IoKind::Index, &pages.1, pages.0).is_ok()
+    pages.iter().fold(true, |ok, (off, bytes)| meta.write(IoKind::Index, bytes, *off).is_ok() && ok)
 }
 
 /// True for the sampled fingerprints that enter the sparse volume index.
@@ -205,6 +212,8 @@ impl Index {
             open: Vec::new(),
             open_by_prefix: HashMap::new(),
             dirty_from: None,
+            pending: Vec::new(),
+            pending_bytes: 0,
             pages: Mutex::new(PageCache::new(RECORD_CACHE_PAGES as usize)),
             chapters: Mutex::new(ChapterCache::new(cache_chapters)),
             counters: Counters::default(),
@@ -414,13 +423,21 @@ impl Index {
         out
     }
 
-    /// The open chapter's pages changed since the last call, as (device offset, bytes):
-    /// the journal commit writes them before its sync, so the records of every durable
-    /// write are durable too.
-    pub fn take_dirty(&mut self) -> Option<DirtyPages> {
+    /// The open chapter's pages changed since the last hand-out, as (offset, bytes).
+    fn take_open(&mut self) -> Option<(u64, Vec<u8>)> {
         let from = self.dirty_from.take()?;
         self.meta.as_ref()?;
         Some((self.ring.page_offset(self.open_vcn, from as u64), self.encode_open(from)))
+    }
+
+    /// The pages of chapters closed since the last call and the open chapter's changed
+    /// pages: the journal commit writes them (outside the state lock) before its sync, so
+    /// the records of every durable write are durable too.
+    pub fn take_dirty(&mut self) -> DirtyPages {
+        let mut out = std::mem::take(&mut self.pending);
+        self.pending_bytes = 0;
+        out.extend(self.take_open());
+        out
     }
 
     /// Writes what `take_dirty` handed out (a failure costs dedup only, and is counted).
@@ -436,7 +453,15 @@ impl Index {
         if self.open.is_empty() {
             return;
         }
-        if let Some(d) = self.take_dirty() {
+        // Its pages wait for the next commit, which writes them outside the state lock;
+        // a long stretch without commits writes them here instead (bounded memory).
+        if let Some(d) = self.take_open() {
+            self.pending_bytes += d.1.len();
+            self.pending.push(d);
+        }
+        if self.pending_bytes > PENDING_BYTES_MAX {
+            let d = std::mem::take(&mut self.pending);
+            self.pending_bytes = 0;
             if let Some(meta) = &self.meta {
                 self.write_dirty(meta, &d);
             }
@@ -636,9 +661,8 @@ mod tests {
         assert_eq!(ix.lookup(&h(999)).map(|l| l.pbn), Some(999));
         assert_eq!(ix.lookup(&h(500)).map(|l| l.pbn), Some(500));
         assert_eq!(ix.lookup(&h(5)), None, "chapter 0 left the window");
-        if let Some(d) = ix.take_dirty() {
-            ix.write_dirty(&meta, &d);
-        }
+        let d = ix.take_dirty();
+        ix.write_dirty(&meta, &d);
         let mut re = Index::new(IndexMode::Dense, Some(meta.clone()), (16, 8), 7, 1 << 20, false).expect("index");
         re.rebuild(2);
         let l = re.lookup(&h(999)).expect("open chapter record written with the commit");
@@ -668,6 +692,8 @@ mod tests {
         for i in 0..3 * rpc {
             ix.insert(&h(i), loc(i));
         }
+        let d = ix.take_dirty();
+        ix.write_dirty(&meta, &d);
         let mut re = Index::new(IndexMode::Sparse, Some(meta), (0, 64), 7, 1 << 20, false).expect("index");
         re.rebuild(2);
         // Chapter 2 is in the window (the rebuild opened chapter 3, dropping chapter 0).

@@ -28,7 +28,7 @@ impl Volume {
     /// Step 1 (state lock held). Returns the batch and the first ticket its data sync need
     /// not wait for: every entry in the batch refers to data written already, written
     /// here, or in a write with an earlier ticket.
-    fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64, Option<DirtyPages>)> {
+    fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64, DirtyPages)> {
         self.seal_packer(st)?;
         write_merged(&self.data, st.staging.take_for_inline_write(), false)?;
         st.staging.prune(&self.tickets);
@@ -51,10 +51,8 @@ impl Volume {
     /// hold it: finishing writers never take it).
     /// The open chapter's new index pages go out with the journal blocks, under the same
     /// sync (their failure costs dedup only).
-    fn write_commit(&self, batch: &CommitBatch, ticket: u64, pages: Option<&DirtyPages>) -> Result<()> {
-        if let Some(p) = pages {
-            crate::dedup::index::write_pages(&self.meta, p);
-        }
+    fn write_commit(&self, batch: &CommitBatch, ticket: u64, pages: &DirtyPages) -> Result<()> {
+        crate::dedup::index::write_pages(&self.meta, pages);
         if batch.blocks.is_empty() {
             return Ok(());
         }
@@ -97,7 +95,7 @@ impl Volume {
             let r = self.take_commit(&mut st);
             self.guard(r)?
         };
-        let r = self.write_commit(&batch, ticket, pages.as_ref());
+        let r = self.write_commit(&batch, ticket, &pages);
         self.guard(r)?;
         let mut st = self.state.lock();
         self.finish_commit(&mut st, &batch);
@@ -114,7 +112,7 @@ impl Volume {
     /// Caller holds the commit lock and the state lock.
     pub(crate) fn checkpoint(&self, st: &mut State) -> Result<()> {
         let (batch, ticket, pages) = self.take_commit(st)?;
-        self.write_commit(&batch, ticket, pages.as_ref())?;
+        self.write_commit(&batch, ticket, &pages)?;
         self.finish_commit(st, &batch);
         let durable = st.journal.durable_seq();
         st.map.write_dirty(durable)?;
