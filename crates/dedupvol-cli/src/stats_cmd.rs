@@ -206,7 +206,32 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     outln!("savings: zero       {}", human(s.savings.zero_bytes))?;
     outln!("savings: dedup      {}", human(s.savings.dedup_bytes))?;
     outln!("savings: compress   {}", human(s.savings.compression_bytes))?;
-    outln!("index               {} / {} entries, {}", s.index_entries, s.index_capacity, human(s.index_memory_bytes))?;
+    outln!(
+        "index               {}: {} / {} entries, {} ({:.1} B/entry), window {}, {} / {} chapters used",
+        s.index.mode,
+        s.index_entries,
+        s.index_capacity,
+        human(s.index_memory_bytes),
+        s.index.memory_bytes_per_entry,
+        human(s.index.window_bytes),
+        s.index.chapters_used,
+        s.index.chapters
+    )?;
+    outln!(
+        "index rebuild       {} records, {} read in {} ms ({} pages skipped)",
+        s.index.rebuild_records,
+        human(s.index.rebuild_bytes),
+        s.index.rebuild_millis,
+        s.index.rebuild_pages_skipped
+    )?;
+    outln!(
+        "index lookups       {} ({} without I/O), {} page reads, {} page cache hits, {} chapter loads",
+        s.index.lookups,
+        s.index.lookups_without_io,
+        s.index.page_reads,
+        s.index.page_cache_hits,
+        s.index.chapter_loads
+    )?;
     if let Some(t) = &s.tier {
         outln!("{}", tier_summary(t))?;
     }

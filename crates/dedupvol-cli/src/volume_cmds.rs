@@ -49,9 +49,19 @@ pub struct FormatArgs {
     /// Deduplicate: on or off.
     #[arg(long, default_value = "on")]
     dedup: String,
-    /// Memory for the fingerprint index (40 bytes per entry; 16 with --verify bytes).
+    /// Upper bound on the in-memory fingerprint index (6 bytes per indexed block in dense
+    /// mode, per 32 blocks in sparse mode, at 90% load). Without --dedup-window it also
+    /// sets the window: as much data as this memory indexes, at most the data device.
     #[arg(long, value_parser = size, default_value = "64M")]
     index_memory: u64,
+    /// Data the fingerprint index covers (K/M/G/T): its records live in a ring of chapters
+    /// on the metadata device (about 1% of the window), the oldest dropped as it wraps.
+    #[arg(long, value_parser = size)]
+    dedup_window: Option<u64>,
+    /// In-memory index: dense (every fingerprint) or sparse (1 in 32, as hooks that load
+    /// their chapter; a 32x larger window per byte of memory).
+    #[arg(long, default_value = "dense")]
+    index: String,
     /// sync: durable before acknowledgement; async: durable at flush/FUA.
     #[arg(long, default_value = "async")]
     write_policy: String,
@@ -253,6 +263,8 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         compression: a.compression.parse::<Compression>().map_err(crate::usage)?,
         dedup: on_off(&a.dedup)?,
         index_memory_bytes: a.index_memory,
+        dedup_window_bytes: a.dedup_window,
+        index_mode: a.index.parse::<dedupvol_core::IndexMode>().map_err(crate::usage)?,
         write_policy: a.write_policy.parse::<WritePolicy>().map_err(crate::usage)?,
         slab_size_bytes: a.slab_size,
         verify: a.verify.parse::<DedupVerify>().map_err(crate::usage)?,
@@ -355,10 +367,14 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;
     outln!(
-        "index           {} entries, {} ({} B/entry)",
+        "index           {} ({} slots of {} B, {}), window {} in {} chapters of {} records",
+        s.index.mode,
         s.index_capacity,
+        s.index_bytes_per_entry,
         human(s.index_memory_bytes),
-        s.index_bytes_per_entry
+        human(s.index.window_bytes),
+        s.index.chapters,
+        s.index.records_per_chapter
     )?;
     outln!("write policy    {}", s.write_policy)?;
     let mem = vol.memory_usage();

@@ -324,9 +324,25 @@ fn index_memory_the_machine_cannot_hold_is_refused_and_open_can_lower_it() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("exceeds this machine's"), "{}", text(&o));
     assert!(!vol.exists(), "a refused format left a file");
-    // A volume whose index a 3 GiB address space cannot hold: opening it there is a clear
-    // error (exit 1), not an allocation abort (exit 134); --index-memory lowers it.
-    let o = dedupvol(&["format", s(&vol), "--logical-size", "64M", "--physical-size", "64M", "--index-memory", "8G"]);
+    // A volume whose index a 3 GiB address space cannot hold (a 3 TiB window: 5.6 GB of
+    // volume index, its chapter ring on a sparse metadata file): opening it there is a
+    // clear error (exit 1), not an allocation abort (exit 134); --index-memory lowers it.
+    let meta = dir.path().join("meta.img");
+    std::fs::File::create(&meta).and_then(|f| f.set_len(40 << 30)).expect("sparse metadata file");
+    let o = dedupvol(&[
+        "format",
+        s(&vol),
+        "--logical-size",
+        "64M",
+        "--physical-size",
+        "64M",
+        "--meta-device",
+        s(&meta),
+        "--dedup-window",
+        "3T",
+        "--index-memory",
+        "8G",
+    ]);
     if !o.status.success() {
         eprintln!("SKIPPED the open half: this machine has less than 8 GiB ({})", text(&o));
         return;

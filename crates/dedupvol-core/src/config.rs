@@ -132,6 +132,56 @@ impl std::fmt::Display for DedupVerify {
     }
 }
 
+/// How much of the fingerprint index is kept in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexMode {
+    /// Every fingerprint of the window is in the in-memory volume index (6 bytes a slot).
+    Dense,
+    /// Only sampled "hook" fingerprints (1 in 32) are in memory; a hook that hits loads
+    /// its whole chapter, so the blocks written with it dedup too. A window 32 times as
+    /// large for the same memory, at the cost of duplicates with no hook nearby.
+    Sparse,
+}
+
+impl IndexMode {
+    /// The superblock code.
+    pub fn code(self) -> u8 {
+        match self {
+            IndexMode::Dense => 0,
+            IndexMode::Sparse => 1,
+        }
+    }
+    /// The mode of a superblock code (an unknown code is refused by the decoder).
+    pub fn from_code(c: u8) -> Option<Self> {
+        match c {
+            0 => Some(IndexMode::Dense),
+            1 => Some(IndexMode::Sparse),
+            _ => None,
+        }
+    }
+}
+
+impl std::str::FromStr for IndexMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "dense" => Ok(IndexMode::Dense),
+            "sparse" => Ok(IndexMode::Sparse),
+            _ => Err(Error::InvalidArgument(format!("index mode must be dense or sparse, not {s:?}"))),
+        }
+    }
+}
+
+impl std::fmt::Display for IndexMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IndexMode::Dense => "dense",
+            IndexMode::Sparse => "sparse",
+        })
+    }
+}
+
 /// Settings fixed when a volume is formatted.
 #[derive(Debug, Clone, Serialize)]
 pub struct FormatOptions {
@@ -141,8 +191,16 @@ pub struct FormatOptions {
     pub compression: Compression,
     /// Deduplicate writes.
     pub dedup: bool,
-    /// Memory for the fingerprint index.
+    /// Upper bound on the in-memory part of the fingerprint index (the volume index).
+    /// Without `dedup_window_bytes`, it also sets the window: as much as this memory
+    /// indexes, at most the data device.
     pub index_memory_bytes: u64,
+    /// Data the fingerprint index covers, in bytes (the chapter ring on the metadata
+    /// device is sized for it; the oldest chapter leaves as the ring wraps). None: from
+    /// `index_memory_bytes`.
+    pub dedup_window_bytes: Option<u64>,
+    /// Dense or sparse in-memory index.
+    pub index_mode: IndexMode,
     /// Default write policy (an open may override it).
     pub write_policy: WritePolicy,
     /// Data slab size in bytes (allocation unit of the log-structured data region).
@@ -160,6 +218,8 @@ impl Default for FormatOptions {
             compression: Compression::Lz4,
             dedup: true,
             index_memory_bytes: 64 << 20,
+            dedup_window_bytes: None,
+            index_mode: IndexMode::Dense,
             write_policy: WritePolicy::Async,
             slab_size_bytes: 32 << 20,
             verify: DedupVerify::Hash,
@@ -172,6 +232,8 @@ impl Default for FormatOptions {
 pub const LOGICAL_SIZE_BYTES_MAX: u64 = 1 << 52;
 /// Largest index memory accepted.
 pub const INDEX_MEMORY_BYTES_MAX: u64 = 1 << 40;
+/// Largest dedup window accepted (the chapter ring's limits: 32768 chapters of 256 pages).
+pub const DEDUP_WINDOW_BYTES_MAX: u64 = 32768 * 256 * 101 * BLOCK_SIZE_U64;
 /// Smallest index memory accepted.
 pub const INDEX_MEMORY_BYTES_MIN: u64 = 64 << 10;
 
@@ -195,6 +257,13 @@ impl FormatOptions {
                 "index memory {} must be between {INDEX_MEMORY_BYTES_MIN} and {INDEX_MEMORY_BYTES_MAX}",
                 self.index_memory_bytes
             )));
+        }
+        if let Some(w) = self.dedup_window_bytes {
+            if !(BLOCK_SIZE_U64..=DEDUP_WINDOW_BYTES_MAX).contains(&w) {
+                return Err(Error::InvalidArgument(format!(
+                    "dedup window {w} must be between 4096 and {DEDUP_WINDOW_BYTES_MAX} bytes"
+                )));
+            }
         }
         let slab = self.slab_size_bytes;
         if !((1 << 20)..=(1 << 35)).contains(&slab) || !slab.is_power_of_two() {

@@ -15,7 +15,8 @@
 //! - `volume`: the public `Volume` — lifecycle, recovery, commit, the write driver,
 //!   mapping changes, statistics;
 //! - `pipeline`: the write stages (fingerprint, reduce, place) and their executor;
-//! - `dedup`: the `Deduper` (lookup, verification, claim), the index, the saved index;
+//! - `dedup`: the `Deduper` (lookup, verification, claim), the two-level fingerprint index
+//!   (volume index in memory, chapter ring on the metadata device, record cache);
 //! - `data`: the packer, staging of unwritten blocks, the data writer, placement;
 //! - `read`: the read path and the content cache;
 //! - `metadata`: geometry, superblock, block map, reference counts, allocator, journal;
@@ -39,14 +40,14 @@ mod volume;
 
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{
-    parse_size, Compression, DedupVerify, FormatOptions, OpenOptions, TierDevice, TierOptions, WritePolicy, BLOCK_SIZE,
-    TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
+    parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,
+    BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
 pub use metadata::layout::Geometry;
 pub use obs::io::{IoFigure, IoKind, IoStats};
-pub use obs::stats::{LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
+pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
@@ -56,9 +57,11 @@ pub use volume::Volume;
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.
 pub mod format {
     pub use crate::data::packer::{OPEN_BLOCKS_MAX, PACKED_HEADER_BYTES};
-    pub use crate::dedup::index::{
-        ENTRY_BYTES as INDEX_ENTRY_BYTES, ENTRY_BYTES_FULL_HASH as INDEX_ENTRY_BYTES_FULL_HASH,
+    pub use crate::dedup::chapter::{
+        CHAPTER_MAGIC, CHAPTER_PAGES_MAX, CHAPTER_PAGE_HEADER_BYTES, RECORDS_PER_PAGE, RECORD_BYTES, RING_CHAPTERS_MAX,
     };
+    pub use crate::dedup::index::SPARSE_SAMPLE;
+    pub use crate::dedup::volume_index::SLOT_BYTES as INDEX_SLOT_BYTES;
     pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
     pub use crate::metadata::journal::{
         JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,

@@ -150,8 +150,9 @@ fn check_repair_takes_a_rotten_block_out_of_dedup_and_can_unmap_what_was_lost() 
     assert_eq!(r.lost_ranges.len(), 1);
     assert_eq!((r.lost_ranges[0].offset, r.lost_ranges[0].len), (0, 2 * B as u64));
 
-    // --repair: counts are fine, the lost data stays reported, the block leaves the index
-    // saved at close, so a write of its content after the repair stores a fresh copy.
+    // --repair: counts are fine, the lost data stays reported, and a write of the block's
+    // content after the repair stores a fresh copy (its record is of an earlier session,
+    // compared byte for byte, which the damage fails).
     let r = check_volume_with(data.clone(), None, CheckOptions { repair: true, ..CheckOptions::default() })
         .expect("repair");
     assert!(!r.unrepaired.is_empty() && !r.lost_unmapped);
@@ -186,17 +187,17 @@ fn check_repair_takes_a_rotten_block_out_of_dedup_and_can_unmap_what_was_lost() 
     let _ = pbn;
 }
 
-/// Hash verification trusts a fingerprint until the copy behind it is seen damaged: a
-/// rewrite of damage nobody has read yet is shared with it (checking every duplicate would
-/// be byte verification, with its reads), the read reports it, and from then on a rewrite
-/// stores a fresh copy.
+/// Hash verification trusts a fingerprint recorded in this session until the copy behind
+/// it is seen damaged: a rewrite of damage nobody has read yet is shared with it (checking
+/// every duplicate would be byte verification, with its reads), the read reports it, and
+/// from then on a rewrite stores a fresh copy. A record from an earlier session is compared
+/// byte for byte, so after a reopen the damage is caught by the first rewrite.
 #[test]
 fn hash_mode_heals_damage_on_the_rewrite_after_it_was_seen() {
     let (dev, vol) = mem_volume(64 << 20, 32 << 20, |o| o.verify = DedupVerify::Hash);
     let content = block(14, 1);
     vol.write(0, &content, false).expect("write");
-    vol.close().expect("close");
-    let vol = reopen(&dev);
+    vol.flush().expect("flush");
     let at = find_block(&dev, &vol, &content);
     flip_byte(&dev, at + 2000);
     vol.write(0, &content, false).expect("rewrite in place");
@@ -208,4 +209,18 @@ fn hash_mode_heals_damage_on_the_rewrite_after_it_was_seen() {
     vol.close().expect("close");
     let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
     assert!(r.is_clean(), "{:?}", r.problems);
+
+    // After a reopen: the record is of an earlier session, so the rewrite reads and compares.
+    let vol = reopen(&dev);
+    let other = block(15, 1);
+    vol.write(B as u64, &other, false).expect("write");
+    vol.close().expect("close");
+    let vol = reopen(&dev);
+    let at = find_block(&dev, &vol, &other);
+    flip_byte(&dev, at + 100);
+    vol.write(B as u64, &other, false).expect("rewrite after a reopen");
+    vol.read(B as u64, &mut back).expect("the damaged copy was not shared");
+    assert!(back == other);
+    assert_eq!(vol.stats().counters.dedup_verify_failures, 1);
+    vol.close().expect("close");
 }

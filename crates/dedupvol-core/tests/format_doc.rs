@@ -21,8 +21,13 @@ fn format_doc_constants_match_code() {
         ("PACKED_HEADER_BYTES", format::PACKED_HEADER_BYTES as u64),
         ("PACKED_SLOTS_MAX", u64::from(format::PACKED_SLOTS_MAX)),
         ("REFCOUNT_MAX", u64::from(format::REFCOUNT_MAX)),
-        ("INDEX_ENTRY_BYTES", format::INDEX_ENTRY_BYTES),
-        ("INDEX_ENTRY_BYTES_FULL_HASH", format::INDEX_ENTRY_BYTES_FULL_HASH),
+        ("CHAPTER_PAGE_HEADER_BYTES", format::CHAPTER_PAGE_HEADER_BYTES as u64),
+        ("RECORD_BYTES", format::RECORD_BYTES as u64),
+        ("RECORDS_PER_PAGE", format::RECORDS_PER_PAGE as u64),
+        ("CHAPTER_PAGES_MAX", format::CHAPTER_PAGES_MAX),
+        ("RING_CHAPTERS_MAX", format::RING_CHAPTERS_MAX),
+        ("INDEX_SLOT_BYTES", format::INDEX_SLOT_BYTES),
+        ("SPARSE_SAMPLE", format::SPARSE_SAMPLE),
         ("TIER_HEADER_BYTES", std::mem::size_of::<format::TierHeaderRaw>() as u64),
         ("TIER_RECORD_BYTES", std::mem::size_of::<format::TierSlotRecordRaw>() as u64),
         ("TIER_RECORDS_PER_PAGE", format::TIER_RECORDS_PER_PAGE as u64),
@@ -41,6 +46,20 @@ fn format_doc_constants_match_code() {
     }
     // Superblock field offsets quoted in the doc.
     for (off, field) in [(48usize, "logical_blocks"), (160, "index_memory_bytes"), (216, "metadata device path")] {
+        assert!(doc.contains(&format!("| {off} |")), "offset {off} ({field}) missing from the doc");
+    }
+    // The chapter record page's header fields, at the offsets the code writes them.
+    assert_eq!(format::CHAPTER_MAGIC, u32::from_le_bytes(*b"DVCP"));
+    assert!(doc.contains("| 0 | 4 | magic `DVCP` |"), "the record page's magic row is missing");
+    for (off, field) in [(16usize, "virtual chapter number"), (24, "epoch"), (28, "page number"), (30, "records in this page")] {
+        assert!(
+            doc.lines().any(|l| l.starts_with(&format!("| {off} |")) && l.contains(field)),
+            "record page field {field} at {off} missing from the doc"
+        );
+    }
+    let tail = format::CHAPTER_PAGE_HEADER_BYTES + format::RECORDS_PER_PAGE * format::RECORD_BYTES;
+    assert!(doc.contains(&format!("| {tail} | {} | zero |", dedupvol_core::BLOCK_SIZE - tail)));
+    for (off, field) in [(47usize, "index mode")] {
         assert!(doc.contains(&format!("| {off} |")), "offset {off} ({field}) missing from the doc");
     }
     // The lifetime counters, in on-disk order: the doc's rows `| 520 + 8i | 8 | name |`

@@ -17,7 +17,7 @@ use crate::content::{self, Class, BLOCK};
 use crate::disk::{Evidence, FaultConfig, FaultCounts, SimDisk, SimMachine};
 use crate::engine::{short, Coverage, SimEngine};
 use crate::model::{Model, Version, ZERO_VERSION};
-use dedupvol_core::{Compression, DedupVerify, Error, FormatOptions, OpenOptions, Problem, Storage, WritePolicy};
+use dedupvol_core::{Compression, DedupVerify, Error, IndexMode, FormatOptions, OpenOptions, Problem, Storage, WritePolicy};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;
@@ -289,6 +289,8 @@ impl RunConfig {
             slab_size_bytes: 1 << 20,
             verify: if r.gen_bool(0.5) { DedupVerify::Bytes } else { DedupVerify::Hash },
             journal_size_bytes: Some(pick(&mut r, &[256u64, 256, 512, 1024]) << 10),
+            dedup_window_bytes: None,
+            index_mode: if r.gen_bool(0.3) { IndexMode::Sparse } else { IndexMode::Dense },
         };
         let open = OpenOptions {
             read_only: false,

@@ -35,6 +35,7 @@ pub fn child_format_options() -> FormatOptions {
         slab_size_bytes: 1 << 20,
         verify: DedupVerify::Bytes,
         journal_size_bytes: Some(256 << 10),
+        ..FormatOptions::default()
     }
 }
 

@@ -452,8 +452,9 @@ impl Volume {
                 }
             }
         }
-        // Damaged blocks leave deduplication at once, so no write shares them again (with
-        // `repair` the index saved at close no longer holds them either).
+        // Damaged blocks leave deduplication at once, so no write shares them again (after
+        // a reopen their records are of an earlier epoch, compared byte for byte before
+        // any sharing, which damaged content fails).
         if !damaged.is_empty() {
             let mut st = self.state.lock();
             let pbns: std::collections::BTreeSet<u64> = damaged.iter().map(|d| d.pbn).collect();

@@ -1,35 +1,59 @@
 //! Deduplication: one `Deduper` owns the whole decision to share a chunk with a stored
 //! copy — lookup, verification, claim — and the staleness rules it rests on: reuse
-//! stamps (hash verification) and the reuse generation (byte verification).
+//! stamps and epochs (hash verification) and the reuse generation (byte verification).
 //!
 //! A chunk's path (docs/design.md, "Sharing or storing a chunk"):
 //! 1. `lookup` (state lock): a candidate from the index, only if its block is in use and,
-//!    with hash verification, its reuse stamp still matches;
-//! 2. verification: with hash verification the 256-bit fingerprint and the stamp are the
-//!    proof; with byte verification the candidate's content is compared, from memory when
+//!    when its stamp can be trusted, the stamp still matches;
+//! 2. verification: a record of this epoch, with hash verification, is proven by the
+//!    256-bit fingerprint and the stamp; any other candidate (byte verification, or a
+//!    record from an earlier session or epoch) has its content compared, from memory when
 //!    it is not on the device yet (decided in step 1) or by `verify::by_read` (no lock);
 //! 3. `claim` (state lock, at placement): re-checks the candidate against everything that
 //!    may have changed since step 1, or finds a duplicate stored meanwhile.
 //!
+//! Decision table of `claim` for a verified candidate whose block is in use below the cap
+//! (`current`: the record is of this epoch; `stale`: blocks were released for reuse since
+//! step 1):
+//!
+//! | hash verification | current | proof               | stale | decision          |
+//! |-------------------|---------|---------------------|-------|-------------------|
+//! | yes               | yes     | stamp matches       | any   | Share             |
+//! | yes               | yes     | stamp differs       | any   | Store             |
+//! | yes               | no      | bytes compared      | no    | Share, re-record  |
+//! | any               | any     | bytes compared      | yes   | Store             |
+//! | no                | any     | bytes compared      | no    | Share             |
+//!
 //! Invariants:
-//! - Sharing never rests on a stale entry: a block freed since an entry was made has a
-//!   new stamp (hash verification), or a new reuse generation voids every byte
-//!   verification done before it; a stamp that wraps purges the block's entries.
+//! - Sharing never rests on a stale record: a block freed since a record was made has a
+//!   new stamp (hash verification); a record whose stamp could no longer tell (an earlier
+//!   session, whose stamps were not kept, or before a stamp wrapped: an earlier epoch) is
+//!   compared byte for byte; a new reuse generation voids every byte verification done
+//!   before it.
 //! - A block's reference count never exceeds `REFCOUNT_MAX` through sharing: a candidate at
 //!   the cap is refused and the chunk stored as a new copy.
 //! - The index is advisory: losing it loses dedup, never data.
-//! - Every index entry names a data block of this volume by a raw or packed-slot state,
-//!   and there is one reuse stamp per data block (hash verification; the `verify` audit
-//!   checks both).
+//! - A block whose content failed its checksum is never a candidate until it is freed
+//!   (`damaged`, at most `DAMAGED_MAX` blocks; past that a new epoch makes every record
+//!   need byte verification).
+//! - Every open-chapter record names a data block of this volume by a raw or packed-slot
+//!   state, and there is one reuse stamp per data block (hash verification; the `verify`
+//!   audit checks both).
 
+pub(crate) mod chapter;
 pub(crate) mod index;
-pub(crate) mod saved;
+pub(crate) mod record_cache;
 pub(crate) mod verify;
+pub(crate) mod volume_index;
 
 use crate::dedup::index::{Index, Location};
 use crate::metadata::block_map::MapEntry;
 use crate::metadata::refcount::{Refcounts, REFCOUNT_MAX};
 use crate::obs::stats::ReductionCounters;
+use std::collections::HashSet;
+
+/// Most damaged blocks remembered one by one.
+const DAMAGED_MAX: usize = 1 << 16;
 
 /// The dedup decision's state (guarded by the volume's state lock).
 pub(crate) struct Deduper {
@@ -39,6 +63,8 @@ pub(crate) struct Deduper {
     /// Bumped whenever freed blocks become reusable; a byte verification done before a
     /// bump is stale.
     reuse_gen: u64,
+    /// Blocks whose content failed its checksum, until they are freed.
+    damaged: HashSet<u64>,
 }
 
 /// What `claim` decided for a chunk.
@@ -63,7 +89,7 @@ impl Deduper {
     /// A deduper over `index`; `hash_mode` keeps a reuse stamp per data block.
     pub(crate) fn new(index: Index, hash_mode: bool, data_blocks: u64) -> Self {
         let stamps = hash_mode.then(|| crate::io::hugemem::zeroed(data_blocks as usize));
-        Deduper { index, stamps, reuse_gen: 0 }
+        Deduper { index, stamps, reuse_gen: 0, damaged: HashSet::new() }
     }
 
     /// True when fingerprints are trusted on full 256-bit equality plus the reuse stamp.
@@ -82,12 +108,24 @@ impl Deduper {
         self.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp))
     }
 
-    /// Step 1: the candidate for `hash`, if its block is in use now (a free block could be
-    /// reallocated before placement without any generation bump) and its stamp matches.
-    /// With hash verification the candidate comes back verified.
+    /// True when `loc`'s stamp decides whether its block changed since: hash verification
+    /// and a record of this epoch.
+    fn by_stamp(&self, loc: &Location) -> bool {
+        self.hash_mode() && loc.current
+    }
+
+    /// True when `loc` may be offered at all: its block is in use now (a free block could
+    /// be reallocated before placement without any generation bump), not damaged, and its
+    /// stamp matches when the stamp can tell.
+    fn usable(&self, loc: &Location, rc: &Refcounts) -> bool {
+        rc.get(loc.pbn) > 0 && !self.damaged.contains(&loc.pbn) && (!self.by_stamp(loc) || self.stamp_matches(loc))
+    }
+
+    /// Step 1: the candidate for `hash`. A record proven by its stamp comes back verified;
+    /// any other is left for byte verification.
     pub(crate) fn lookup(&self, hash: &[u8; 32], rc: &Refcounts) -> Candidate {
-        let loc = self.index.lookup(hash).filter(|l| rc.get(l.pbn) > 0 && self.stamp_matches(l));
-        Candidate { loc, verified: loc.is_some() && self.hash_mode() }
+        let loc = self.index.lookup(hash).filter(|l| self.usable(l, rc));
+        Candidate { loc, verified: loc.is_some_and(|l| self.by_stamp(&l)) }
     }
 
     /// Step 3: the final decision at placement, by the table in docs/design.md.
@@ -106,15 +144,17 @@ impl Deduper {
         match cand {
             Candidate { loc: Some(loc), verified: true } => {
                 let c = rc.get(loc.pbn);
+                let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { !stale };
                 if c >= REFCOUNT_MAX {
                     red.refcount_cap_copies += 1;
-                } else if c > 0 && self.stamp_matches(&loc) && (!stale || self.hash_mode()) {
+                } else if c > 0 && !self.damaged.contains(&loc.pbn) && proven {
+                    self.refresh(hash, loc);
                     return Claim::Share(loc);
                 }
             }
-            Candidate { loc: Some(loc), verified: false } => {
+            Candidate { loc: Some(_), verified: false } => {
                 red.dedup_verify_failures += 1;
-                self.index.remove(hash, loc);
+                self.index.remove(hash);
             }
             Candidate { loc: None, .. } => {}
         }
@@ -123,22 +163,32 @@ impl Deduper {
         let Some(loc) = self.index.lookup(hash).filter(|l| Some(*l) != cand.loc) else {
             return Claim::Store;
         };
-        let c = rc.get(loc.pbn);
-        if c == 0 || c >= REFCOUNT_MAX {
+        if !self.usable(&loc, rc) || rc.get(loc.pbn) >= REFCOUNT_MAX {
             return Claim::Store;
         }
-        let proven = if self.hash_mode() { self.stamp_matches(&loc) } else { in_memory(loc) };
+        let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { in_memory(loc) };
         if proven {
+            self.refresh(hash, loc);
             Claim::Share(loc)
         } else {
             Claim::Store
         }
     }
 
+    /// A record from an earlier epoch just proved right: records it again in the open
+    /// chapter, with the block's current stamp, so the next duplicate needs no byte
+    /// verification and the hot fingerprint stays in the window.
+    fn refresh(&mut self, hash: &[u8; 32], loc: Location) {
+        if !loc.current {
+            let stamp = self.stamps.as_ref().and_then(|s| s.get(loc.pbn as usize).copied()).unwrap_or(0);
+            self.index.insert(hash, Location { stamp, current: true, ..loc });
+        }
+    }
+
     /// Records a newly stored chunk under its fingerprint, stamped with its block's stamp.
     pub(crate) fn record(&mut self, hash: &[u8; 32], e: &MapEntry) {
         let stamp = self.stamps.as_ref().and_then(|s| s.get(e.pbn as usize).copied()).unwrap_or(0);
-        self.index.insert(hash, Location { pbn: e.pbn, state: e.state, stamp });
+        self.index.insert(hash, Location { pbn: e.pbn, state: e.state, stamp, current: true });
     }
 
     /// Freed blocks became reusable: every byte verification done before now is stale.
@@ -146,16 +196,17 @@ impl Deduper {
         self.reuse_gen += 1;
     }
 
-    /// A block lost its last reference: its index entries become stale (new stamp; a
-    /// stamp that wraps to a value an old entry may carry purges the block's entries).
-    /// Returns true when that needed the scan.
+    /// A block lost its last reference: its records become stale (new stamp; a stamp that
+    /// wraps to a value an old record may carry starts a new epoch, after which every
+    /// older record needs byte verification). Returns true when the stamp wrapped.
     pub(crate) fn note_freed(&mut self, pbn: u64) -> bool {
+        self.damaged.remove(&pbn);
         let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
             *s = s.wrapping_add(1);
             *s == 0
         });
         if wrapped {
-            self.index.remove_pbn(pbn);
+            self.index.new_epoch();
         }
         wrapped
     }
@@ -164,14 +215,19 @@ impl Deduper {
     /// index entry may lead a new write to it, since hash verification would trust the
     /// entry and share the damaged copy.
     pub(crate) fn forget_damaged(&mut self, pbn: u64) {
-        // With reuse stamps, a new stamp makes every entry for the block stale at once; a
-        // stamp that wraps to an old value needs the full scan, as at reuse.
-        let stale_by_stamp = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
+        // Records of the block in chapters on the device cannot be found by block, so
+        // the block is remembered until it is freed; the new stamp also voids its records.
+        if self.damaged.len() >= DAMAGED_MAX {
+            self.damaged.clear();
+            self.index.new_epoch();
+        }
+        self.damaged.insert(pbn);
+        let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
             *s = s.wrapping_add(1);
-            *s != 0
+            *s == 0
         });
-        if !stale_by_stamp {
-            self.index.remove_pbn(pbn);
+        if wrapped {
+            self.index.new_epoch();
         }
     }
 
@@ -187,7 +243,7 @@ impl Deduper {
         }
         self.index.audit(|l| {
             let e = MapEntry { pbn: l.pbn, state: l.state, crc: 0 };
-            match e.is_data() && l.pbn < data_blocks {
+            match (e.is_data() && l.pbn < data_blocks) || self.damaged.contains(&l.pbn) {
                 true => Ok(()),
                 false => Err(format!("location {l:?} is not a data block of the volume")),
             }
@@ -202,6 +258,11 @@ impl Deduper {
     /// The index, for statistics.
     pub(crate) fn index(&self) -> &Index {
         &self.index
+    }
+
+    /// The index, to rebuild it and to hand its pages to commits.
+    pub(crate) fn index_mut(&mut self) -> &mut Index {
+        &mut self.index
     }
 
     /// Memory of the reuse stamps in bytes.

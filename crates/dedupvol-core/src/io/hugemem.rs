@@ -36,6 +36,8 @@ unsafe impl ZeroDefault for u64 {}
 // SAFETY: as above.
 unsafe impl ZeroDefault for u16 {}
 // SAFETY: as above.
+unsafe impl ZeroDefault for u32 {}
+// SAFETY: as above.
 unsafe impl ZeroDefault for [u8; 24] {}
 
 /// `zeroed`, but a table the allocator cannot provide is `None` instead of an abort. Why:

@@ -3,7 +3,7 @@
 //! ```text
 //! metadata device (or the data device when there is none):
 //!   [0] superblock A  [1] superblock B  [journal] [refcount pages ×2 slots]
-//!   [block map pages ×2 slots] [index save area]
+//!   [block map pages ×2 slots] [fingerprint index: chapter ring]
 //! data device:
 //!   [0] superblock A  [1] superblock B  (metadata here when no metadata device)
 //!   [data region: slabs of slab_blocks data blocks, the last one possibly short]
@@ -52,9 +52,9 @@ pub struct Geometry {
     pub block_map_start: u64,
     /// Block map pages (each occupies two slots).
     pub block_map_pages: u64,
-    /// First block of the index save area (metadata device).
+    /// First block of the fingerprint index's chapter ring (metadata device).
     pub index_start: u64,
-    /// Length of the index save area in blocks.
+    /// Length of the chapter ring area in blocks.
     pub index_blocks: u64,
     /// First data block (data device).
     pub data_start: u64,
@@ -72,7 +72,7 @@ impl Geometry {
         meta_dev_bytes: Option<u64>,
         slab_blocks: u64,
         journal_bytes: Option<u64>,
-        index_memory_bytes: u64,
+        index_wanted_blocks: u64,
     ) -> Result<Geometry> {
         let data_dev_blocks = data_dev_bytes / BLOCK_SIZE_U64;
         let meta_dev_blocks = meta_dev_bytes.map_or(0, |b| b / BLOCK_SIZE_U64);
@@ -83,8 +83,9 @@ impl Geometry {
         // Refcount pages are sized for the whole data device (an upper bound on the data region).
         let refcount_pages = data_dev_blocks.div_ceil(RC_ENTRIES_PER_PAGE).max(1);
         let block_map_pages = logical_blocks.div_ceil(BM_ENTRIES_PER_PAGE);
-        let index_wanted = index_memory_bytes.div_ceil(BLOCK_SIZE_U64) + 1;
-        let index_blocks = if meta_dev_bytes.is_some() { index_wanted } else { index_wanted.min(data_dev_blocks / 32) };
+        // Without a metadata device the ring takes at most 1/32 of the data device.
+        let index_blocks =
+            if meta_dev_bytes.is_some() { index_wanted_blocks } else { index_wanted_blocks.min(data_dev_blocks / 32) };
         let journal_start = SUPERBLOCK_BLOCKS;
         let refcount_start = journal_start + journal_blocks;
         let block_map_start = refcount_start + 2 * refcount_pages;
@@ -185,11 +186,11 @@ mod tests {
 
     #[test]
     fn layouts_are_valid_and_refuse_tiny_devices() {
-        let g = Geometry::compute(1 << 18, 256 << 20, None, 256, None, 1 << 20).expect("layout");
+        let g = Geometry::compute(1 << 18, 256 << 20, None, 256, None, 256).expect("layout");
         assert!(g.data_blocks > 60_000);
-        assert!(Geometry::compute(1 << 18, 1 << 20, None, 256, None, 1 << 20).is_err());
-        let g2 = Geometry::compute(1 << 30, 256 << 20, Some(64 << 30), 256, None, 1 << 20).expect("meta layout");
+        assert!(Geometry::compute(1 << 18, 1 << 20, None, 256, None, 256).is_err());
+        let g2 = Geometry::compute(1 << 30, 256 << 20, Some(64 << 30), 256, None, 256).expect("meta layout");
         assert_eq!(g2.data_start, 2);
-        assert!(Geometry::compute(1 << 30, 256 << 20, Some(1 << 20), 256, None, 1 << 20).is_err());
+        assert!(Geometry::compute(1 << 30, 256 << 20, Some(1 << 20), 256, None, 256).is_err());
     }
 }

@@ -11,7 +11,7 @@
 //!   block without its magic (a volume formatted before the record existed) has zero
 //!   lifetime counters; a record is written by every superblock write of a read-write open.
 
-use crate::config::{Compression, DedupVerify, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::config::{Compression, DedupVerify, IndexMode, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Corruption, Error, Result};
 use crate::io::{Dev, IoKind};
 use crate::metadata::layout::Geometry;
@@ -56,8 +56,9 @@ pub struct SuperblockRaw {
     pub clean: u8,
     /// 1 = a separate metadata device holds journal, refcounts and block map.
     pub has_meta_dev: u8,
-    /// Reserved, zero.
-    pub reserved0: u8,
+    /// `IndexMode::code`: 0 = dense, 1 = sparse (a volume formatted before the mode
+    /// existed holds 0 here, a dense index).
+    pub index_mode: u8,
     /// Geometry: logical blocks.
     pub logical_blocks: U64,
     /// Geometry: data device blocks.
@@ -172,8 +173,10 @@ pub struct Superblock {
     pub clean: bool,
     /// Region placement.
     pub geometry: Geometry,
-    /// Index memory chosen at format.
+    /// Index memory chosen at format (an upper bound on the volume index).
     pub index_memory_bytes: u64,
+    /// Dense or sparse fingerprint index.
+    pub index_mode: IndexMode,
     /// Next journal entry sequence (when clean).
     pub next_entry_seq: u64,
     /// Next journal block sequence (when clean).
@@ -213,7 +216,7 @@ impl Superblock {
             write_policy: u8::from(self.write_policy == WritePolicy::Async),
             clean: u8::from(self.clean),
             has_meta_dev: u8::from(g.meta_dev_blocks > 0),
-            reserved0: 0,
+            index_mode: self.index_mode.code(),
             logical_blocks: U64::new(g.logical_blocks),
             data_dev_blocks: U64::new(g.data_dev_blocks),
             meta_dev_blocks: U64::new(g.meta_dev_blocks),
@@ -291,6 +294,9 @@ impl Superblock {
                 format!("compression code {}", raw.compression),
             )
         })?;
+        let index_mode = IndexMode::from_code(raw.index_mode).ok_or_else(|| {
+            Error::corruption("superblock copy", 0, "index mode 0 or 1", format!("index mode {}", raw.index_mode))
+        })?;
         let geometry = Geometry {
             logical_blocks: raw.logical_blocks.get(),
             data_dev_blocks: raw.data_dev_blocks.get(),
@@ -321,6 +327,7 @@ impl Superblock {
             clean: raw.clean != 0,
             geometry,
             index_memory_bytes: raw.index_memory_bytes.get(),
+            index_mode,
             next_entry_seq: raw.next_entry_seq.get(),
             next_block_seq: raw.next_block_seq.get(),
             mapped_blocks: raw.mapped_blocks.get(),
@@ -430,8 +437,9 @@ mod tests {
             verify: DedupVerify::Bytes,
             write_policy: WritePolicy::Async,
             clean: true,
-            geometry: Geometry::compute(1 << 16, 64 << 20, None, 256, None, 1 << 20).expect("geometry"),
+            geometry: Geometry::compute(1 << 16, 64 << 20, None, 256, None, 256).expect("geometry"),
             index_memory_bytes: 1 << 20,
+            index_mode: IndexMode::Sparse,
             next_entry_seq: 77,
             next_block_seq: 5,
             mapped_blocks: 10,

@@ -14,7 +14,7 @@ pub enum IoKind {
     BlockMap,
     /// Reference count pages.
     Refcount,
-    /// Fingerprint index save/load.
+    /// Fingerprint index chapter ring: record pages written and read, the rebuild.
     Index,
     /// Reads of stored data to verify a duplicate before sharing it.
     Verify,
@@ -133,9 +133,9 @@ pub struct IoStats {
     pub refcount_write: IoFigure,
     /// Reference count pages read (open).
     pub refcount_read: IoFigure,
-    /// Fingerprint index saved.
+    /// Fingerprint index chapter pages written.
     pub index_write: IoFigure,
-    /// Fingerprint index loaded.
+    /// Fingerprint index record pages read (lookups, hooks, the rebuild at open).
     pub index_read: IoFigure,
     /// Data read to verify duplicates (cache misses only).
     pub verify_read: IoFigure,

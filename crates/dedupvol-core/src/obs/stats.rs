@@ -57,7 +57,7 @@ pub struct ReductionCounters {
     pub block_map_cache_hits: u64,
     /// Block map cache misses (page reads).
     pub block_map_cache_misses: u64,
-    /// Full index scans after a block's reuse stamp wrapped (hash verification).
+    /// Reuse stamps that wrapped, each starting a new index epoch (hash verification).
     pub stamp_wrap_scans: u64,
 }
 
@@ -90,14 +90,16 @@ pub struct Stats {
     pub counters: ReductionCounters,
     /// Counters over the volume's life, up to now.
     pub lifetime: LifetimeCounters,
-    /// Entries in the fingerprint index now.
+    /// Entries in the in-memory volume index now (occupied slots).
     pub index_entries: u64,
-    /// Capacity of the fingerprint index in entries.
+    /// Capacity of the volume index in entries (slots).
     pub index_capacity: u64,
-    /// Memory of the fingerprint index in bytes.
+    /// Memory of the volume index in bytes.
     pub index_memory_bytes: u64,
-    /// Bytes per index entry.
+    /// Bytes of the volume index per slot.
     pub index_bytes_per_entry: u64,
+    /// The fingerprint index in detail: chapters, window, lookups, cache, rebuild.
+    pub index: IndexFigures,
     /// Block map pages in the cache now.
     pub block_map_cached_pages: u64,
     /// Compression setting.
@@ -113,6 +115,46 @@ pub struct Stats {
     /// The hot-chunk tier of this session (None: no tier configured or it could not be
     /// opened).
     pub tier: Option<TierStats>,
+}
+
+/// Figures of the fingerprint index (counters since open).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct IndexFigures {
+    /// `dense` or `sparse`.
+    pub mode: String,
+    /// Volume index memory per occupied slot, in bytes (the table is sized for a full
+    /// window; lower is better, 6 / load factor at a full window).
+    pub memory_bytes_per_entry: f64,
+    /// Memory of cached record pages, in bytes.
+    pub cache_bytes: u64,
+    /// Chapters in the ring.
+    pub chapters: u64,
+    /// Chapters used so far (at most `chapters`).
+    pub chapters_used: u64,
+    /// Records per chapter.
+    pub records_per_chapter: u64,
+    /// Data the ring covers (the dedup window), in bytes.
+    pub window_bytes: u64,
+    /// Lookups.
+    pub lookups: u64,
+    /// Lookups answered from memory alone.
+    pub lookups_without_io: u64,
+    /// Record pages read from the metadata device.
+    pub page_reads: u64,
+    /// Record pages found in the cache.
+    pub page_cache_hits: u64,
+    /// Whole chapters loaded by a hook (sparse).
+    pub chapter_loads: u64,
+    /// Failed chapter writes (dedup lost, no data).
+    pub write_errors: u64,
+    /// Time the rebuild at open took, in milliseconds.
+    pub rebuild_millis: u64,
+    /// Records the rebuild read.
+    pub rebuild_records: u64,
+    /// Bytes the rebuild read.
+    pub rebuild_bytes: u64,
+    /// Pages of the window's chapters the rebuild skipped (torn, stale, never written).
+    pub rebuild_pages_skipped: u64,
 }
 
 /// Figures of the hot-chunk tier in this process (since open).

@@ -4,8 +4,9 @@
 //! A commit (docs/design.md, "Durability"):
 //! 1. `take_commit` (state lock): seal the packer, write the staged data, encode the
 //!    pending entries into journal blocks, note the first ticket not to wait for;
-//! 2. `write_commit` (no state lock needed): wait for earlier data writes in flight,
-//!    sync data, write the journal blocks, sync them;
+//! 2. `write_commit` (no state lock needed): write the fingerprint index's new record
+//!    pages, wait for earlier data writes in flight, sync data, write the journal blocks,
+//!    sync them;
 //! 3. `finish_commit` (state lock): publish the entries as durable, release freed blocks.
 //!
 //! Invariants:
@@ -18,6 +19,7 @@
 use super::state::State;
 use super::Volume;
 use crate::data::writer::write_merged;
+use crate::dedup::index::DirtyPages;
 use crate::error::Result;
 use crate::metadata::journal::{self, CommitBatch};
 use std::sync::atomic::Ordering;
@@ -26,14 +28,16 @@ impl Volume {
     /// Step 1 (state lock held). Returns the batch and the first ticket its data sync need
     /// not wait for: every entry in the batch refers to data written already, written
     /// here, or in a write with an earlier ticket.
-    fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64)> {
+    fn take_commit(&self, st: &mut State) -> Result<(CommitBatch, u64, DirtyPages)> {
         self.seal_packer(st)?;
         write_merged(&self.data, st.staging.take_for_inline_write(), false)?;
         st.staging.prune(&self.tickets);
         let ticket = self.tickets.next();
         let batch = st.journal.take_batch()?;
+        // Taken after the batch: every entry in it was placed, and recorded, before.
+        let pages = st.dedup.index_mut().take_dirty();
         self.note_pressure(st);
-        Ok((batch, ticket))
+        Ok((batch, ticket, pages))
     }
 
     /// Records whether pending journal entries call for a commit (state lock held).
@@ -45,7 +49,10 @@ impl Volume {
     /// Step 2: waits for the data writes in flight with a ticket below `ticket`, then
     /// syncs data, writes the journal blocks and syncs them. Needs no state lock (and may
     /// hold it: finishing writers never take it).
-    fn write_commit(&self, batch: &CommitBatch, ticket: u64) -> Result<()> {
+    /// The open chapter's new index pages go out with the journal blocks, under the same
+    /// sync (their failure costs dedup only).
+    fn write_commit(&self, batch: &CommitBatch, ticket: u64, pages: &DirtyPages) -> Result<()> {
+        crate::dedup::index::write_pages(&self.meta, pages);
         if batch.blocks.is_empty() {
             return Ok(());
         }
@@ -80,7 +87,7 @@ impl Volume {
     pub(crate) fn commit_to(&self, target: u64) -> Result<()> {
         let _c = self.commit_lock.lock();
         self.check_not_failed()?;
-        let (batch, ticket) = {
+        let (batch, ticket, pages) = {
             let mut st = self.state.lock();
             if st.journal.durable_seq() >= target && !st.packer.has_fragments() {
                 return Ok(());
@@ -88,7 +95,7 @@ impl Volume {
             let r = self.take_commit(&mut st);
             self.guard(r)?
         };
-        let r = self.write_commit(&batch, ticket);
+        let r = self.write_commit(&batch, ticket, &pages);
         self.guard(r)?;
         let mut st = self.state.lock();
         self.finish_commit(&mut st, &batch);
@@ -104,8 +111,8 @@ impl Volume {
     /// Commits everything, writes every dirty page, syncs, and reclaims journal space.
     /// Caller holds the commit lock and the state lock.
     pub(crate) fn checkpoint(&self, st: &mut State) -> Result<()> {
-        let (batch, ticket) = self.take_commit(st)?;
-        self.write_commit(&batch, ticket)?;
+        let (batch, ticket, pages) = self.take_commit(st)?;
+        self.write_commit(&batch, ticket, &pages)?;
         self.finish_commit(st, &batch);
         let durable = st.journal.durable_seq();
         st.map.write_dirty(durable)?;

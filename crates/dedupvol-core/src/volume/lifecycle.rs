@@ -7,7 +7,8 @@
 //!   fingerprint index) is allocated and the journal is replayed: a failed open leaves
 //!   the volume as it was.
 //! - A read-write open marks the volume not clean (superblock) before any data write;
-//!   only `close` marks it clean again, after a checkpoint and the index save.
+//!   only `close` marks it clean again, after a checkpoint (which also writes the open
+//!   chapter of the fingerprint index).
 
 use super::state::State;
 use super::Volume;
@@ -16,6 +17,7 @@ use crate::data::packer::Packer;
 use crate::data::placement::DataDevice;
 use crate::data::staging::Staging;
 use crate::data::writer::{DataWriter, Health, Tickets};
+use crate::dedup::chapter::RingLayout;
 use crate::dedup::index::Index;
 use crate::dedup::Deduper;
 use crate::error::{Error, Result};
@@ -94,7 +96,7 @@ impl Volume {
     ) -> Result<()> {
         opts.validate()?;
         if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
-            // A volume whose index cannot be allocated here could never be opened here.
+            // A bound this machine could never honour is a mistake, not a setting.
             return Err(Error::InvalidArgument(format!(
                 "index memory {} exceeds this machine's {machine} bytes of memory",
                 opts.index_memory_bytes
@@ -110,14 +112,31 @@ impl Volume {
                 }
             }
         }
+        let window_blocks = window_blocks(opts, data.len() / BLOCK_SIZE_U64);
         let geo = Geometry::compute(
             opts.logical_size_bytes / BLOCK_SIZE_U64,
             data.len(),
             meta.as_ref().map(|m| m.len()),
             opts.slab_size_bytes / BLOCK_SIZE_U64,
             opts.journal_size_bytes,
-            opts.index_memory_bytes,
+            RingLayout::blocks_for_window(window_blocks, opts.index_mode),
         )?;
+        let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode)
+            .map_or(0, |r| Index::memory_wanted(opts.index_mode, &r));
+        if memory > opts.index_memory_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "a dedup window of {} bytes ({} index) needs {memory} bytes of index memory, more than the {} allowed (--index-memory)",
+                window_blocks * BLOCK_SIZE_U64,
+                opts.index_mode,
+                opts.index_memory_bytes
+            )));
+        }
+        if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| memory > m) {
+            // A volume whose index cannot be allocated here could never be opened here.
+            return Err(Error::InvalidArgument(format!(
+                "the fingerprint index needs {memory} bytes of memory, more than this machine's {machine}"
+            )));
+        }
         let sb = Superblock {
             uuid: new_uuid(),
             generation: 1,
@@ -128,6 +147,7 @@ impl Volume {
             clean: true,
             geometry: geo,
             index_memory_bytes: opts.index_memory_bytes,
+            index_mode: opts.index_mode,
             next_entry_seq: 1,
             next_block_seq: 0,
             mapped_blocks: 0,
@@ -198,33 +218,33 @@ impl Volume {
     /// 2. the fingerprint index is allocated (nothing written yet);
     /// 3. recovery: journal replay into the block map and reference counts, made durable
     ///    in their pages (`recover`);
-    /// 4. the in-memory state, the saved index, the data writer.
+    /// 4. the in-memory state; the fingerprint index rebuilt from its chapter ring (it
+    ///    only reads, so a read-only open does it too, for its statistics); the data
+    ///    writer.
     pub fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Volume> {
         let io = Arc::new(IoCounters::default());
         let (data, meta, mut sb, mut notes) = open_devices(data, meta, &io)?;
         let geo = sb.geometry;
         let ulo = uuid_lo(&sb.uuid);
-        let was_clean = sb.clean;
         // Allocated before anything is written: an index this machine cannot hold is a
-        // clear error that leaves the volume exactly as it was (still clean, its saved
-        // index still valid), and `index_memory_bytes` can lower it.
+        // clear error that leaves the volume exactly as it was, and `index_memory_bytes`
+        // can lower it.
         let hash_mode = sb.verify == DedupVerify::Hash;
-        let index = Index::try_with_prefault(
-            opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes),
-            hash_mode,
+        let memory = opts.index_memory_bytes.unwrap_or(sb.index_memory_bytes);
+        let index = Index::new(
+            sb.index_mode,
+            Some(meta.clone()),
+            (geo.index_start, geo.index_blocks),
+            ulo,
+            memory,
             !opts.read_only,
         )?;
         let rec = super::recovery::recover(&data, &meta, &mut sb, opts.read_only, opts.block_map_cache_bytes)?;
         notes.extend(rec.notes.into_iter().map(OpenNote::Info));
         let mut dedup = Deduper::new(index, hash_mode, geo.data_blocks);
-        // The saved index is from the last clean close. With byte verification a stale
-        // entry is harmless (it fails verification), so it is used after a crash too; with
-        // hash verification only a clean volume's index is trusted.
-        let saved = if was_clean || !hash_mode { sb.index_saved_entries } else { 0 };
-        if saved > 0 && sb.dedup {
-            if let Err(e) = dedup.load(&meta, &geo, ulo, saved) {
-                notes.push(OpenNote::Info(format!("saved fingerprint index ignored (it is advisory): {e}")));
-            }
+        if sb.dedup {
+            // Recovery counted this open (and made it durable) before anything is written.
+            dedup.index_mut().rebuild(sb.lifetime.read_write_opens);
         }
         let state = State {
             alloc: Allocator::from_counts(rec.rc.counts(), geo.slab_blocks),
@@ -284,15 +304,10 @@ impl Volume {
         let _c = self.commit_lock.lock();
         let mut st = self.state.lock();
         self.checkpoint(&mut st)?;
-        let saved = if self.dedup {
-            let ulo = uuid_lo(&self.sb.lock().uuid);
-            st.dedup.save(&self.meta, &self.geo, ulo, &st.rc)?
-        } else {
-            0
-        };
         let mut sb = self.sb.lock();
         sb.clean = true;
-        sb.index_saved_entries = saved;
+        // The chapter ring replaced the index saved at close; the field stays zero.
+        sb.index_saved_entries = 0;
         sb.next_entry_seq = st.journal.next_entry_seq();
         sb.next_block_seq = st.journal.next_block_seq();
         sb.mapped_blocks = st.counters.mapped_blocks;
@@ -314,6 +329,22 @@ impl Volume {
     fn separate_meta(&self) -> Option<&Dev> {
         (self.geo.meta_dev_blocks > 0).then_some(&self.meta)
     }
+}
+
+/// Data blocks the fingerprint index is to cover: the window asked for, else what the
+/// index memory can index (dense: one slot per block; sparse: one per hook), at most the
+/// data device (a larger window would only index overwritten data).
+fn window_blocks(opts: &FormatOptions, data_dev_blocks: u64) -> u64 {
+    if let Some(w) = opts.dedup_window_bytes {
+        return w / BLOCK_SIZE_U64;
+    }
+    let slots = opts.index_memory_bytes / crate::dedup::volume_index::SLOT_BYTES;
+    let entries = slots * crate::dedup::volume_index::LOAD_PERCENT / 100;
+    let blocks = match opts.index_mode {
+        crate::config::IndexMode::Dense => entries,
+        crate::config::IndexMode::Sparse => entries * crate::dedup::index::SPARSE_SAMPLE,
+    };
+    blocks.min(data_dev_blocks).max(1)
 }
 
 /// Reads the superblocks of the data device and, when the volume has one, the metadata

@@ -14,11 +14,11 @@ fn small_format() -> FormatOptions {
     }
 }
 
-/// With hash verification, a block whose 16-bit reuse stamp wraps must lose every index
-/// entry pointing at it: an entry made 65536 reuses ago would match the stamp again and
-/// share the block's new, different content.
+/// With hash verification, a block whose 16-bit reuse stamp wraps must not be shared
+/// through a record made 65536 reuses ago, whose stamp matches again: the wrap starts a new
+/// index epoch, after which older records are verified byte for byte.
 #[test]
-fn reuse_stamp_wrap_purges_the_index() {
+fn reuse_stamp_wrap_starts_a_new_epoch() {
     let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
     let opts = FormatOptions { verify: DedupVerify::Hash, ..small_format() };
     Volume::format(dev.clone(), None, &opts, false).expect("format");
@@ -31,7 +31,8 @@ fn reuse_stamp_wrap_purges_the_index() {
     let pbn = {
         let mut st = vol.state.lock();
         let pbn = st.map.get(0).expect("map").pbn;
-        assert_eq!(st.dedup.index().lookup(&ha).map(|l| (l.pbn, l.stamp)), Some((pbn, 0)));
+        let l = st.dedup.index().lookup(&ha).expect("record");
+        assert_eq!((l.pbn, l.stamp, l.current), (pbn, 0, true));
         // As if the block had been freed and reused 65535 times since.
         st.dedup.set_stamp(pbn, u16::MAX);
         pbn
@@ -39,8 +40,59 @@ fn reuse_stamp_wrap_purges_the_index() {
     vol.write(0, &b, false).expect("overwrite frees the block");
     let st = vol.state.lock();
     assert_eq!(st.dedup.stamp(pbn), Some(0));
-    assert_eq!(st.dedup.index().lookup(&ha), None, "stale entry survived the stamp wrap");
+    let l = st.dedup.index().lookup(&ha).expect("the record stays");
+    assert!(!l.current, "a record from before the stamp wrap is still trusted by its stamp");
+    assert!(!st.dedup.lookup(&ha, &st.rc).verified);
     assert_eq!(st.red.stamp_wrap_scans, 1);
+}
+
+/// Reuse stamps do not survive a crash, so a record from before it may point at a block
+/// freed and reused since, holding other content: it must fail byte verification, never
+/// be shared on the strength of its fingerprint.
+#[test]
+fn a_stale_record_after_a_crash_is_rejected() {
+    let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    let opts = FormatOptions { verify: DedupVerify::Hash, compression: crate::config::Compression::None, ..small_format() };
+    Volume::format(dev.clone(), None, &opts, false).expect("format");
+    let vol = Volume::open(dev.clone(), None, &OpenOptions::default()).expect("open");
+    let a = crate::codec::test_random_bytes(1, BLOCK_SIZE);
+    vol.write(0, &a, false).expect("a");
+    vol.flush().expect("flush");
+    drop(vol);
+    let vol = Volume::open(dev, None, &OpenOptions::default()).expect("reopen after the crash");
+    let ha = *blake3::hash(&a).as_bytes();
+    let pbn = vol.state.lock().dedup.index().lookup(&ha).expect("record rebuilt from the ring").pbn;
+    // Free a's block, then store other content until the allocator hands it out again.
+    let mut i = 0u64;
+    loop {
+        vol.write((1 + i % 4000) * BLOCK_SIZE as u64, &crate::codec::test_random_bytes(100 + i, BLOCK_SIZE), false)
+            .expect("overwrite");
+        if i == 0 {
+            vol.write(0, &crate::codec::test_random_bytes(99, BLOCK_SIZE), false).expect("free a");
+        }
+        if i % 64 == 0 {
+            vol.flush().expect("flush");
+        }
+        if i > 0 && vol.state.lock().rc.get(pbn) > 0 {
+            break;
+        }
+        i += 1;
+        assert!(i < 200_000, "block {pbn} was never reused");
+    }
+    // On the device, so verification reads it rather than comparing the staged copy.
+    vol.flush().expect("flush");
+    {
+        let st = vol.state.lock();
+        let cand = st.dedup.lookup(&ha, &st.rc);
+        assert_eq!(cand.loc.map(|l| l.pbn), Some(pbn));
+        assert!(!cand.verified, "a record from before the crash was trusted by its stamp");
+    }
+    let failures = vol.stats().counters.dedup_verify_failures;
+    vol.write(4090 * BLOCK_SIZE as u64, &a, false).expect("a again");
+    let mut back = vec![0u8; BLOCK_SIZE];
+    vol.read(4090 * BLOCK_SIZE as u64, &mut back).expect("read");
+    assert!(back == a, "a stale record shared a block holding other data");
+    assert_eq!(vol.stats().counters.dedup_verify_failures, failures + 1);
 }
 
 /// Raw blocks missing from the cache are read in merged runs; a damaged block inside a
@@ -177,4 +229,36 @@ fn consecutive_packed_blocks_are_read_in_one_request() {
     let mut ok = vec![0u8; 32 * BLOCK_SIZE];
     vol.read(0, &mut ok).expect("blocks far from the damage");
     assert!(ok[..] == data[..32 * BLOCK_SIZE]);
+}
+
+/// A volume made by a build that saved its index at close holds that save (a `DVIX`
+/// header and entries) where the chapter ring now lives, and counts its entries in the
+/// superblock: it must still open, skip the old contents as invalid pages, and index anew.
+#[test]
+fn an_index_saved_by_an_older_build_is_skipped() {
+    let mem: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    Volume::format(mem.clone(), None, &small_format(), false).expect("format");
+    let dev = crate::io::Dev::new(mem.clone(), Arc::new(crate::io::IoCounters::default()));
+    let (mut sb, _) = crate::metadata::superblock::Superblock::read(&dev, 0).expect("superblock");
+    let geo = sb.geometry;
+    let mut old = vec![0u8; 4 * BLOCK_SIZE];
+    old[..4].copy_from_slice(b"DVIX");
+    crate::codec::put_u64(&mut old, 8, 3);
+    crate::codec::put_u32(&mut old, 16, 40);
+    old[BLOCK_SIZE..].iter_mut().enumerate().for_each(|(i, b)| *b = (i * 31 % 251) as u8);
+    dev.write(crate::io::IoKind::Index, &old, geo.index_start * BLOCK_SIZE as u64).expect("old save");
+    sb.index_saved_entries = 3;
+    super::lifecycle::write_superblock(&dev, None, &mut sb).expect("superblock");
+
+    let vol = Volume::open(mem.clone(), None, &OpenOptions::default()).expect("open");
+    let s = vol.stats().index;
+    assert_eq!((s.rebuild_records, s.chapters_used), (0, 1), "{s:?}");
+    let a = crate::codec::test_random_bytes(5, 8 * BLOCK_SIZE);
+    vol.write(0, &a, false).expect("write");
+    vol.write(1 << 20, &a, false).expect("write again");
+    assert_eq!(vol.stats().counters.dedup_hits, 8);
+    vol.close().expect("close");
+    let vol = Volume::open(mem, None, &OpenOptions::default()).expect("reopen");
+    assert_eq!(vol.stats().index.rebuild_records, 8);
+    vol.close().expect("close");
 }
