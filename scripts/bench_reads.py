@@ -25,6 +25,7 @@ Only the Python standard library is used.
 
 import argparse
 import json
+import re
 import os
 import subprocess
 import sys
@@ -62,15 +63,19 @@ def read_jobs(runtime):
 
 
 def server_bound_mib(cache_bytes, vol):
-    """The RSS bound: content cache + fingerprint index + block-map cache + 256 MiB."""
+    """The RSS bound: content cache + fingerprint index (its in-memory table and its
+    record-page cache, 4096 pages of 4 KiB at most) + block-map cache + 256 MiB."""
     info, _ = bs.run([DEDUPVOL, "info", vol])
-    index = None
+    table = None
+    units = {"B": 1, "KiB": 1 << 10, "MiB": MIB, "GiB": 1 << 30}
     for line in info.splitlines():
-        # "index           1677720 entries, 64.00 MiB (40 B/entry)"
-        if line.startswith("index ") and "MiB" in line:
-            index = float(line.split(",")[1].split("MiB")[0]) * MIB
-    if index is None:
+        # "index           dense (874328 slots of 6 B, 5.00 MiB), window 3.00 GiB in ..."
+        m = re.match(r"index\s+\w+ \(\d+ slots of \d+ B, ([\d.]+) (B|KiB|MiB|GiB)\)", line)
+        if m:
+            table = float(m.group(1)) * units[m.group(2)]
+    if table is None:
         raise RuntimeError(f"dedupvol info printed no index size:\n{info}")
+    index = table + 4096 * 4096
     return (cache_bytes + index + 128 * MIB + 256 * MIB) / MIB
 
 
@@ -190,17 +195,17 @@ def memory_section(cfg, work, results):
     if not CGROUP_MEM.exists():
         raise RuntimeError("no cgroup-v1 memory controller at /sys/fs/cgroup/memory")
     size, limit, pct = cfg["memory_region"], parse_size(cfg["memory_limit"]), 90
-    # The content cache takes the group less 448 MiB: the engine's structures (index,
-    # block-map cache), its threads' buffers and allocator slack must fit beside it, or
-    # the group's limit kills the server (with 768 MiB of cache the server peaked at 961 MiB).
-    cache = f"{max(64, (limit >> 20) - 448)}M"
-    out = {"limit_bytes": limit, "region": size, "reducible_pct": pct, "cache_size": cache, "jobs": {}}
     paths = {"dedupvol": work / "mem-dedupvol.img", "nbdkit": work / "mem-nbdkit.img"}
     for p in paths.values():
         if p.exists():
             p.unlink()
     bs.run([DEDUPVOL, "format", paths["dedupvol"], "--logical-size", size, "--physical-size",
             cfg["memory_physical"], "--force"])
+    # The content cache takes what the RSS bound leaves in the group: the limit less the
+    # fingerprint index, the block-map cache and 256 MiB for threads' buffers and
+    # allocator slack (with less slack the group's limit can kill the server).
+    cache = f"{max(64, int((limit >> 20) - server_bound_mib(0, paths['dedupvol'])))}M"
+    out = {"limit_bytes": limit, "region": size, "reducible_pct": pct, "cache_size": cache, "jobs": {}}
     bs.run(["truncate", "-s", size, paths["nbdkit"]])
     extra = {"dedupvol": ["--cache-size", cache, *cfg["serve_args_nocache"]], "nbdkit": []}
     try:
