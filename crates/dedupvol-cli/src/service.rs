@@ -90,28 +90,10 @@ impl Drop for Service {
     }
 }
 
-/// Waits until a client is pending (true) or the stop socket is readable or closed (false).
+/// Waits until a client is pending (true) or the stop socket is readable or closed, or
+/// polling fails (false).
 fn wait_client(listener: i32, stop: i32) -> bool {
-    loop {
-        let mut fds = [
-            libc::pollfd { fd: listener, events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: stop, events: libc::POLLIN, revents: 0 },
-        ];
-        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n < 0 {
-            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return false;
-        }
-        if fds[1].revents != 0 {
-            return false;
-        }
-        if fds[0].revents != 0 {
-            return true;
-        }
-    }
+    matches!(dedupvol_nbd::server::wait_readable(listener, stop), Ok(dedupvol_nbd::server::Ready::Listener))
 }
 
 /// Reads one request line of at most `max` bytes (without its newline); `None` when the

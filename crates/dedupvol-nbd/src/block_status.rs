@@ -260,20 +260,26 @@ pub fn reply(backend: &dyn Backend, cookie: u64, offset: u64, len: u32, req_one:
     Ok(encode_block_status_chunk(cookie, BASE_ALLOCATION_ID, &d))
 }
 
+/// The data of a LIST or SET_META_CONTEXT option asking `export` for `queries` (what a
+/// client sends; the tests and fuzzers build their requests with it).
+pub fn encode_meta_request(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    b.extend_from_slice(export.as_bytes());
+    b.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        b.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        b.extend_from_slice(q.as_bytes());
+    }
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn request(export: &str, queries: &[&str]) -> Vec<u8> {
-        let mut b = Vec::new();
-        b.extend_from_slice(&(export.len() as u32).to_be_bytes());
-        b.extend_from_slice(export.as_bytes());
-        b.extend_from_slice(&(queries.len() as u32).to_be_bytes());
-        for q in queries {
-            b.extend_from_slice(&(q.len() as u32).to_be_bytes());
-            b.extend_from_slice(q.as_bytes());
-        }
-        b
+        encode_meta_request(export, queries)
     }
 
     #[test]

@@ -253,12 +253,17 @@ fn signal_ignored(sig: i32) -> io::Result<bool> {
     Ok(old.sa_sigaction == libc::SIG_IGN)
 }
 
-enum Ready {
+/// What `wait_readable` saw first.
+pub enum Ready {
+    /// A client is waiting on the listener.
     Listener,
+    /// The stop socket is readable or closed.
     Stop,
 }
 
-fn wait_readable(listener: i32, stop: i32) -> io::Result<Ready> {
+/// Waits until a client is pending on `listener` or `stop` is readable or closed (stop
+/// wins when both are); interrupted polls are retried.
+pub fn wait_readable(listener: i32, stop: i32) -> io::Result<Ready> {
     loop {
         let mut fds = [
             libc::pollfd { fd: listener, events: libc::POLLIN, revents: 0 },

@@ -9,15 +9,7 @@ use dedupvol_nbd::proto::*;
 use std::os::unix::net::UnixStream;
 
 fn meta_data(export: &str, queries: &[&str]) -> Vec<u8> {
-    let mut b = Vec::new();
-    b.extend_from_slice(&(export.len() as u32).to_be_bytes());
-    b.extend_from_slice(export.as_bytes());
-    b.extend_from_slice(&(queries.len() as u32).to_be_bytes());
-    for q in queries {
-        b.extend_from_slice(&(q.len() as u32).to_be_bytes());
-        b.extend_from_slice(q.as_bytes());
-    }
-    b
+    encode_meta_request(export, queries)
 }
 
 /// Replies to one option up to and including the final one: (reply type, data).
