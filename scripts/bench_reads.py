@@ -64,7 +64,8 @@ def read_jobs(runtime):
 
 def server_bound_mib(cache_bytes, vol):
     """The RSS bound: content cache + fingerprint index (its in-memory table and its
-    record-page cache, 4096 pages of 4 KiB at most) + block-map cache + 256 MiB."""
+    record-page cache: at most 4096 pages of 101 records, 48 bytes each decoded)
+    + block-map cache + 256 MiB."""
     info, _ = bs.run([DEDUPVOL, "info", vol])
     table = None
     units = {"B": 1, "KiB": 1 << 10, "MiB": MIB, "GiB": 1 << 30}
@@ -75,7 +76,7 @@ def server_bound_mib(cache_bytes, vol):
             table = float(m.group(1)) * units[m.group(2)]
     if table is None:
         raise RuntimeError(f"dedupvol info printed no index size:\n{info}")
-    index = table + 4096 * 4096
+    index = table + 4096 * 101 * 48
     return (cache_bytes + index + 128 * MIB + 256 * MIB) / MIB
 
 
