@@ -293,14 +293,15 @@ impl Index {
     }
 
     fn lookup_dense(&self, h: &[u8; 32], io: &mut bool) -> Option<Location> {
-        for (vcn, page) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
-            // The newest record of the fingerprint in the page: a block at the reference
-            // cap got a new copy recorded after it.
+        for (vcn, page, position) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
+            // The slot names the newest record of its fingerprint (a block at the reference
+            // cap got a new copy recorded after it, and took the slot); another
+            // fingerprint's record there is a tag collision: the next candidate.
+            let at = position as usize;
             let found = if vcn == self.open_vcn {
-                let from = page as usize * RECORDS_PER_PAGE;
-                self.open.iter().skip(from).take(RECORDS_PER_PAGE).rev().find(|r| r.hash == *h).copied()
+                self.open.get(page as usize * RECORDS_PER_PAGE + at).filter(|r| r.hash == *h).copied()
             } else {
-                self.page(vcn, page, io).and_then(|p| p.iter().rev().find(|r| r.hash == *h).copied())
+                self.page(vcn, page, io).and_then(|p| p.get(at).filter(|r| r.hash == *h).copied())
             };
             if let Some(r) = found {
                 return Some(r.loc);
@@ -328,7 +329,7 @@ impl Index {
         if !is_hook(h) {
             return None;
         }
-        for (vcn, _) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
+        for (vcn, _, _) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
             if vcn == self.open_vcn || self.chapters.lock().has(vcn) {
                 continue;
             }
@@ -398,11 +399,13 @@ impl Index {
         let page = idx / RECORDS_PER_PAGE;
         self.open.push(Record { hash: *h, loc: Location { current: !self.stamps_untrusted, ..loc } });
         match self.mode {
-            IndexMode::Dense => self.table.insert(h, self.open_vcn, page as u64, self.open_vcn),
+            IndexMode::Dense => {
+                self.table.insert(h, self.open_vcn, page as u64, (idx % RECORDS_PER_PAGE) as u64, self.open_vcn)
+            }
             IndexMode::Sparse => {
                 self.open_by_prefix.insert(prefix(h), idx as u32);
                 if is_hook(h) {
-                    self.table.insert(h, self.open_vcn, page as u64, self.open_vcn);
+                    self.table.insert(h, self.open_vcn, page as u64, (idx % RECORDS_PER_PAGE) as u64, self.open_vcn);
                 }
             }
         }
@@ -499,7 +502,7 @@ impl Index {
 
     /// Forgets `h` (its record failed verification).
     pub fn remove(&mut self, h: &[u8; 32]) {
-        for (vcn, page) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
+        for (vcn, page, _) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
             self.table.remove(h, vcn, page);
         }
         let p = prefix(h);
@@ -580,9 +583,9 @@ impl Index {
                         r.pages_skipped += 1;
                         continue;
                     };
-                    for rec in &recs {
+                    for (at, rec) in recs.iter().enumerate() {
                         if self.mode == IndexMode::Dense || is_hook(&rec.hash) {
-                            self.table.insert(&rec.hash, vcn, i as u64, self.open_vcn);
+                            self.table.insert(&rec.hash, vcn, i as u64, at as u64, self.open_vcn);
                         }
                     }
                     r.records += recs.len() as u64;

@@ -3,12 +3,14 @@
 //! record itself (full fingerprint, location) lives in the chapter ring.
 //!
 //! Layout: `capacity` slots of 6 bytes in buckets of `BUCKET_SLOTS`, as two arrays (a
-//! 4-byte word per slot: a 24-bit fingerprint tag and the 8-bit page number; a 2-byte
-//! chapter number per slot: the low 16 bits of the virtual chapter). A fingerprint has two
-//! buckets, from bytes 0..8 and 16..24, and goes to the emptier one (two choices keep
-//! buckets of 8 from overflowing at 90% load, where one choice loses about a quarter of
-//! the buckets); the tag comes from bytes 8..11, so a false match (a page read for
-//! nothing) needs 24 more equal bits: about one lookup in a million with full buckets.
+//! 4-byte word per slot: a 17-bit fingerprint tag, the 7-bit position of the record in
+//! its page and the 8-bit page number; a 2-byte chapter number per slot: the low 16 bits
+//! of the virtual chapter). A fingerprint has two buckets, from bytes 0..8 and 16..24, and
+//! goes to the emptier one (two choices keep buckets of 8 from overflowing at 90% load,
+//! where one choice loses about a quarter of the buckets); the tag comes from bytes 8..11,
+//! so a false match (a record compared for nothing) needs 17 more equal bits: about one
+//! lookup in 8,000 with full buckets. Why the position: a hit then compares one record
+//! instead of scanning its page, which is cold in the CPU's caches on most lookups.
 //!
 //! Invariants:
 //! - Memory never exceeds the `memory_bytes` the table was made with.
@@ -51,9 +53,21 @@ fn bucket_key(h: &[u8; 32], off: usize) -> u64 {
     crate::codec::get_u64(h, off).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29)
 }
 
+/// Bits of the fingerprint tag, and where the word keeps it and the record position.
+const TAG_BITS: u32 = 17;
+const TAG_SHIFT: u32 = 15;
+const POSITION_SHIFT: u32 = 8;
+const POSITION_MASK: u32 = 0x7F;
+const _: () = assert!(TAG_BITS + TAG_SHIFT == 32 && crate::dedup::chapter::RECORDS_PER_PAGE <= 128);
+
 fn tag_of(h: &[u8; 32]) -> u32 {
-    let t = crate::codec::get_u32(h, 8) & 0x00FF_FFFF;
+    let t = crate::codec::get_u32(h, 8) & ((1 << TAG_BITS) - 1);
     t.max(1)
+}
+
+/// The word of a slot: tag, record position in its page, page number.
+fn word_of(tag: u32, page: u64, position: u64) -> u32 {
+    tag << TAG_SHIFT | (position as u32 & POSITION_MASK) << POSITION_SHIFT | (page as u32 & 0xFF)
 }
 
 /// Age of chapter number `ch` seen from the open chapter `open`, modulo 2^16.
@@ -145,16 +159,19 @@ impl VolumeIndex {
         }
     }
 
-    /// The (virtual chapter, page) of every live slot whose tag matches `h`, newest first.
-    /// `open` is the open chapter, `ring_chapters` the window in chapters.
-    pub fn candidates(&self, h: &[u8; 32], open: u64, ring_chapters: u64) -> Vec<(u64, u64)> {
+    /// The (virtual chapter, page, position in the page) of every live slot whose tag
+    /// matches `h`, newest first. `open` is the open chapter, `ring_chapters` the window
+    /// in chapters.
+    pub fn candidates(&self, h: &[u8; 32], open: u64, ring_chapters: u64) -> Vec<(u64, u64, u64)> {
         let tag = tag_of(h);
-        let mut out: Vec<(u64, u64)> = self
+        let mut out: Vec<(u64, u64, u64)> = self
             .bucket(h)
             .filter_map(|i| {
                 let (w, ch) = self.slot(i);
                 let a = age(open, ch);
-                (w != 0 && w >> 8 == tag && a < ring_chapters && a <= open).then(|| (open - a, u64::from(w & 0xFF)))
+                (w != 0 && w >> TAG_SHIFT == tag && a < ring_chapters && a <= open).then(|| {
+                    (open - a, u64::from(w & 0xFF), u64::from(w >> POSITION_SHIFT & POSITION_MASK))
+                })
             })
             .collect();
         if out.len() > 1 {
@@ -163,18 +180,18 @@ impl VolumeIndex {
         out
     }
 
-    /// Points `h` at page `page` of chapter `vcn` (the open chapter `open`, or one being
-    /// rebuilt):
-    /// replaces a slot with the same tag, else takes an empty or dead slot, else the oldest.
-    pub fn insert(&mut self, h: &[u8; 32], vcn: u64, page: u64, open: u64) {
-        debug_assert!(page <= 0xFF && vcn <= open);
+    /// Points `h` at record `position` of page `page` of chapter `vcn` (the open chapter
+    /// `open`, or one being rebuilt): replaces a slot with the same tag, else takes an
+    /// empty or dead slot, else the oldest.
+    pub fn insert(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64, open: u64) {
+        debug_assert!(page <= 0xFF && position <= u64::from(POSITION_MASK) && vcn <= open);
         let tag = tag_of(h);
-        let word = tag << 8 | (page as u32 & 0xFF);
+        let word = word_of(tag, page, position);
         let mut victim = None;
         let mut victim_age = 0;
         for i in self.bucket(h) {
             let (w, ch) = self.slot(i);
-            if w != 0 && w >> 8 == tag {
+            if w != 0 && w >> TAG_SHIFT == tag {
                 // The same fingerprint (or a 24-bit collision): the newer record wins.
                 if age(open, ch) >= age(open, vcn as u16) {
                     self.set(i, word, vcn as u16);
@@ -207,7 +224,7 @@ impl VolumeIndex {
         let tag = tag_of(h);
         let found = self.bucket(h).find(|&i| {
             let (w, ch) = self.slot(i);
-            w != 0 && w >> 8 == tag && u64::from(w & 0xFF) == page && ch == vcn as u16
+            w != 0 && w >> TAG_SHIFT == tag && u64::from(w & 0xFF) == page && ch == vcn as u16
         });
         if let Some(i) = found {
             self.set(i, 0, 0);
@@ -257,16 +274,16 @@ mod tests {
     fn finds_newest_and_drops_expired_chapters() {
         let mut t = VolumeIndex::try_new(6 << 10, false).expect("table");
         assert_eq!(t.memory_bytes(), 6 << 10);
-        t.insert(&h(1), 3, 7, 3);
-        assert_eq!(t.candidates(&h(1), 3, 4), vec![(3, 7)]);
-        t.insert(&h(1), 5, 2, 5);
-        assert_eq!(t.candidates(&h(1), 5, 4), vec![(5, 2)], "the newer record replaces the older");
+        t.insert(&h(1), 3, 7, 100, 3);
+        assert_eq!(t.candidates(&h(1), 3, 4), vec![(3, 7, 100)]);
+        t.insert(&h(1), 5, 2, 9, 5);
+        assert_eq!(t.candidates(&h(1), 5, 4), vec![(5, 2, 9)], "the newer record replaces the older");
         assert_eq!(t.candidates(&h(1), 9, 4), vec![], "chapter 5 left the 4-chapter window at 9");
         assert_eq!(t.candidates(&h(2), 5, 4), vec![]);
         t.remove(&h(1), 5, 2);
         assert_eq!(t.len(), 0);
         for i in 0..10_000 {
-            t.insert(&h(i), u64::from(i / 100), 0, u64::from(i / 100));
+            t.insert(&h(i), u64::from(i / 100), 0, u64::from(i % 100), u64::from(i / 100));
             t.sweep(u64::from(i / 100), 4);
         }
         assert!(t.len() <= t.capacity());
