@@ -181,7 +181,10 @@ pub fn query(volume: &Path) -> anyhow::Result<Option<Report>> {
     s.set_write_timeout(timeout)?;
     s.write_all(b"stats\n").with_context(|| format!("asking {}", path.display()))?;
     let mut answer = String::new();
-    (&mut s).take(ANSWER_BYTES_MAX).read_to_string(&mut answer).with_context(|| format!("reading {}", path.display()))?;
+    (&mut s)
+        .take(ANSWER_BYTES_MAX)
+        .read_to_string(&mut answer)
+        .with_context(|| format!("reading {}", path.display()))?;
     if let Ok(serde_json::Value::Object(m)) = serde_json::from_str::<serde_json::Value>(&answer) {
         if let Some(e) = m.get("error") {
             anyhow::bail!("the server at {} answered: {e}", path.display());

@@ -159,7 +159,11 @@ pub fn encode(r: &Report) -> String {
             ],
         );
         f.counter("dedup_verify_failures", "Dedup candidates rejected by verification", k.dedup_verify_failures);
-        f.counter("refcount_cap_copies", "Duplicates stored again because a count was at its cap", k.refcount_cap_copies);
+        f.counter(
+            "refcount_cap_copies",
+            "Duplicates stored again because a count was at its cap",
+            k.refcount_cap_copies,
+        );
         f.counter("packed_blocks_written", "Packed physical blocks written (packer output)", k.packed_blocks_written);
         f.counter("journal_commits", "Group commits of the recovery journal", k.commits);
         f.counter("checkpoints", "Checkpoints (block map and refcount pages written)", k.checkpoints);
@@ -196,13 +200,19 @@ pub fn encode(r: &Report) -> String {
             ("tier_fill", "read", io.tier_fill_read),
         ];
         let per = |pick: fn(&dedupvol_core::IoFigure) -> u64| {
-            figures.iter().map(move |(cat, dir, fig)| (labels(&[("category", cat), ("direction", dir)]), pick(fig) as f64))
+            figures
+                .iter()
+                .map(move |(cat, dir, fig)| (labels(&[("category", cat), ("direction", dir)]), pick(fig) as f64))
         };
         f.add("device_io_bytes", "Device bytes moved since open, by category", c, per(|x| x.bytes).collect());
         f.add("device_io_ops", "Device operations since open, by category", c, per(|x| x.ops).collect());
         f.counter("device_syncs", "Durability barriers (fdatasync) since open", io.syncs);
         let t = v.tier.clone().unwrap_or_default();
-        f.gauge("tier_enabled", "1 when a hot-chunk tier is in use", f64::from(u8::from(v.tier.is_some() && !t.disabled)));
+        f.gauge(
+            "tier_enabled",
+            "1 when a hot-chunk tier is in use",
+            f64::from(u8::from(v.tier.is_some() && !t.disabled)),
+        );
         f.gauge("tier_capacity_bytes", "Bytes of hot-chunk tier slots", t.capacity_bytes as f64);
         f.gauge("tier_entries", "Blocks the tier holds a copy of", t.entries as f64);
         f.add(
@@ -234,7 +244,8 @@ pub fn encode(r: &Report) -> String {
                 (labels(&[("kind", "device")]), t.device_errors as f64),
             ],
         );
-        let bucket = |b: &dedupvol_core::RefcountBucket, v: u64| (labels(&[("refs_max", &b.refs_max.to_string())]), v as f64);
+        let bucket =
+            |b: &dedupvol_core::RefcountBucket, v: u64| (labels(&[("refs_max", &b.refs_max.to_string())]), v as f64);
         f.add(
             "refcount_blocks",
             "Physical blocks in use whose reference count is at most refs_max (and above the previous bucket)",

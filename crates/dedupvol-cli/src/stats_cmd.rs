@@ -136,7 +136,9 @@ fn print_report(r: &Report, previous: Option<&Report>) -> anyhow::Result<()> {
     for c in &r.server.commands {
         let mean = if c.requests == 0 { 0.0 } else { c.latency.sum_us as f64 / c.requests as f64 };
         let mut rate = String::new();
-        if let (Some(e), Some(p)) = (elapsed, previous.and_then(|p| p.server.commands.iter().find(|x| x.command == c.command))) {
+        if let (Some(e), Some(p)) =
+            (elapsed, previous.and_then(|p| p.server.commands.iter().find(|x| x.command == c.command)))
+        {
             let reqs = c.requests.saturating_sub(p.requests) as f64 / e;
             let mib = c.bytes.saturating_sub(p.bytes) as f64 / e / (1 << 20) as f64;
             rate = format!(" {reqs:>10.1} {mib:>11.2}");

@@ -49,10 +49,8 @@ fn expected_map() -> Vec<(u64, u64, bool)> {
 
 /// Bytes the server has answered NBD reads for, from its admin socket.
 fn served_read_bytes(vol: &Path, dir: &Path) -> u64 {
-    let out = run(Command::new(dedupvol())
-        .args(["stats", "--json"])
-        .arg(vol)
-        .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir)));
+    let out =
+        run(Command::new(dedupvol()).args(["stats", "--json"]).arg(vol).env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir)));
     let j: serde_json::Value = serde_json::from_str(&out).expect("stats json");
     let cmds = j["server"]["commands"].as_array().expect("server commands").clone();
     cmds.iter().find(|c| c["command"] == "read").and_then(|c| c["bytes"].as_u64()).expect("read bytes")
@@ -110,7 +108,10 @@ fn real_clients_see_holes_and_skip_them() {
     run(Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "raw"]).arg(&srv.uri).arg(&out2));
     assert_same(&std::fs::read(&out2).unwrap(), &img, "qemu-img convert copy");
     let read = served_read_bytes(&vol, dir.path()) - after_nbdcopy;
-    assert!(read >= data_bytes && read <= data_bytes + 4 * MIB, "qemu-img convert read {read} bytes for {data_bytes} of data");
+    assert!(
+        read >= data_bytes && read <= data_bytes + 4 * MIB,
+        "qemu-img convert read {read} bytes for {data_bytes} of data"
+    );
 
     assert!(srv.stop().success());
 }

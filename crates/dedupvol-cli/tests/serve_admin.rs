@@ -121,7 +121,10 @@ fn parse(text: &str) -> HashMap<String, f64> {
     for line in text.lines() {
         if line.starts_with('#') {
             assert!(
-                line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line.starts_with("# UNIT ") || line == "# EOF",
+                line.starts_with("# HELP ")
+                    || line.starts_with("# TYPE ")
+                    || line.starts_with("# UNIT ")
+                    || line == "# EOF",
                 "bad comment line {line:?}"
             );
             continue;
@@ -136,7 +139,11 @@ fn parse(text: &str) -> HashMap<String, f64> {
         if name_end < series.len() {
             assert!(series.ends_with('}'), "unterminated labels in {line:?}");
         }
-        let v: f64 = if value == "+Inf" { f64::INFINITY } else { value.parse().unwrap_or_else(|_| panic!("bad value in {line:?}")) };
+        let v: f64 = if value == "+Inf" {
+            f64::INFINITY
+        } else {
+            value.parse().unwrap_or_else(|_| panic!("bad value in {line:?}"))
+        };
         assert!(out.insert(series.to_string(), v).is_none(), "duplicate series {series}");
     }
     out
@@ -207,12 +214,10 @@ fn metrics_endpoint_serves_openmetrics_that_moves_with_io() {
     // from the exposition.
     let dashboard =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/grafana-dashboard.json")).unwrap();
-    let names: std::collections::HashSet<&str> =
-        after.keys().map(|k| k.split('{').next().unwrap()).collect();
+    let names: std::collections::HashSet<&str> = after.keys().map(|k| k.split('{').next().unwrap()).collect();
     let mut queried = 0;
     for (i, _) in dashboard.match_indices("dedupvol_") {
-        let name: String =
-            dashboard[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        let name: String = dashboard[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
         if name == "dedupvol_" {
             continue;
         }

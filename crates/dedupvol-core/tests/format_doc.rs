@@ -51,7 +51,9 @@ fn format_doc_constants_match_code() {
     // The chapter record page's header fields, at the offsets the code writes them.
     assert_eq!(format::CHAPTER_MAGIC, u32::from_le_bytes(*b"DVCP"));
     assert!(doc.contains("| 0 | 4 | magic `DVCP` |"), "the record page's magic row is missing");
-    for (off, field) in [(16usize, "virtual chapter number"), (24, "epoch"), (28, "page number"), (30, "records in this page")] {
+    for (off, field) in
+        [(16usize, "virtual chapter number"), (24, "epoch"), (28, "page number"), (30, "records in this page")]
+    {
         assert!(
             doc.lines().any(|l| l.starts_with(&format!("| {off} |")) && l.contains(field)),
             "record page field {field} at {off} missing from the doc"

@@ -449,8 +449,10 @@ fn tier_read_errors_fall_back_and_disable_the_tier() {
 fn concurrent_writes_and_reads_never_see_a_stale_copy() {
     let data = format_mem(16 << 20, 8 << 20);
     let tier = Arc::new(MemStorage::new(256 << 10));
-    let v =
-        Arc::new(open(&data, &OpenOptions { content_cache_bytes: 64 << 10, ..with_filling_tier(TierOptions::storage(tier)) }));
+    let v = Arc::new(open(
+        &data,
+        &OpenOptions { content_cache_bytes: 64 << 10, ..with_filling_tier(TierOptions::storage(tier)) },
+    ));
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let v = v.clone();

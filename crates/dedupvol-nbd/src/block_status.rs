@@ -245,7 +245,13 @@ pub fn encode_block_status_chunk(cookie: u64, id: u32, descriptors: &[(u32, u32)
 }
 
 /// Answers one block status request: the whole reply chunk, or the backend's error.
-pub fn reply(backend: &dyn Backend, cookie: u64, offset: u64, len: u32, req_one: bool) -> Result<Vec<u8>, BackendError> {
+pub fn reply(
+    backend: &dyn Backend,
+    cookie: u64,
+    offset: u64,
+    len: u32,
+    req_one: bool,
+) -> Result<Vec<u8>, BackendError> {
     let extents_max = if req_one { 1 } else { BLOCK_STATUS_EXTENTS_MAX };
     let extents = backend.block_status(offset, u64::from(len), extents_max)?;
     let d = descriptors(&extents, len, req_one);
@@ -338,7 +344,10 @@ mod tests {
         let other = negotiate(OPT_LIST_META_CONTEXT, &request("vol", &["qemu:dirty-bitmap:a"]), true, known);
         assert_eq!(kinds(&other), vec![REP_ACK]);
         let many: Vec<&str> = vec!["base:"; META_QUERIES_MAX + 1];
-        assert_eq!(kinds(&negotiate(OPT_LIST_META_CONTEXT, &request("vol", &many), true, known)), vec![REP_ERR_TOO_BIG]);
+        assert_eq!(
+            kinds(&negotiate(OPT_LIST_META_CONTEXT, &request("vol", &many), true, known)),
+            vec![REP_ERR_TOO_BIG]
+        );
     }
 
     #[test]

@@ -342,7 +342,8 @@ fn handshake(
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
             }
             crate::block_status::OPT_LIST_META_CONTEXT | crate::block_status::OPT_SET_META_CONTEXT => {
-                let n = crate::block_status::negotiate(h.option, &data, session.structured, |name| export.matches(name));
+                let n =
+                    crate::block_status::negotiate(h.option, &data, session.structured, |name| export.matches(name));
                 if let Some(selected) = n.allocation {
                     session.allocation = selected;
                 }

@@ -80,9 +80,9 @@ impl ServerMetrics {
     pub fn request(&self, cmd: &Command, elapsed: Duration) {
         let (bytes, fua) = match *cmd {
             Command::Read { len, .. } | Command::BlockStatus { len, .. } => (u64::from(len), false),
-            Command::Write { len, fua, .. } | Command::Trim { len, fua, .. } | Command::WriteZeroes { len, fua, .. } => {
-                (u64::from(len), fua)
-            }
+            Command::Write { len, fua, .. }
+            | Command::Trim { len, fua, .. }
+            | Command::WriteZeroes { len, fua, .. } => (u64::from(len), fua),
             Command::Flush => (0, false),
         };
         let Some(c) = self.commands.get(command_index(cmd)) else { return };

@@ -16,8 +16,8 @@
 //!   at once, beyond that extra clients are closed at accept.
 
 use crate::backend::Backend;
-use crate::metrics::ServerMetrics;
 use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, ExportConfig, Outcome};
+use crate::metrics::ServerMetrics;
 use crate::stream::{ListenAddr, Listener, Stream};
 use parking_lot::Mutex;
 use std::collections::HashMap;

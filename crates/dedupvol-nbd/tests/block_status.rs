@@ -73,10 +73,7 @@ fn block_status_reports_holes_and_data_in_merged_runs() {
     send_request(&mut s, CMD_BLOCK_STATUS, 0, 3, 0, 8 * 4096, &[]);
     let (flags, kind, cookie, payload) = read_chunk(&mut s);
     assert_eq!((flags & REPLY_FLAG_DONE, kind, cookie), (REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, 3));
-    assert_eq!(
-        descriptors_of(&payload),
-        vec![(4096, HOLE), (8192, 0), (8192, HOLE), (4096, 0), (8192, HOLE)]
-    );
+    assert_eq!(descriptors_of(&payload), vec![(4096, HOLE), (8192, 0), (8192, HOLE), (4096, 0), (8192, HOLE)]);
 
     // REQ_ONE: exactly one descriptor, never longer than the request.
     send_request(&mut s, CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4, 4096, 100, &[]);

@@ -5,8 +5,11 @@ use dedupvol_nbd::proto::*;
 use proptest::prelude::*;
 
 fn export() -> impl Strategy<Value = ExportLimits> {
-    (any::<u64>(), any::<bool>(), any::<bool>())
-        .prop_map(|(size, read_only, block_status)| ExportLimits { size, read_only, block_status })
+    (any::<u64>(), any::<bool>(), any::<bool>()).prop_map(|(size, read_only, block_status)| ExportLimits {
+        size,
+        read_only,
+        block_status,
+    })
 }
 
 proptest! {

@@ -17,7 +17,9 @@ use crate::content::{self, Class, BLOCK};
 use crate::disk::{Evidence, FaultConfig, FaultCounts, SimDisk, SimMachine};
 use crate::engine::{short, Coverage, SimEngine};
 use crate::model::{Model, Version, ZERO_VERSION};
-use dedupvol_core::{Compression, DedupVerify, Error, IndexMode, FormatOptions, OpenOptions, Problem, Storage, WritePolicy};
+use dedupvol_core::{
+    Compression, DedupVerify, Error, FormatOptions, IndexMode, OpenOptions, Problem, Storage, WritePolicy,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;

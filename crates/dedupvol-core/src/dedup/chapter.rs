@@ -163,7 +163,8 @@ pub fn decode_page(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, Vec<Record>)
     if !crc_ok(buf, CHAPTER_CRC_OFFSET) {
         return None;
     }
-    let h = PageHeader { vcn: get_u64(buf, 16), epoch: get_u32(buf, 24), page: get_u16(buf, 28), count: get_u16(buf, 30) };
+    let h =
+        PageHeader { vcn: get_u64(buf, 16), epoch: get_u32(buf, 24), page: get_u16(buf, 28), count: get_u16(buf, 30) };
     if usize::from(h.count) > RECORDS_PER_PAGE {
         return None;
     }

@@ -623,10 +623,17 @@ impl Index {
     /// Checks the volume index and that `check` accepts every open-chapter record (the
     /// `verify` audit).
     #[cfg(any(test, feature = "verify"))]
-    pub fn audit(&self, check: impl Fn(Location) -> std::result::Result<(), String>) -> std::result::Result<(), String> {
+    pub fn audit(
+        &self,
+        check: impl Fn(Location) -> std::result::Result<(), String>,
+    ) -> std::result::Result<(), String> {
         self.table.audit()?;
         if self.open.len() >= self.records_per_chapter() {
-            return Err(format!("the open chapter holds {} records, a chapter {}", self.open.len(), self.records_per_chapter()));
+            return Err(format!(
+                "the open chapter holds {} records, a chapter {}",
+                self.open.len(),
+                self.records_per_chapter()
+            ));
         }
         for r in &self.open {
             check(r.loc).map_err(|m| format!("record {:02x?}: {m}", r.hash.get(..8)))?;

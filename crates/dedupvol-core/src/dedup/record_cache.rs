@@ -170,7 +170,10 @@ mod tests {
     use crate::dedup::index::Location;
 
     fn rec(i: u64) -> Record {
-        Record { hash: *blake3::hash(&i.to_le_bytes()).as_bytes(), loc: Location { pbn: i, state: 1, stamp: 0, current: false } }
+        Record {
+            hash: *blake3::hash(&i.to_le_bytes()).as_bytes(),
+            loc: Location { pbn: i, state: 1, stamp: 0, current: false },
+        }
     }
 
     #[test]

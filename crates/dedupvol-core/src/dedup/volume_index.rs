@@ -169,9 +169,8 @@ impl VolumeIndex {
             .filter_map(|i| {
                 let (w, ch) = self.slot(i);
                 let a = age(open, ch);
-                (w != 0 && w >> TAG_SHIFT == tag && a < ring_chapters && a <= open).then(|| {
-                    (open - a, u64::from(w & 0xFF), u64::from(w >> POSITION_SHIFT & POSITION_MASK))
-                })
+                (w != 0 && w >> TAG_SHIFT == tag && a < ring_chapters && a <= open)
+                    .then(|| (open - a, u64::from(w & 0xFF), u64::from(w >> POSITION_SHIFT & POSITION_MASK)))
             })
             .collect();
         if out.len() > 1 {

@@ -173,10 +173,8 @@ impl Volume {
         // just prefetched is taken from the prefetch, not looked up again: a second touch
         // would count it as re-read and promote a one-pass scan's blocks past the cache's
         // probation queue.
-        let keys: Vec<Option<(u64, Option<u8>)>> = looked
-            .iter()
-            .map(|l| (!l.done && !packed.contains_key(&l.e.pbn)).then(|| (l.e.pbn, l.e.slot())))
-            .collect();
+        let keys: Vec<Option<(u64, Option<u8>)>> =
+            looked.iter().map(|l| (!l.done && !packed.contains_key(&l.e.pbn)).then(|| (l.e.pbn, l.e.slot()))).collect();
         let found = self.cache.lock().get_many(&keys);
         let hits: Vec<Hit> = looked
             .iter()

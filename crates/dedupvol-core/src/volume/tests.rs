@@ -52,7 +52,8 @@ fn reuse_stamp_wrap_starts_a_new_epoch() {
 #[test]
 fn a_stale_record_after_a_crash_is_rejected() {
     let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
-    let opts = FormatOptions { verify: DedupVerify::Hash, compression: crate::config::Compression::None, ..small_format() };
+    let opts =
+        FormatOptions { verify: DedupVerify::Hash, compression: crate::config::Compression::None, ..small_format() };
     Volume::format(dev.clone(), None, &opts, false).expect("format");
     let vol = Volume::open(dev.clone(), None, &OpenOptions::default()).expect("open");
     let a = crate::codec::test_random_bytes(1, BLOCK_SIZE);
