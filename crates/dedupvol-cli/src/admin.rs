@@ -152,9 +152,8 @@ pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Servic
     let listener = match Listener::bind(&ListenAddr::Unix(path.clone())) {
         Ok(l) => l,
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-            let _ = writeln!(
-                io::stderr(),
-                "dedupvol: warning: another server of {} answers on its admin socket {}; this one has none",
+            tracing::warn!(
+                "another server of {} answers on its admin socket {}; this one has none",
                 volume_path.display(),
                 path.display()
             );

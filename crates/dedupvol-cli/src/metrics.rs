@@ -101,12 +101,15 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect()
 }
 
+/// A counter or gauge family being collected: name, help, type, samples.
+type SampledFamily = (String, String, MetricType, Vec<(Labels, f64)>);
+
 /// Collects families, each series labelled with its export, and registers them under
 /// the `dedupvol` prefix at the end (a family several exports report is registered once,
 /// with every export's samples).
 #[derive(Default)]
 struct Families {
-    sampled: Vec<(String, String, MetricType, Vec<(Labels, f64)>)>,
+    sampled: Vec<SampledFamily>,
     histograms: Vec<(String, String, Vec<HistogramSample>)>,
     /// The export whose figures are being added (None: server-wide figures, unlabelled).
     export: Option<String>,

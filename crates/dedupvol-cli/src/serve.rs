@@ -23,7 +23,6 @@ use dedupvol_core::{IoMode, OpenOptions, Volume, WritePolicy};
 use dedupvol_nbd::{
     Backend, ConnectionLimits, Export, ExportConfig, ListenAddr, MemBackend, RunSummary, Server, ServerConfig, TlsFiles,
 };
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -174,6 +173,7 @@ impl ServeCommand {
             insecure,
             in_memory,
         } = self;
+        crate::logging::init()?;
         let file = match &config {
             Some(p) => ServeFile::load(p)?,
             None => ServeFile::default(),
@@ -235,8 +235,7 @@ impl ServeCommand {
             0
         } else if cache_size == "auto" {
             let b = crate::memory::auto_cache_bytes();
-            // Not eprintln!: a closed stderr must not stop the server.
-            let _ = writeln!(std::io::stderr(), "dedupvol: content cache {} MiB (--cache-size auto)", b >> 20);
+            tracing::info!("content cache {} MiB (--cache-size auto)", b >> 20);
             b
         } else {
             dedupvol_core::parse_size(&cache_size)
@@ -322,15 +321,13 @@ impl ServeCommand {
         }
         let summary = outcome?;
         closed?;
-        // Not eprintln!: a stderr nobody reads any more must not turn a clean stop into a panic.
-        let _ = writeln!(
-            std::io::stderr(),
-            "dedupvol: stopped after {} connection(s) ({} refused); volume(s) closed",
+        tracing::info!(
+            "stopped after {} connection(s) ({} refused); volume(s) closed",
             summary.connections_served,
             summary.connections_refused
         );
         if let Some(t) = tier_stats {
-            let _ = writeln!(std::io::stderr(), "dedupvol: {}", crate::volume_cmds::tier_summary(&t));
+            tracing::info!("{}", crate::volume_cmds::tier_summary(&t));
         }
         Ok(ExitCode::SUCCESS)
     }
@@ -381,9 +378,7 @@ fn serve(
         match crate::admin::start(&s.spec.path, source.clone()) {
             Ok(Some(a)) => admins.push(a),
             Ok(None) => {}
-            Err(e) => {
-                let _ = writeln!(std::io::stderr(), "dedupvol: warning: no admin socket: {}", crate::error_line(&e));
-            }
+            Err(e) => tracing::warn!("no admin socket for {}: {}", s.spec.path.display(), crate::error_line(&e)),
         }
     }
     drop(sources);
@@ -395,8 +390,23 @@ fn serve(
     if let Some(m) = &metrics_service {
         outln!("dedupvol: metrics on http://{}/metrics", m.address())?;
     }
+    for s in served.iter() {
+        tracing::info!(
+            "export {:?}: {} ({} bytes{})",
+            s.export.config.name,
+            s.spec.path.display(),
+            s.export.backend.size(),
+            if s.export.config.read_only { ", read-only" } else { "" }
+        );
+    }
+    // systemd (Type=notify) learns the server is ready; without NOTIFY_SOCKET this does nothing.
+    let _ = sd_notify::notify(
+        false,
+        &[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("serving {}", list.join(", ")))],
+    );
     let exports: Vec<Export> = served.iter().map(|s| s.export.clone()).collect();
     let summary = server.run_exports(exports).context("serving");
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     // Stopped before the volumes are closed: they hold them.
     for a in admins {
         a.stop();

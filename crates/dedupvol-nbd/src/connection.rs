@@ -220,6 +220,12 @@ pub fn serve_connection(
     };
     let outcome = match session {
         Ok((session, export)) => {
+            tracing::info!(
+                "{} export {:?}{}",
+                if matches!(pump, Some(_)) { "TLS session on" } else { "serving" },
+                export.config.name,
+                if session.structured { " (structured replies)" } else { "" }
+            );
             export.metrics.connection_accepted();
             // Transmission shuts the stream down when it ends.
             let o = transmission(s, session, export, limits, send);
@@ -237,7 +243,7 @@ pub fn serve_connection(
         // The connection's end of the pair is shut down by now, so the pump sees
         // end-of-file, sends its close_notify and ends.
         if p.join().is_err() {
-            log!("dedupvol-nbd: a TLS pump thread panicked");
+            log!("a TLS pump thread panicked");
         }
     }
     outcome
@@ -491,15 +497,15 @@ impl ErrorLog {
     fn log(&self, what: std::fmt::Arguments<'_>) {
         let n = self.count.fetch_add(1, Ordering::Relaxed);
         if n < ERROR_LOG_LINES_MAX {
-            log!("dedupvol-nbd: {what}");
+            log!("{what}");
         } else if n == ERROR_LOG_LINES_MAX {
-            log!("dedupvol-nbd: further request errors on this connection are counted, not logged");
+            log!("further request errors on this connection are counted, not logged");
         }
     }
     fn finish(&self) {
         let n = self.count.load(Ordering::Relaxed);
         if n > ERROR_LOG_LINES_MAX {
-            log!("dedupvol-nbd: {n} request errors on this connection in all");
+            log!("{n} request errors on this connection in all");
         }
     }
 }
@@ -881,7 +887,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
             Ok(h) => workers.push(h),
             // Fewer workers only means fewer requests in flight.
             Err(e) => {
-                log!("dedupvol-nbd: cannot start worker thread {i}: {e}");
+                log!("cannot start worker thread {i}: {e}");
                 break;
             }
         }
@@ -891,7 +897,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
     work();
     for w in workers {
         if w.join().is_err() {
-            log!("dedupvol-nbd: a worker thread panicked");
+            log!("a worker thread panicked");
         }
     }
     let _ = writer.stream.lock().shutdown(Shutdown::Both);

@@ -18,13 +18,12 @@
 //! `NBD_FLAG_CAN_MULTI_CONN` truthful (a flush on any connection covers the writes
 //! completed on all of them). [`tls`] adds `NBD_OPT_STARTTLS` with rustls.
 
-/// Logs a line on stderr. Unlike `eprintln!`, never panics: a server whose stderr is a
-/// pipe nobody reads any more (`dedupvol serve 2>&1 | head`) must keep serving, and its
-/// connection threads must not die between taking a slot and giving it back.
+/// Logs a warning through `tracing` (the binary installs the subscriber that writes it,
+/// with a timestamp and level, on stderr). Never panics: tracing's writer drops a line
+/// it cannot write, so a server whose stderr is a pipe nobody reads any more keeps serving.
 macro_rules! log {
     ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
+        tracing::warn!("{}", format_args!($($t)*));
     }};
 }
 

@@ -172,7 +172,7 @@ impl Server {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => continue,
                 // ECONNABORTED and friends concern one client, not the server.
                 Err(e) => {
-                    log!("dedupvol-nbd: accept failed: {e}");
+                    log!("accept failed: {e}");
                     continue;
                 }
             };
@@ -181,7 +181,7 @@ impl Server {
             next_id += 1;
             if live.lock().len() >= self.config.connections_max {
                 log!(
-                    "dedupvol-nbd: refusing {}: {} connections already open (--connections-max)",
+                    "refusing {}: {} connections already open (--connections-max)",
                     stream.peer(),
                     self.config.connections_max
                 );
@@ -195,7 +195,7 @@ impl Server {
             let shutdown_handle = match stream.try_clone() {
                 Ok(h) => h,
                 Err(e) => {
-                    log!("dedupvol-nbd: cannot track connection: {e}");
+                    log!("cannot track connection: {e}");
                     continue;
                 }
             };
@@ -204,10 +204,12 @@ impl Server {
             let (exports, tls, limits, stopping, live2) =
                 (exports.clone(), self.config.tls.clone(), self.config.limits.clone(), stopping.clone(), live.clone());
             let peer = stream.peer();
+            tracing::info!("connection {id} from {peer} accepted");
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
                 let outcome = serve_connection(stream, &exports, tls.as_ref(), &limits, &stopping);
-                if let Outcome::Dropped(why) = outcome {
-                    log!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
+                match outcome {
+                    Outcome::Dropped(why) => log!("connection {id} from {peer} closed: {why}"),
+                    Outcome::Closed => tracing::info!("connection {id} from {peer} closed"),
                 }
                 live2.lock().remove(&id);
             });
@@ -217,7 +219,7 @@ impl Server {
                     summary.connections_served += 1;
                 }
                 Err(e) => {
-                    log!("dedupvol-nbd: cannot start a connection thread: {e}");
+                    log!("cannot start a connection thread: {e}");
                     live.lock().remove(&id);
                 }
             }
@@ -229,7 +231,7 @@ impl Server {
         }
         for t in threads {
             if t.join().is_err() {
-                log!("dedupvol-nbd: a connection thread panicked");
+                log!("a connection thread panicked");
             }
         }
         let mut drain = [0u8; 64];
