@@ -35,8 +35,15 @@ pub(crate) enum Plan {
 
 /// A data chunk's fingerprints and what the stages decided for it so far.
 pub(crate) struct DataPlan {
-    /// BLAKE3 of the chunk (zero when dedup is off).
+    /// BLAKE3 of the chunk (zero when dedup is off, or not computed yet: see `hashed`).
     pub(crate) hash: [u8; 32],
+    /// `hash` was computed. With write-once journaling a chunk that found its journal copy
+    /// skips BLAKE3; should the share fall through, it is computed then.
+    pub(crate) hashed: bool,
+    /// The weak hash (xxh3-64) of write-once journaling (0 when it is off).
+    pub(crate) weak: u64,
+    /// The write-once journaling candidate (a journal block with the same weak hash).
+    pub(crate) woj: Option<crate::woj::WojCand>,
     /// crc32c of the chunk: the map entry's checksum.
     pub(crate) crc: u32,
     /// The dedup candidate and whether it is proven equal.

@@ -46,6 +46,7 @@ impl Volume {
             if let Some(seq) = self.apply_entry(st, lba0 + i as u64, e)? {
                 last = seq;
             }
+            self.woj_note_write(lba0 + i as u64, e, p, chunk(buf, i));
             st.red.blocks_written += 1;
         }
         Ok(last)
@@ -57,6 +58,19 @@ impl Volume {
             st.red.zero_blocks += 1;
             return Ok(MapEntry::ZERO);
         };
+        if let Some(c) = d.woj.take() {
+            if let Some(e) = self.woj_claim(st, &c, d.crc, looked_up_at) {
+                return Ok(e);
+            }
+            // The share fell through: the chunk is stored like any other.
+            if self.dedup && !d.hashed {
+                d.hash = *blake3::hash(chunk).as_bytes();
+                d.hashed = true;
+            }
+            if c.verified && d.frag.is_none() && self.compression != Compression::None {
+                d.frag = packer::compress(self.compression, chunk);
+            }
+        }
         if self.dedup {
             let State { dedup, rc, red, packer, staging, .. } = &mut *st;
             let in_memory = |loc: crate::dedup::index::Location| {

@@ -93,6 +93,9 @@ impl Volume {
         if let Some(t) = &self.tier {
             t.audit().map_err(named("hot-chunk tier"))?;
         }
+        if let Some(w) = &self.woj {
+            w.lock().audit().map_err(named("write-once journaling pool"))?;
+        }
         Ok(())
     }
 
@@ -165,6 +168,7 @@ impl Volume {
             write_policy: self.policy,
             io: self.io.snapshot(),
             tier: self.tier.as_ref().map(|t| t.stats()),
+            woj: self.woj.as_ref().map(|w| w.lock().snapshot()),
         }
     }
 
