@@ -76,6 +76,14 @@ pub enum ServeCommand {
         cache_writes: String,
         #[command(flatten)]
         tier: crate::volume_cmds::TierArgs,
+        /// Write-once journaling: auto finds the journal of an ext3/ext4 file system on the
+        /// volume (whole disk, or inside MBR/GPT partitions; looked for again whenever a
+        /// superblock is rewritten) and shares each checkpoint write with its journal copy
+        /// after comparing the bytes (no data written, no BLAKE3, no index: see
+        /// docs/design.md); OFFSET:LENGTH names the journal's byte range (an external
+        /// journal); off turns it off.
+        #[arg(long, default_value = "off", value_name = "auto|off|OFFSET:LENGTH")]
+        woj: dedupvol_core::WojMode,
         /// Worker threads per connection (requests executed concurrently per client; each
         /// reads its own request, so none is handed between threads). On a 2-core machine
         /// 16 workers served random 4 KiB reads slower than 4 and doubled the server's
@@ -110,6 +118,7 @@ impl ServeCommand {
             index_memory,
             cache_writes,
             tier,
+            woj,
             workers_per_connection,
             metrics,
             in_memory,
@@ -159,6 +168,7 @@ impl ServeCommand {
                     cache_writes,
                     index_memory_bytes,
                     tier: tier.options(),
+                    woj,
                     ..Default::default()
                 };
                 // open_path finds a separate metadata device from the superblock unless
@@ -189,10 +199,13 @@ impl ServeCommand {
         let side = SideServices { volume_path: path.clone(), volume: volume.clone(), metrics_addr: metrics };
         let served = serve(&addr, config, backend, side);
         let mut tier_stats = None;
+        let mut woj_stats = None;
         let closed = match volume {
             Some(v) => match Arc::try_unwrap(v) {
                 Ok(v) => {
-                    tier_stats = v.stats().tier;
+                    let st = v.stats();
+                    tier_stats = st.tier;
+                    woj_stats = st.woj;
                     v.close().with_context(|| format!("closing volume {}", path.display()))
                 }
                 Err(_) => Err(anyhow::anyhow!("volume still referenced after the server stopped; not closed")),
@@ -208,6 +221,11 @@ impl ServeCommand {
             summary.connections_served,
             summary.connections_refused
         );
+        if let Some(w) = woj_stats {
+            for l in crate::volume_cmds::woj_summary(&w) {
+                let _ = writeln!(std::io::stderr(), "dedupvol: {l}");
+            }
+        }
         if let Some(t) = tier_stats {
             let _ = writeln!(std::io::stderr(), "dedupvol: {}", crate::volume_cmds::tier_summary(&t));
         }
