@@ -63,13 +63,14 @@ impl Volume {
                 return Ok(e);
             }
             // The share fell through: the chunk is stored like any other.
-            if self.dedup && !d.hashed {
-                d.hash = *blake3::hash(chunk).as_bytes();
-                d.hashed = true;
-            }
             if c.verified && d.frag.is_none() && self.compression != Compression::None {
                 d.frag = packer::compress(self.compression, chunk);
             }
+        }
+        // The index is asked, and told, only under the chunk's real fingerprint.
+        if self.dedup && !d.hashed {
+            d.hash = *blake3::hash(chunk).as_bytes();
+            d.hashed = true;
         }
         if self.dedup {
             let State { dedup, rc, red, packer, staging, .. } = &mut *st;

@@ -70,10 +70,11 @@ pub(crate) fn verify_and_compress(
                 return;
             }
             // Stage 4 counts the collision; the chunk takes the normal path.
-            if dedup && !d.hashed {
-                d.hash = *blake3::hash(c).as_bytes();
-                d.hashed = true;
-            }
+        }
+        // A chunk whose WOJ candidate fell through (here or in stage 2) has no BLAKE3 yet.
+        if dedup && !d.hashed {
+            d.hash = *blake3::hash(c).as_bytes();
+            d.hashed = true;
         }
         if let Candidate { loc: Some(loc), verified: false } = d.cand {
             d.cand.verified = verify::by_read(data, cache, loc, c);
