@@ -223,13 +223,7 @@ pub(crate) fn woj_summary(w: &dedupvol_core::WojStats) -> Vec<String> {
         out.push(format!("woj ({}): no file-system journal found", w.mode));
     }
     for r in &w.ranges {
-        out.push(format!(
-            "woj ({}): journal at bytes {}..{} ({})",
-            w.mode,
-            r.offset,
-            r.offset + r.len,
-            human(r.len)
-        ));
+        out.push(format!("woj ({}): journal at bytes {}..{} ({})", w.mode, r.offset, r.offset + r.len, human(r.len)));
     }
     for n in &w.notes {
         out.push(format!("woj: {n}"));

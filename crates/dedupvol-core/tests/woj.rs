@@ -138,12 +138,14 @@ fn discovery_finds_the_journal_of_a_real_ext4_image() {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     // "(0-1023):1234-2257" in the EXTENTS section.
     let ext = text.lines().skip_while(|l| !l.starts_with("EXTENTS")).nth(1).unwrap_or("").to_string();
-    let first: u64 = ext.split(':').nth(1).and_then(|r| r.split('-').next()).and_then(|x| x.trim().parse().ok()).expect(&text);
+    let first: u64 =
+        ext.split(':').nth(1).and_then(|r| r.split('-').next()).and_then(|x| x.trim().parse().ok()).expect(&text);
     let bytes = std::fs::read(&img).expect("read image");
 
     let (dev, vol) = mem_volume(128 << 20, 64 << 20, |o| o.dedup = false);
     vol.close().expect("close");
-    let v = Volume::open(dev as Arc<dyn Storage>, None, &OpenOptions { woj: WojMode::Auto, ..small_open() }).expect("open");
+    let v =
+        Volume::open(dev as Arc<dyn Storage>, None, &OpenOptions { woj: WojMode::Auto, ..small_open() }).expect("open");
     assert!(woj(&v).ranges.is_empty(), "nothing on a fresh volume");
     v.write(4096, &bytes[4096..], false).expect("image body");
     assert!(woj(&v).ranges.is_empty(), "no superblock yet");

@@ -126,7 +126,8 @@ pub(crate) fn discover(reader: &mut dyn Reader, size: u64) -> Found {
         } else {
             for i in 0..4 {
                 let e = 446 + 16 * i;
-                let (kind, lba, count) = (head.get(e + 4).copied().unwrap_or(0), le32(&head, e + 8), le32(&head, e + 12));
+                let (kind, lba, count) =
+                    (head.get(e + 4).copied().unwrap_or(0), le32(&head, e + 8), le32(&head, e + 12));
                 if kind != 0 && count > 0 {
                     starts.push((u64::from(lba) * 512, u64::from(count) * 512));
                 }
@@ -205,7 +206,9 @@ fn ext_fs(r: &mut Bounded, start: u64, len: u64, found: &mut Found) {
     }
     let inum = le32(&sb, 0xE0);
     if inum == 0 {
-        found.notes.push(format!("ext file system at byte {start} uses an external journal (give it with OFFSET:LENGTH)"));
+        found
+            .notes
+            .push(format!("ext file system at byte {start} uses an external journal (give it with OFFSET:LENGTH)"));
         return;
     }
     let ipg = le32(&sb, 0x28);
@@ -440,7 +443,10 @@ mod tests {
         let f = discover(&mut Mem(img), size);
         assert_eq!(
             f.ranges,
-            vec![JournalRange { offset: 100 * 4096, len: 8 * 4096 }, JournalRange { offset: 200 * 4096, len: 4 * 4096 }],
+            vec![
+                JournalRange { offset: 100 * 4096, len: 8 * 4096 },
+                JournalRange { offset: 200 * 4096, len: 4 * 4096 }
+            ],
             "{:?}",
             f.notes
         );

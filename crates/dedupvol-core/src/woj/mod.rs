@@ -363,7 +363,10 @@ mod tests {
     fn journal_blocks_map_both_ways() {
         let mut w = Woj::new(WojMode::Auto, u64::MAX, 1 << 30).expect("on");
         w.install(ext4::Found {
-            ranges: vec![JournalRange { offset: 4096 * 10, len: 4096 * 5 }, JournalRange { offset: 4096 * 100 + 1, len: 4096 * 3 }],
+            ranges: vec![
+                JournalRange { offset: 4096 * 10, len: 4096 * 5 },
+                JournalRange { offset: 4096 * 100 + 1, len: 4096 * 3 },
+            ],
             ..ext4::Found::default()
         });
         assert_eq!(w.j_of(9), None);

@@ -140,7 +140,9 @@ impl Pool {
     /// is replaced).
     pub(crate) fn insert(&mut self, j: u32, h: u64) -> Inserted {
         let h = nonzero(h);
-        if self.hash_of(j) == Some(h) && self.find(h).and_then(|s| self.table.get(s)).is_some_and(|v| v & !INVALID == j + 1) {
+        if self.hash_of(j) == Some(h)
+            && self.find(h).and_then(|s| self.table.get(s)).is_some_and(|v| v & !INVALID == j + 1)
+        {
             return Inserted::Same;
         }
         self.remove(j);
