@@ -34,6 +34,7 @@ pub(crate) fn fingerprint(
                 hashed: blake_now,
                 weak: mask.map_or(0, |m| xxhash_rust::xxh3::xxh3_64(c) & m),
                 woj: None,
+                journal: false,
                 crc: crc32c::crc32c(c),
                 cand: Candidate::default(),
                 frag: None,
@@ -47,7 +48,8 @@ pub(crate) fn fingerprint(
         if !w.is_empty() {
             for (i, p) in plans.iter_mut().enumerate() {
                 if let Plan::Data(d) = p {
-                    if w.j_of(lba0 + i as u64).is_none() {
+                    d.journal = w.j_of(lba0 + i as u64).is_some();
+                    if !d.journal {
                         d.woj = w.lookup(d.weak);
                     }
                 }

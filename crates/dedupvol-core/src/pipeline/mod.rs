@@ -44,6 +44,9 @@ pub(crate) struct DataPlan {
     pub(crate) weak: u64,
     /// The write-once journaling candidate (a journal block with the same weak hash).
     pub(crate) woj: Option<crate::woj::WojCand>,
+    /// The chunk is written into a file system's journal (write-once journaling): its
+    /// stored copy is kept in the content cache, where checkpoint writes compare with it.
+    pub(crate) journal: bool,
     /// crc32c of the chunk: the map entry's checksum.
     pub(crate) crc: u32,
     /// The dedup candidate and whether it is proven equal.

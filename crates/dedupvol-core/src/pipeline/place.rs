@@ -46,7 +46,7 @@ impl Volume {
             if let Some(seq) = self.apply_entry(st, lba0 + i as u64, e)? {
                 last = seq;
             }
-            self.woj_note_write(lba0 + i as u64, e, p, chunk(buf, i));
+            self.woj_note_write(lba0 + i as u64, p, chunk(buf, i));
             st.red.blocks_written += 1;
         }
         Ok(last)
@@ -102,6 +102,10 @@ impl Volume {
             None => {
                 let pbn = self.alloc_block(st)?;
                 let block = d.raw.take().unwrap_or_else(|| Block::from(chunk));
+                if d.journal && !self.cache_writes {
+                    // The same buffer staging holds: no copy.
+                    self.cache.lock().put(pbn, block.clone(), d.crc);
+                }
                 if let Some(t) = &self.tier {
                     t.offer_written(pbn, &block, false);
                 }

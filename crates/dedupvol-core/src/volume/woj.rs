@@ -67,13 +67,17 @@ impl Volume {
             w.lock().stats.stale += 1;
             return None;
         }
+        // Stage 2 took only data entries; the share copies the location, never the crc.
+        assert!(e.is_data(), "WOJ candidate {e:?} is not data");
         w.lock().used(c.j, c.by_read);
         Some(MapEntry { pbn: e.pbn, state: e.state, crc })
     }
 
     /// After a chunk's mapping change (state lock held): a chunk written into the journal
-    /// enters the pool, unless it is zeros or jbd2's own metadata.
-    pub(crate) fn woj_note_write(&self, lba: u64, e: MapEntry, p: &Plan, chunk: &[u8]) {
+    /// enters the pool, unless it is zeros or jbd2's own metadata. (Its raw copy entered
+    /// the content cache when it was placed, `place`; a packed one is decoded from its open
+    /// block while it is open, else read back once.)
+    pub(crate) fn woj_note_write(&self, lba: u64, p: &Plan, chunk: &[u8]) {
         let Some(w) = &self.woj else { return };
         let mut w = w.lock();
         let Some(j) = w.j_of(lba) else { return };
@@ -86,13 +90,6 @@ impl Volume {
             Plan::Zero => None,
         };
         w.note_journal_write(j, weak);
-        // Journal blocks are what checkpoint writes are compared with: keep them in the
-        // content cache even when written blocks are not cached otherwise.
-        // (A packed one is decoded from its open block, else read back once.)
-        if weak.is_some() && !self.cache_writes && e.slot().is_none() && e.is_data() {
-            drop(w);
-            self.cache.lock().put(e.pbn, crate::read::cache::Block::from(chunk), e.crc);
-        }
     }
 
     /// A journal block's mapping changed (state lock held): its entry leaves the pool.

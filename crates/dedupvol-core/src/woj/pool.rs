@@ -156,7 +156,7 @@ impl Pool {
                     *t = j + 1;
                     self.live += 1;
                 }
-                debug_assert!(self.live <= self.hashes.len());
+                assert!(self.live <= self.hashes.len(), "pool: more entries than journal blocks");
                 return Inserted::New;
             }
             if self.slot_hash(v) == h {
