@@ -102,15 +102,18 @@ impl Volume {
             None => {
                 let pbn = self.alloc_block(st)?;
                 let block = d.raw.take().unwrap_or_else(|| Block::from(chunk));
-                if d.journal && !self.cache_writes {
-                    // The same buffer staging holds: no copy.
-                    self.cache.lock().put(pbn, block.clone(), d.crc);
-                }
+                // A journal block is what its checkpoint write will be compared with, maybe
+                // a whole journal's worth of writes later: cached as if already read once,
+                // so it is not the first thing evicted (the same buffer staging holds).
+                let journal_copy = d.journal.then(|| block.clone());
                 if let Some(t) = &self.tier {
                     t.offer_written(pbn, &block, false);
                 }
                 // A raw block is the chunk itself: its crc is the map entry's.
                 self.stage(st, pbn, block, Some(d.crc))?;
+                if let Some(b) = journal_copy {
+                    self.cache.lock().put_hot(pbn, b, d.crc);
+                }
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, d.crc)
             }
