@@ -243,11 +243,16 @@ impl Woj {
     /// Discovery for a `Range` mode: the range itself.
     pub(crate) fn fixed(&self) -> Option<ext4::Found> {
         match self.mode {
-            WojMode::Range { offset, len } => Some(ext4::Found {
-                ranges: vec![JournalRange { offset, len: len.min(self.volume_bytes.saturating_sub(offset)) }],
-                watch: Vec::new(),
-                notes: vec![format!("journal range given: {offset}:{len}")],
-            }),
+            WojMode::Range { offset, len } => {
+                let len = len.min(self.volume_bytes.saturating_sub(offset));
+                let ranges = if len > 0 { vec![JournalRange { offset, len }] } else { Vec::new() };
+                let note = if len > 0 {
+                    format!("journal range given: {offset}:{len}")
+                } else {
+                    format!("journal range given at byte {offset} lies past the volume's end: ignored")
+                };
+                Some(ext4::Found { ranges, watch: Vec::new(), notes: vec![note] })
+            }
             _ => None,
         }
     }
@@ -357,6 +362,12 @@ mod tests {
         assert!("1M".parse::<WojMode>().is_err());
         assert!("1M:0".parse::<WojMode>().is_err());
         assert!("x:y".parse::<WojMode>().is_err());
+    }
+
+    #[test]
+    fn a_range_past_the_end_is_ignored() {
+        let w = Woj::new(WojMode::Range { offset: 1 << 30, len: 4096 }, u64::MAX, 1 << 20).expect("on");
+        assert!(w.fixed().is_some_and(|f| f.ranges.is_empty()));
     }
 
     #[test]
