@@ -18,6 +18,8 @@ use std::time::Instant;
 /// The journal region: 64 MiB at the front of the volume (16,384 journal blocks).
 const JOURNAL_BYTES: u64 = 64 << 20;
 const B: usize = 4096;
+/// Runs per configuration; the one with the least CPU is reported.
+const REPEATS: usize = 3;
 
 /// User + system CPU seconds of this process (every thread).
 fn cpu_seconds() -> f64 {
@@ -162,17 +164,27 @@ pub(crate) fn run(mib: u64, txn_blocks: usize, configs: &str) -> anyhow::Result<
     let mut data = vec![0u8; blocks * B];
     rand_chacha::ChaCha8Rng::seed_from_u64(7).fill(&mut data[..]);
     let (blake, woj) = primitives(&data);
-    println!("data: {mib} MiB of random 4 KiB blocks; journal region 64 MiB; {txn_blocks} blocks per transaction (an fsync every {txn_blocks} writes); compression none; in-memory devices\n");
+    println!("data: {mib} MiB of random 4 KiB blocks; journal region 64 MiB; {txn_blocks} blocks per transaction (an fsync every {txn_blocks} writes); compression none; in-memory devices; least CPU of {REPEATS} runs per configuration\n");
     println!("| primitive (one core) | MB/s |\n|---|---|");
     println!("| BLAKE3-256 of 4 KiB | {blake:.0} |");
     println!("| xxh3-64 of 4 KiB + 4 KiB compare | {woj:.0} |");
+    // A discarded run first (thread pools, allocator arenas, first-touch page faults).
+    run_config("warm-up", false, false, &data, txn_blocks, false)?;
     for random_home in [false, true] {
         let mut rows: Vec<Row> = Vec::new();
         for (name, dedup, w) in
             [("none", false, false), ("blake3", true, false), ("woj", false, true), ("both", true, true)]
         {
             if configs.split(',').any(|c| c == name) {
-                rows.push(run_config(name, dedup, w, &data, txn_blocks, random_home)?);
+                // The least CPU of `REPEATS` runs: other processes on the machine only add.
+                let mut best: Option<Row> = None;
+                for _ in 0..REPEATS {
+                    let r = run_config(name, dedup, w, &data, txn_blocks, random_home)?;
+                    if best.as_ref().is_none_or(|b| r.cpu < b.cpu) {
+                        best = Some(r);
+                    }
+                }
+                rows.extend(best);
             }
         }
         let base = rows.iter().find(|r| r.name == "none").map(|r| r.cpu / (r.logical as f64 / 1e9));
