@@ -1,8 +1,11 @@
 //! The reduction pipeline: how a batch of whole 4 KiB chunks becomes mapping changes.
 //!
 //! Stages, in the order `Volume::write_blocks_once` runs them (docs/design.md, "A write"):
-//! 1. `fingerprint` (no lock, parallel): zero check, BLAKE3 fingerprint, crc32c;
-//! 2. `reduce::find_candidates` (state lock): dedup candidates from the index;
+//! 1. `fingerprint` (no lock, parallel): zero check, crc32c, the weak hash and the
+//!    write-once journaling candidate (WOJ on), BLAKE3 fingerprint (dedup on, and no WOJ
+//!    candidate);
+//! 2. `reduce::resolve_woj`, `reduce::find_candidates` (state lock): journal copies, and
+//!    dedup candidates from the index;
 //! 3. `reduce::verify_and_compress` (no lock, parallel): byte verification of
 //!    candidates, compression of the chunks without a verified duplicate;
 //! 4. `place` (state lock): the dedup claim, packing or a raw block, staging, and the
@@ -12,6 +15,9 @@
 //! - A batch holds at most `WRITE_BLOCKS_PER_BATCH` chunks, which bounds the state-lock
 //!   hold of stages 2 and 4 and the memory of one batch's plans, whatever the request size.
 //! - Stages 1 and 3 take no volume lock; everything they decide is re-checked in stage 4.
+//! - The index is asked and told only under a chunk's real BLAKE3 fingerprint (`hashed`):
+//!   a chunk that skipped BLAKE3 for a WOJ candidate gets it in stage 3 or 4 when the
+//!   candidate falls through.
 
 pub(crate) mod executor;
 pub(crate) mod fingerprint;
