@@ -112,7 +112,12 @@ impl Volume {
                 // A raw block is the chunk itself: its crc is the map entry's.
                 self.stage(st, pbn, block, Some(d.crc))?;
                 if let Some(b) = journal_copy {
-                    self.cache.lock().put_hot(pbn, b, d.crc);
+                    // `stage` put it already when written blocks are cached.
+                    if self.cache_writes {
+                        self.cache.lock().touch(pbn);
+                    } else {
+                        self.cache.lock().put_hot(pbn, b, d.crc);
+                    }
                 }
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, d.crc)

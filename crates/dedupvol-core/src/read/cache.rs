@@ -194,6 +194,11 @@ impl ContentCache {
     /// its checkpoint write compares with only after up to a journal's worth of writes.
     pub fn put_hot(&mut self, pbn: u64, block: Block, crc: u32) {
         self.put(pbn, block, crc);
+        self.touch(pbn);
+    }
+
+    /// Counts a cached block as used once (not as a hit); nothing when it is not cached.
+    pub fn touch(&mut self, pbn: u64) {
         if let Some(t) = self.table.as_ref() {
             let _ = t.get(&pbn);
         }
