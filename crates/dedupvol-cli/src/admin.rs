@@ -62,8 +62,11 @@ pub struct Report {
 pub struct Source {
     /// The volume (None for a RAM disk).
     pub volume: Option<Arc<Volume>>,
-    /// The server's counters.
+    /// The export's counters (requests, its connections).
     pub metrics: Arc<ServerMetrics>,
+    /// The server's own counters (connections refused at the limit); the same as
+    /// `metrics` for a server of one export.
+    pub server_metrics: Arc<ServerMetrics>,
     /// Export name.
     pub export: String,
     /// Client address.
@@ -73,12 +76,21 @@ pub struct Source {
 }
 
 impl Source {
+    /// The export's NBD figures, with the server's refusals (not any export's).
+    pub fn server_snapshot(&self) -> ServerMetricsSnapshot {
+        let mut snap = self.metrics.snapshot();
+        if !Arc::ptr_eq(&self.metrics, &self.server_metrics) {
+            snap.connections_refused = self.server_metrics.snapshot().connections_refused;
+        }
+        snap
+    }
+
     /// A report as of now.
     pub fn report(&self) -> Report {
         Report {
             volume: self.volume.as_ref().map(|v| v.stats()),
             refcount_histogram: self.volume.as_ref().map(|v| v.refcount_histogram()).unwrap_or_default(),
-            server: self.metrics.snapshot(),
+            server: self.server_snapshot(),
             export: self.export.clone(),
             address: self.address.clone(),
             pid: std::process::id(),

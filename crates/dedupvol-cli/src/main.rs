@@ -91,6 +91,7 @@ mod metrics;
 mod probe;
 mod replay;
 mod serve;
+mod serve_config;
 mod service;
 mod stats_cmd;
 mod trace_cmds;

@@ -16,7 +16,7 @@
 //!   at once, beyond that extra clients are closed at accept.
 
 use crate::backend::Backend;
-use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, ExportConfig, Outcome};
+use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, Export, Outcome};
 use crate::metrics::ServerMetrics;
 use crate::stream::{ListenAddr, Listener, Stream};
 use parking_lot::Mutex;
@@ -32,16 +32,41 @@ use std::thread::JoinHandle;
 /// Clients over the connection limit being told so at once; more are closed without a word
 /// (a flood of connections must not become a flood of threads).
 const REFUSALS_IN_FLIGHT_MAX: usize = 4;
+/// Most exports one server serves (each is one volume held open).
+pub const EXPORTS_MAX: usize = 256;
 
-/// Everything the server needs besides the backend.
+/// Everything the server needs besides its exports.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// The export.
-    pub export: ExportConfig,
     /// Most clients served at once.
     pub connections_max: usize,
     /// Per-connection bounds.
     pub limits: ConnectionLimits,
+    /// TLS offered (or required) to clients; `None`: plain connections only.
+    pub tls: Option<crate::tls::TlsPolicy>,
+}
+
+/// Checks a server's export list: at least one export, at most [`EXPORTS_MAX`], names
+/// unique and within the protocol's bound.
+pub fn validate_exports(exports: &[Export]) -> io::Result<()> {
+    let bad = |m: String| Err(io::Error::new(io::ErrorKind::InvalidInput, m));
+    if exports.is_empty() {
+        return bad("a server needs at least one export".into());
+    }
+    if exports.len() > EXPORTS_MAX {
+        return bad(format!("{} exports; a server serves at most {EXPORTS_MAX}", exports.len()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for e in exports {
+        let name = &e.config.name;
+        if name.len() > crate::proto::NAME_BYTES_MAX {
+            return bad(format!("export name {name:?} is longer than {} bytes", crate::proto::NAME_BYTES_MAX));
+        }
+        if !seen.insert(name.as_str()) {
+            return bad(format!("two exports are named {name:?}"));
+        }
+    }
+    Ok(())
 }
 
 /// Stops a running server from another thread (or a test).
@@ -89,8 +114,10 @@ impl Server {
         self.listener.display_addr()
     }
 
-    /// The server's live counters (requests, latency, errors, connections), for an admin
-    /// socket or a metrics endpoint; they keep counting until [`Server::run`] returns.
+    /// The server's live counters, for an admin socket or a metrics endpoint; they keep
+    /// counting until the server stops. Refused connections are counted here; requests and
+    /// connections by export, in each [`Export`]'s own counters ([`Server::run`] gives its
+    /// single export these).
     pub fn metrics(&self) -> Arc<ServerMetrics> {
         self.metrics.clone()
     }
@@ -118,8 +145,16 @@ impl Server {
         Ok(())
     }
 
-    /// Serves until stopped. See the module docs for the shutdown sequence.
-    pub fn run(self, backend: Arc<dyn Backend>) -> io::Result<RunSummary> {
+    /// Serves one export until stopped (see [`Server::run_exports`]).
+    pub fn run(self, export: crate::connection::ExportConfig, backend: Arc<dyn Backend>) -> io::Result<RunSummary> {
+        let export = Export { config: export, backend, metrics: self.metrics.clone() };
+        self.run_exports(vec![export])
+    }
+
+    /// Serves `exports` until stopped. See the module docs for the shutdown sequence.
+    pub fn run_exports(self, exports: Vec<Export>) -> io::Result<RunSummary> {
+        validate_exports(&exports)?;
+        let exports: Arc<[Export]> = exports.into();
         let stopping = Arc::new(AtomicBool::new(false));
         let live: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
         let refusing: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
@@ -165,22 +200,15 @@ impl Server {
                 }
             };
             live.lock().insert(id, shutdown_handle);
-            let (backend, export, limits, stopping, live2, metrics) = (
-                backend.clone(),
-                self.config.export.clone(),
-                self.config.limits.clone(),
-                stopping.clone(),
-                live.clone(),
-                self.metrics.clone(),
-            );
+            // Connections are counted by the export they select (see `serve_connection`).
+            let (exports, tls, limits, stopping, live2) =
+                (exports.clone(), self.config.tls.clone(), self.config.limits.clone(), stopping.clone(), live.clone());
             let peer = stream.peer();
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
-                metrics.connection_accepted();
-                let outcome = serve_connection(stream, backend, &export, &limits, &stopping, &metrics);
+                let outcome = serve_connection(stream, &exports, tls.as_ref(), &limits, &stopping);
                 if let Outcome::Dropped(why) = outcome {
                     log!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
                 }
-                metrics.connection_closed();
                 live2.lock().remove(&id);
             });
             match spawned {

@@ -73,7 +73,7 @@ impl Volume {
         // 1. Fingerprints and write-once journaling candidates (no lock; large requests
         //    use every core).
         let woj = self.woj.as_ref();
-        let mut plans = fingerprint(&self.exec, buf, self.dedup, woj, lba0);
+        let mut plans = fingerprint(&*self.exec, buf, self.dedup, woj, lba0);
         // 2. Journal copies, then dedup candidates (state lock).
         let (looked_up_at, woj_dropped) = {
             let mut st = self.state.lock();
@@ -89,7 +89,15 @@ impl Volume {
             w.stats.stale += stale;
         }
         // 3. Verification reads and compression (no lock; parallel).
-        reduce::verify_and_compress(&self.exec, &self.data, &self.cache, self.compression, self.dedup, buf, &mut plans);
+        reduce::verify_and_compress(
+            &*self.exec,
+            &self.data,
+            &self.cache,
+            self.compression,
+            self.dedup,
+            buf,
+            &mut plans,
+        );
         // 4. Claim or place, stage, journal and apply (state lock).
         let mut st = self.state.lock();
         match self.place_batch(&mut st, lba0, buf, &mut plans, looked_up_at) {
