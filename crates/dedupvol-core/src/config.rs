@@ -315,6 +315,13 @@ pub struct OpenOptions {
     /// read physical blocks (None: no tier). Never needed for correctness: a tier that
     /// cannot be opened is left out with a warning (`Volume::tier_notes`).
     pub tier: Option<TierOptions>,
+    /// How the fingerprint index is rebuilt from its chapter ring after the open: in the
+    /// background (the volume accepts I/O at once; duplicates in chapters not rebuilt yet
+    /// are missed meanwhile), before `open` returns, one step per
+    /// `Volume::index_rebuild_step` (deterministic tests and the simulator), or (default)
+    /// before `open` returns when the window's chapters are at most 16 MiB, else in the
+    /// background.
+    pub index_rebuild: crate::dedup::index::IndexRebuild,
 }
 
 impl OpenOptions {
@@ -337,6 +344,7 @@ impl Default for OpenOptions {
             background_writes: true,
             cache_writes: None,
             tier: None,
+            index_rebuild: crate::dedup::index::IndexRebuild::Auto,
         }
     }
 }

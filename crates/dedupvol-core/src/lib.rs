@@ -38,7 +38,7 @@ mod read;
 mod tier;
 mod volume;
 
-pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
+pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, IndexAudit, LostRange, Problem};
 pub use config::{
     parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,
     BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
@@ -52,6 +52,7 @@ pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
 pub use volume::Volume;
+pub use dedup::index::IndexRebuild;
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.

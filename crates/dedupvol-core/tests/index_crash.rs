@@ -52,6 +52,7 @@ fn rewrite_after(crash: bool, tweak: impl FnOnce(&mut FormatOptions)) -> (u64, u
         vol.close().expect("close");
     }
     let vol = open(&dev);
+    vol.wait_index_rebuilt();
     assert!(vol.stats().index.rebuild_records >= 64 * 256 - 256, "{:?}", vol.stats().index);
     write_range(&vol, 128 * MIB, 0..64);
     let s = vol.stats();

@@ -168,6 +168,22 @@ impl Volume {
         self.state.lock().dedup.wait_ready();
     }
 
+    /// Waits until the fingerprint index's rebuild from its chapter ring, started by the
+    /// open, is done (a manual one is run to its end). Nothing needs it for correctness;
+    /// tests and benchmarks call it to measure dedup with the whole window indexed.
+    pub fn wait_index_rebuilt(&self) {
+        // Taken out of the state so the rebuild thread is joined without the state lock
+        // (it never takes it, but writers waiting on it should not wait for the join).
+        self.state.lock().dedup.index_mut().wait_rebuild();
+    }
+
+    /// Runs one step of the index rebuild (`IndexRebuild::Manual`: one sequential read of
+    /// chapters and their insertion); false when the rebuild is done. Holds the state lock
+    /// for its read, which only the simulator and tests, who ask for it, accept.
+    pub fn index_rebuild_step(&self) -> bool {
+        self.state.lock().dedup.index_mut().rebuild_step()
+    }
+
     /// What opening the hot-chunk tier noticed: why it is not used (its device could not
     /// be opened or read; the volume works without it) or why it was re-initialised.
     /// Empty when no tier was asked for or all went well.

@@ -72,14 +72,24 @@ impl Volume {
     fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
         // 1. Fingerprints (no lock; large requests use every core).
         let mut plans = fingerprint(&self.exec, buf, self.dedup);
-        // 2. Dedup candidates (state lock).
-        let looked_up_at = {
+        // 2. Dedup candidates (state lock). Record pages the lookups need are read after
+        // the lock is let go, then those chunks are looked up again. The generation of the
+        // first hold is kept: it is the older one, so claim judges byte verifications
+        // against every reuse since the first lookup.
+        let (looked_up_at, mut fetches, again, source) = {
             let st = self.state.lock();
-            if self.dedup {
-                reduce::find_candidates(&st, buf, &mut plans);
-            }
-            st.dedup.generation()
+            let (fetches, again) =
+                if self.dedup { reduce::find_candidates(&st, buf, &mut plans, None) } else { Default::default() };
+            let source = (!fetches.is_empty()).then(|| st.dedup.index().source());
+            (st.dedup.generation(), fetches, again, source)
         };
+        if let Some(source) = source {
+            reduce::read_pages(&self.exec, &source, &mut fetches);
+            if !again.is_empty() {
+                let st = self.state.lock();
+                reduce::find_candidates(&st, buf, &mut plans, Some(&again));
+            }
+        }
         // 3. Verification reads and compression (no lock; parallel).
         reduce::verify_and_compress(&self.exec, &self.data, &self.cache, self.compression, buf, &mut plans);
         // 4. Claim or place, stage, journal and apply (state lock).
