@@ -40,6 +40,11 @@ pub trait SimEngine: Sized {
     fn coverage(&self) -> Coverage {
         Coverage::default()
     }
+    /// Runs one step of the engine's background work the driver schedules itself (the
+    /// fingerprint index's rebuild after an open); false when there is none left.
+    fn background_step(&self) -> bool {
+        false
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -76,6 +81,10 @@ pub struct Coverage {
     pub block_map_cache_misses: u64,
     /// Highest percentage of data blocks in use seen at a close.
     pub data_used_pct_max: u64,
+    /// Fingerprint records the index rebuilds after opens read from the chapter ring.
+    pub index_rebuild_records: u64,
+    /// Record pages of the chapter ring the rebuilds skipped (torn, stale, never written).
+    pub index_rebuild_pages_skipped: u64,
 }
 
 impl Coverage {
@@ -88,6 +97,8 @@ impl Coverage {
         self.packed_blocks_written += o.packed_blocks_written;
         self.block_map_cache_misses += o.block_map_cache_misses;
         self.data_used_pct_max = self.data_used_pct_max.max(o.data_used_pct_max);
+        self.index_rebuild_records += o.index_rebuild_records;
+        self.index_rebuild_pages_skipped += o.index_rebuild_pages_skipped;
     }
 }
 
@@ -121,6 +132,9 @@ impl SimEngine for Volume {
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport> {
         check_volume(data, meta, false)
     }
+    fn background_step(&self) -> bool {
+        self.index_rebuild_step()
+    }
     fn audit(&self) -> std::result::Result<(), String> {
         self.audit_memory()
     }
@@ -135,6 +149,8 @@ impl SimEngine for Volume {
             packed_blocks_written: c.packed_blocks_written,
             block_map_cache_misses: c.block_map_cache_misses,
             data_used_pct_max: s.data_blocks_used * 100 / s.data_blocks_total.max(1),
+            index_rebuild_records: s.index.rebuild_records,
+            index_rebuild_pages_skipped: s.index.rebuild_pages_skipped,
         }
     }
     fn data_region(data: &dyn Storage, _has_meta: bool) -> Option<Range<u64>> {
