@@ -311,3 +311,164 @@ impl Drop for RebuildThread {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{FormatOptions, OpenOptions};
+    use crate::dedup::chapter::{encode_page, PageHeader, Record};
+    use crate::dedup::index::{IndexRebuild, Location};
+    use crate::io::{FileStorage, IoCounters, IoMode, Storage};
+    use crate::volume::Volume;
+    use std::time::Instant;
+
+    fn rss_bytes() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|k| k.parse::<u64>().ok())
+            .map_or(0, |k| k << 10)
+    }
+
+    /// A fingerprint for record `i` (distinct, spread like BLAKE3 output).
+    fn fp(i: u64) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x1234_5678;
+        for c in out.chunks_mut(8) {
+            x ^= x >> 31;
+            x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x ^= x >> 29;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    /// Measures, on a volume whose chapter ring is full of synthetic records: how long
+    /// `open` takes before the volume accepts I/O, the first write after it, the rebuild's
+    /// read rate beside the device's own sequential read rate, and the RSS per indexed
+    /// block. Run with `cargo test --release -p dedupvol-core measure_open_and_rebuild --
+    /// --ignored --nocapture`; `DEDUPVOL_MEASURE_DIR` (default /tmp) holds the sparse
+    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window, and
+    /// `DEDUPVOL_MEASURE_MODE` dense or sparse.
+    #[test]
+    #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
+    fn measure_open_and_rebuild() {
+        let dir = std::env::var("DEDUPVOL_MEASURE_DIR").unwrap_or_else(|_| "/tmp".into());
+        let window_gib: u64 = std::env::var("DEDUPVOL_MEASURE_WINDOW_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+        let mode = match std::env::var("DEDUPVOL_MEASURE_MODE").as_deref() {
+            Ok("sparse") => IndexMode::Sparse,
+            _ => IndexMode::Dense,
+        };
+        let path = std::path::PathBuf::from(dir).join(format!("dedupvol-measure-{}.img", std::process::id()));
+        let window = window_gib << 30;
+        let fmt = FormatOptions {
+            logical_size_bytes: 1 << 30,
+            dedup_window_bytes: Some(window),
+            index_memory_bytes: 8 << 30,
+            index_mode: mode,
+            ..FormatOptions::default()
+        };
+        // The ring is at most 1/32 of a device without a metadata device.
+        let size = (window / 101 * 2 * 32).max(64 << 30);
+        Volume::format_path(&path, Some(size), None, &fmt, true).expect("format");
+        let file: Arc<dyn Storage> = Arc::new(FileStorage::open_with(&path, false, IoMode::Direct).expect("open"));
+        let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+        let (sb, _) = crate::metadata::superblock::Superblock::read(&dev, 0).expect("superblock");
+        let ring = RingLayout::for_area(sb.geometry.index_start, sb.geometry.index_blocks, mode).expect("ring");
+        let ulo = crate::codec::get_u64(&sb.uuid, 0);
+        // Fill every slot with a full chapter, as after 1.5 turns of the ring.
+        let t = Instant::now();
+        let newest = ring.chapters + ring.chapters / 2 - 1;
+        let chapter_bytes = (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+        let per_write = (READ_BYTES as usize / chapter_bytes).max(1);
+        let mut buf: Vec<u8> = Vec::with_capacity(per_write * chapter_bytes);
+        let mut first_slot = 0;
+        for slot in 0..ring.chapters {
+            let vcn = if slot <= newest % ring.chapters { newest - newest % ring.chapters + slot } else { newest - newest % ring.chapters - ring.chapters + slot };
+            for p in 0..ring.pages_per_chapter {
+                let base = (vcn * ring.pages_per_chapter + p) * RECORDS_PER_PAGE as u64;
+                let recs: Vec<Record> = (0..RECORDS_PER_PAGE as u64)
+                    .map(|i| Record { hash: fp(base + i), loc: Location { pbn: (base + i) % 1000, state: 2, stamp: 0, current: false } })
+                    .collect();
+                let h = PageHeader { vcn, epoch: 1, page: p as u16, count: RECORDS_PER_PAGE as u16 };
+                buf.extend_from_slice(&encode_page(ulo, h, &recs));
+            }
+            if buf.len() >= per_write * chapter_bytes || slot + 1 == ring.chapters {
+                let mut a = AlignedBuf::new(buf.len()).expect("buffer");
+                a.as_mut_slice().get_mut(..buf.len()).expect("len").copy_from_slice(&buf);
+                let off = (ring.start_block + first_slot * ring.pages_per_chapter) * BLOCK_SIZE_U64;
+                file.write_at(a.as_mut_slice().get(..buf.len()).expect("len"), off).expect("write ring");
+                buf.clear();
+                first_slot = slot + 1;
+            }
+        }
+        file.sync().expect("sync");
+        let ring_bytes = ring.chapters * ring.pages_per_chapter * BLOCK_SIZE_U64;
+        println!("ring: {} chapters of {} pages ({} MiB), written in {:.1} s", ring.chapters, ring.pages_per_chapter, ring_bytes >> 20, t.elapsed().as_secs_f64());
+        // The device's own sequential read rate over the ring (direct I/O, READ_BYTES a read).
+        let mut rd = AlignedBuf::new(READ_BYTES as usize).expect("buffer");
+        let t = Instant::now();
+        let mut off = ring.start_block * BLOCK_SIZE_U64;
+        let end = off + ring_bytes;
+        while off < end {
+            let n = (end - off).min(READ_BYTES) as usize;
+            file.read_at(rd.as_mut_slice().get_mut(..n).expect("len"), off).expect("read");
+            off += n as u64;
+        }
+        let dev_rate = ring_bytes as f64 / t.elapsed().as_secs_f64() / 1e6;
+        println!("device sequential read over the ring: {dev_rate:.0} MB/s");
+        drop((file, dev));
+        // What the volume costs without its index: opened with the smallest volume index
+        // and no rebuild.
+        let rss_before = rss_bytes();
+        let control = OpenOptions {
+            index_rebuild: IndexRebuild::Manual,
+            index_memory_bytes: Some(64 << 10),
+            ..OpenOptions::default()
+        };
+        let v = Volume::open_path(&path, None, &control).expect("open");
+        v.wait_ready();
+        let rss_without_index = rss_bytes().saturating_sub(rss_before);
+        v.close().expect("close");
+        let rss0 = rss_bytes();
+        let opts = OpenOptions { index_rebuild: IndexRebuild::Background, ..OpenOptions::default() };
+        let t = Instant::now();
+        let vol = Volume::open_path(&path, None, &opts).expect("open");
+        let open_s = t.elapsed().as_secs_f64();
+        let data = crate::codec::test_random_bytes(9, 1 << 20);
+        vol.write(0, &data, false).expect("write");
+        vol.flush().expect("flush");
+        let first_write_s = t.elapsed().as_secs_f64();
+        let s0 = vol.stats().index;
+        vol.wait_index_rebuilt();
+        let total_s = t.elapsed().as_secs_f64();
+        let s = vol.stats();
+        let rss1 = rss_bytes();
+        let rate = s.index.rebuild_bytes as f64 / (s.index.rebuild_millis.max(1) as f64 / 1e3) / 1e6;
+        println!(
+            "open returned after {open_s:.3} s ({} probe reads, {} ms); first 1 MiB write + flush done at {first_write_s:.3} s, rebuild then {}/{} chapters",
+            s0.rebuild_probe_reads, s0.rebuild_probe_millis, s0.rebuild_chapters_done, s0.rebuild_chapters_total
+        );
+        println!(
+            "rebuild: {} records, {} MiB in {} ms = {rate:.0} MB/s ({:.0}% of the device's sequential rate); all done {total_s:.2} s after open began",
+            s.index.rebuild_records,
+            s.index.rebuild_bytes >> 20,
+            s.index.rebuild_millis,
+            rate * 100.0 / dev_rate
+        );
+        println!(
+            "volume index: {} entries, {} bytes ({:.2} B/entry); RSS {} MiB → {} MiB, of which {} MiB without the index: {:.2} bytes of RSS per indexed 4 KiB block ({} GiB of window)",
+            s.index_entries,
+            s.index_memory_bytes,
+            s.index.memory_bytes_per_entry,
+            rss0 >> 20,
+            rss1 >> 20,
+            rss_without_index >> 20,
+            (rss1.saturating_sub(rss0 + rss_without_index)) as f64 / (s.index.window_bytes / BLOCK_SIZE_U64) as f64,
+            s.index.window_bytes >> 30
+        );
+        vol.close().expect("close");
+        let _ = std::fs::remove_file(&path);
+    }
+}
