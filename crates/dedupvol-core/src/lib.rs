@@ -43,6 +43,7 @@ pub use config::{
     parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,
     BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
+pub use dedup::index::IndexRebuild;
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
 pub use metadata::layout::Geometry;
@@ -52,7 +53,6 @@ pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
 pub use volume::Volume;
-pub use dedup::index::IndexRebuild;
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.

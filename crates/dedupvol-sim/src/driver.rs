@@ -719,7 +719,8 @@ impl<E: SimEngine> Run<'_, E> {
                 self.note(format!("arm crash after {after} I/O calls"));
                 self.machine.arm_crash(after);
             }
-            if self.vol.is_some() && !self.machine.is_crashed() && self.rebuild_rng.gen_range(0..100) < REBUILD_STEP_PCT {
+            if self.vol.is_some() && !self.machine.is_crashed() && self.rebuild_rng.gen_range(0..100) < REBUILD_STEP_PCT
+            {
                 let armed = self.cfg.crash_ppm > 0 && self.rebuild_rng.gen_range(0..100) < REBUILD_CRASH_PCT;
                 if armed {
                     // A crash inside the step's reads (when it has any left to do).

@@ -475,8 +475,7 @@ impl Volume {
                 Some(b) => buf.copy_from_slice(b),
                 None => {
                     if let Err(e) = self.data.read(IoKind::Verify, pbn, &mut buf, "block map entry") {
-                        let unreadable: u64 =
-                            records.extract_if(|k, _| k.0 == pbn).map(|(_, v)| v.len() as u64).sum();
+                        let unreadable: u64 = records.extract_if(|k, _| k.0 == pbn).map(|(_, v)| v.len() as u64).sum();
                         report.index.stale_damaged += unreadable;
                         report.problem(Problem::Unreadable { pbn, error: e.to_string() });
                         damaged.push(Damage { pbn, slot: None, unreadable: true });

@@ -680,11 +680,11 @@ impl Index {
             h => h,
         };
         match how {
-            IndexRebuild::Foreground | IndexRebuild::Auto => while r.step() {}
+            IndexRebuild::Foreground | IndexRebuild::Auto => while r.step() {},
             IndexRebuild::Manual => self.rebuilder = Some(r),
             IndexRebuild::Background => match RebuildThread::start(r) {
                 Ok(t) => self.rebuild_thread = Some(t),
-                Err(mut r) => while r.step() {}
+                Err(mut r) => while r.step() {},
             },
         }
     }

@@ -210,9 +210,11 @@ impl Rebuilder {
             return true;
         }
         // Decoded holding no lock: (fingerprint, chapter, page, position).
-        let mut recs: Vec<([u8; 32], u64, u64, u64)> = Vec::with_capacity(
-            if self.mode == IndexMode::Dense { n as usize * ring.records_per_chapter() as usize } else { 0 },
-        );
+        let mut recs: Vec<([u8; 32], u64, u64, u64)> = Vec::with_capacity(if self.mode == IndexMode::Dense {
+            n as usize * ring.records_per_chapter() as usize
+        } else {
+            0
+        });
         let (mut records, mut skipped_pages) = (0u64, 0u64);
         for (k, pages) in chunk.chunks_exact(chapter_bytes as usize).enumerate() {
             let vcn = v0 + k as u64;
@@ -355,7 +357,8 @@ mod tests {
     #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
     fn measure_open_and_rebuild() {
         let dir = std::env::var("DEDUPVOL_MEASURE_DIR").unwrap_or_else(|_| "/tmp".into());
-        let window_gib: u64 = std::env::var("DEDUPVOL_MEASURE_WINDOW_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+        let window_gib: u64 =
+            std::env::var("DEDUPVOL_MEASURE_WINDOW_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
         let mode = match std::env::var("DEDUPVOL_MEASURE_MODE").as_deref() {
             Ok("sparse") => IndexMode::Sparse,
             _ => IndexMode::Dense,
@@ -385,11 +388,18 @@ mod tests {
         let mut buf: Vec<u8> = Vec::with_capacity(per_write * chapter_bytes);
         let mut first_slot = 0;
         for slot in 0..ring.chapters {
-            let vcn = if slot <= newest % ring.chapters { newest - newest % ring.chapters + slot } else { newest - newest % ring.chapters - ring.chapters + slot };
+            let vcn = if slot <= newest % ring.chapters {
+                newest - newest % ring.chapters + slot
+            } else {
+                newest - newest % ring.chapters - ring.chapters + slot
+            };
             for p in 0..ring.pages_per_chapter {
                 let base = (vcn * ring.pages_per_chapter + p) * RECORDS_PER_PAGE as u64;
                 let recs: Vec<Record> = (0..RECORDS_PER_PAGE as u64)
-                    .map(|i| Record { hash: fp(base + i), loc: Location { pbn: (base + i) % 1000, state: 2, stamp: 0, current: false } })
+                    .map(|i| Record {
+                        hash: fp(base + i),
+                        loc: Location { pbn: (base + i) % 1000, state: 2, stamp: 0, current: false },
+                    })
                     .collect();
                 let h = PageHeader { vcn, epoch: 1, page: p as u16, count: RECORDS_PER_PAGE as u16 };
                 buf.extend_from_slice(&encode_page(ulo, h, &recs));
@@ -405,7 +415,13 @@ mod tests {
         }
         file.sync().expect("sync");
         let ring_bytes = ring.chapters * ring.pages_per_chapter * BLOCK_SIZE_U64;
-        println!("ring: {} chapters of {} pages ({} MiB), written in {:.1} s", ring.chapters, ring.pages_per_chapter, ring_bytes >> 20, t.elapsed().as_secs_f64());
+        println!(
+            "ring: {} chapters of {} pages ({} MiB), written in {:.1} s",
+            ring.chapters,
+            ring.pages_per_chapter,
+            ring_bytes >> 20,
+            t.elapsed().as_secs_f64()
+        );
         // The device's own sequential read rate over the ring (direct I/O, READ_BYTES a read).
         let mut rd = AlignedBuf::new(READ_BYTES as usize).expect("buffer");
         let t = Instant::now();

@@ -39,7 +39,13 @@ pub struct PageCache {
 impl PageCache {
     /// A cache of at most `pages_max` pages.
     pub fn new(pages_max: usize) -> Self {
-        PageCache { pages: HashMap::new(), clock: VecDeque::new(), pages_max: pages_max.max(1), records: 0, generation: 0 }
+        PageCache {
+            pages: HashMap::new(),
+            clock: VecDeque::new(),
+            pages_max: pages_max.max(1),
+            records: 0,
+            generation: 0,
+        }
     }
 
     /// Times the cache was emptied.
