@@ -268,9 +268,9 @@ pub struct RebuildThread {
 }
 
 impl RebuildThread {
-    /// Runs `r` to its end on a thread of its own; None when no thread could be made
+    /// Runs `r` to its end on a thread of its own; `r` back when no thread could be made
     /// (the caller then runs it itself).
-    pub fn start(mut r: Rebuilder) -> Result<Self, Rebuilder> {
+    pub fn start(mut r: Rebuilder) -> Result<Self, Box<Rebuilder>> {
         let shared = r.shared.clone();
         let (tx, rx) = std::sync::mpsc::sync_channel::<Rebuilder>(1);
         let spawned = std::thread::Builder::new().name("dedupvol-index-rebuild".into()).spawn(move || {
@@ -287,7 +287,7 @@ impl RebuildThread {
                 }
                 Ok(RebuildThread { shared, handle: Some(handle) })
             }
-            Err(_) => Err(r),
+            Err(_) => Err(Box::new(r)),
         }
     }
 
