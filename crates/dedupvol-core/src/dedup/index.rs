@@ -715,12 +715,10 @@ impl Index {
         self.shared.progress.running.store(false, Ordering::Relaxed);
     }
 
-    /// Waits for a background rebuild to finish (a manual one is run to its end).
-    pub fn wait_rebuild(&mut self) {
-        if let Some(mut t) = self.rebuild_thread.take() {
-            t.wait();
-        }
-        while self.rebuild_step() {}
+    /// The background rebuild's thread, for a caller to wait for it without the state
+    /// lock (dropping it stops the rebuild).
+    pub fn take_rebuild_thread(&mut self) -> Option<RebuildThread> {
+        self.rebuild_thread.take()
     }
 
     /// The index's figures.

@@ -21,8 +21,8 @@
 //! - A record newer than the rebuilt one (made by this session) is never replaced by it
 //!   (the volume index keeps the newer of two records), and a chapter that left the
 //!   window while the rebuild ran is not inserted.
-//! - Bounded: one read buffer of `READ_BYTES`; a stop request ends the rebuild at the
-//!   next step (close, or the volume dropped).
+//! - Bounded: one read buffer of `READ_BYTES` and the decoded records of one read; a stop
+//!   request ends the rebuild at the next step (close, or the volume dropped).
 
 use super::chapter::{page_records, RingLayout, RECORDS_PER_PAGE};
 use super::index::{is_hook, Shared};
@@ -129,6 +129,7 @@ pub struct Rebuilder {
     next_vcn: u64,
     shared: Arc<Shared>,
     buf: Option<AlignedBuf>,
+    recs: Vec<([u8; 32], u64, u64, u64)>,
     started: std::time::Instant,
 }
 
@@ -157,6 +158,7 @@ impl Rebuilder {
             next_vcn: first,
             shared,
             buf: None,
+            recs: Vec::new(),
             started: std::time::Instant::now(),
         }
     }
@@ -209,12 +211,11 @@ impl Rebuilder {
             p.chapters_done.fetch_add(n, Ordering::Relaxed);
             return true;
         }
-        // Decoded holding no lock: (fingerprint, chapter, page, position).
-        let mut recs: Vec<([u8; 32], u64, u64, u64)> = Vec::with_capacity(if self.mode == IndexMode::Dense {
-            n as usize * ring.records_per_chapter() as usize
-        } else {
-            0
-        });
+        // Decoded holding no lock: (fingerprint, chapter, page, position), into one buffer
+        // for the whole rebuild (freed at its end: a fresh one per step would leave the
+        // allocator holding tens of MiB).
+        let mut recs = std::mem::take(&mut self.recs);
+        recs.clear();
         let (mut records, mut skipped_pages) = (0u64, 0u64);
         for (k, pages) in chunk.chunks_exact(chapter_bytes as usize).enumerate() {
             let vcn = v0 + k as u64;
@@ -245,6 +246,7 @@ impl Rebuilder {
                 }
             }
         }
+        self.recs = recs;
         p.records.fetch_add(records, Ordering::Relaxed);
         p.pages_skipped.fetch_add(skipped_pages, Ordering::Relaxed);
         p.chapters_done.fetch_add(n, Ordering::Relaxed);
@@ -258,6 +260,7 @@ impl Rebuilder {
             p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
         self.buf = None;
+        self.recs = Vec::new();
     }
 }
 

@@ -172,9 +172,13 @@ impl Volume {
     /// open, is done (a manual one is run to its end). Nothing needs it for correctness;
     /// tests and benchmarks call it to measure dedup with the whole window indexed.
     pub fn wait_index_rebuilt(&self) {
-        // Taken out of the state so the rebuild thread is joined without the state lock
-        // (it never takes it, but writers waiting on it should not wait for the join).
-        self.state.lock().dedup.index_mut().wait_rebuild();
+        // The thread is taken out of the state and joined without the state lock, so
+        // writers go on meanwhile.
+        let thread = self.state.lock().dedup.index_mut().take_rebuild_thread();
+        if let Some(mut t) = thread {
+            t.wait();
+        }
+        while self.index_rebuild_step() {}
     }
 
     /// Runs one step of the index rebuild (`IndexRebuild::Manual`: one sequential read of
