@@ -71,7 +71,7 @@ impl Volume {
     /// One batch through the pipeline (see the module docs of `volume` for the steps).
     fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
         // 1. Fingerprints (no lock; large requests use every core).
-        let mut plans = fingerprint(&self.exec, buf, self.dedup);
+        let mut plans = fingerprint(&*self.exec, buf, self.dedup);
         // 2. Dedup candidates (state lock). Record pages the lookups need are read after
         // the lock is let go, then those chunks are looked up again. The generation of the
         // first hold is kept: it is the older one, so claim judges byte verifications
@@ -84,14 +84,14 @@ impl Volume {
             (st.dedup.generation(), fetches, again, source)
         };
         if let Some(source) = source {
-            reduce::read_pages(&self.exec, &source, &mut fetches);
+            reduce::read_pages(&*self.exec, &source, &mut fetches);
             if !again.is_empty() {
                 let st = self.state.lock();
                 reduce::find_candidates(&st, buf, &mut plans, Some(&again));
             }
         }
         // 3. Verification reads and compression (no lock; parallel).
-        reduce::verify_and_compress(&self.exec, &self.data, &self.cache, self.compression, buf, &mut plans);
+        reduce::verify_and_compress(&*self.exec, &self.data, &self.cache, self.compression, buf, &mut plans);
         // 4. Claim or place, stage, journal and apply (state lock).
         let mut st = self.state.lock();
         match self.place_batch(&mut st, lba0, buf, &mut plans, looked_up_at) {
