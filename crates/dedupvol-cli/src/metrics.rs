@@ -244,6 +244,11 @@ fn encode_into(f: &mut Families, r: &Report) {
         f.gauge("index_entries", "Entries in the fingerprint index", v.index_entries as f64);
         f.gauge("index_capacity_entries", "Capacity of the fingerprint index", v.index_capacity as f64);
         f.gauge("index_memory_bytes", "Memory of the fingerprint index", v.index_memory_bytes as f64);
+        f.gauge(
+            "index_rebuild_chapters_remaining",
+            "Chapters of the fingerprint index's window still to rebuild after the open (0 when done)",
+            v.index.rebuild_chapters_total.saturating_sub(v.index.rebuild_chapters_done) as f64,
+        );
         let io = &v.io;
         let figures = [
             ("data", "write", io.data_write),

@@ -220,11 +220,16 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
         s.index.chapters
     )?;
     outln!(
-        "index rebuild       {} records, {} read in {} ms ({} pages skipped)",
+        "index rebuild       {}{} / {} chapters, {} records, {} read in {} ms ({} pages skipped; newest chapter found in {} reads, {} ms)",
+        if s.index.rebuild_running { "running: " } else { "" },
+        s.index.rebuild_chapters_done,
+        s.index.rebuild_chapters_total,
         s.index.rebuild_records,
         human(s.index.rebuild_bytes),
         s.index.rebuild_millis,
-        s.index.rebuild_pages_skipped
+        s.index.rebuild_pages_skipped,
+        s.index.rebuild_probe_reads,
+        s.index.rebuild_probe_millis
     )?;
     outln!(
         "index lookups       {} ({} without I/O), {} page reads, {} page cache hits, {} chapter loads",

@@ -544,6 +544,19 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
             r.used_blocks,
             r.blocks_verified
         )?;
+        let x = &r.index;
+        outln!(
+            "index records       {} in {} chapters: {} live, stale {} freed / {} reused / {} damaged, {} beyond the data region, {} not audited, {} pages skipped (stale records are expected and never trusted)",
+            x.records,
+            x.chapters,
+            x.live,
+            x.stale_freed,
+            x.stale_reused,
+            x.stale_damaged,
+            x.beyond_data_region,
+            x.not_audited,
+            x.pages_skipped
+        )?;
         for n in &r.notes {
             outln!("note: {n}")?;
         }

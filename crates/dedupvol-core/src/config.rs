@@ -324,6 +324,13 @@ pub struct OpenOptions {
     /// pre-check, so that the byte comparison alone has to catch them.
     #[doc(hidden)]
     pub woj_weak_hash_mask: u64,
+    /// How the fingerprint index is rebuilt from its chapter ring after the open: in the
+    /// background (the volume accepts I/O at once; duplicates in chapters not rebuilt yet
+    /// are missed meanwhile), before `open` returns, one step per
+    /// `Volume::index_rebuild_step` (deterministic tests and the simulator), or (default)
+    /// before `open` returns when the window's chapters are at most 16 MiB, else in the
+    /// background.
+    pub index_rebuild: crate::dedup::index::IndexRebuild,
 }
 
 impl OpenOptions {
@@ -348,6 +355,7 @@ impl Default for OpenOptions {
             tier: None,
             woj: crate::woj::WojMode::Off,
             woj_weak_hash_mask: u64::MAX,
+            index_rebuild: crate::dedup::index::IndexRebuild::Auto,
         }
     }
 }

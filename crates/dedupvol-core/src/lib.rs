@@ -40,11 +40,12 @@ mod tier;
 mod volume;
 mod woj;
 
-pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
+pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, IndexAudit, LostRange, Problem};
 pub use config::{
     parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,
     BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
+pub use dedup::index::IndexRebuild;
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
 pub use metadata::layout::Geometry;

@@ -52,6 +52,11 @@ const WOJ_RECENT_MAX: usize = 64;
 const WOJ_OP_PCT: u32 = 30;
 /// Logical writers, at most.
 pub const WRITERS_MAX: usize = 4;
+/// Share of operations (percent) preceded by a step of the engine's background work (the
+/// index rebuild after an open), while there is some.
+const REBUILD_STEP_PCT: u32 = 20;
+/// Share of those steps (percent) with a crash armed at their first I/O call.
+const REBUILD_CRASH_PCT: u32 = 10;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
 /// Percent of crash recoveries followed at once by a clean close and an audit.
@@ -319,6 +324,9 @@ impl RunConfig {
             background_writes: opts.background_writes,
             // Drawn from its own stream, so the seeds' other choices stay as they were.
             cache_writes: pick(&mut ChaCha8Rng::seed_from_u64(seed ^ 0xCAC4_E000), &[None, Some(true), Some(false)]),
+            // The driver runs the index rebuild's steps between operations (`rebuild_rng`),
+            // so they interleave with writes and crashes reproducibly.
+            index_rebuild: dedupvol_core::IndexRebuild::Manual,
             ..OpenOptions::default()
         };
         // Write-once journaling, from its own stream so the seeds' other choices stay as
@@ -437,6 +445,10 @@ pub struct RunStats {
     pub read_only_recoveries: u64,
     /// Crashes during a clean close.
     pub crashes_in_close: u64,
+    /// Steps of the fingerprint index's rebuild run between operations.
+    pub rebuild_steps: u64,
+    /// Crashes during such a step.
+    pub crashes_in_rebuild: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
     /// Engine counters summed over every volume instance that was closed or crashed.
@@ -469,6 +481,8 @@ impl RunStats {
         self.stale_dedup_after_fault += o.stale_dedup_after_fault;
         self.heals += o.heals;
         self.crashes_in_close += o.crashes_in_close;
+        self.rebuild_steps += o.rebuild_steps;
+        self.crashes_in_rebuild += o.crashes_in_rebuild;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
         self.io_calls += o.io_calls;
@@ -588,6 +602,9 @@ struct Run<'a, E: SimEngine> {
     data: Arc<SimDisk>,
     meta: Option<Arc<SimDisk>>,
     rng: ChaCha8Rng,
+    /// Draws when to run a step of the engine's background work (its own stream, so the
+    /// workload's draws stay as they were).
+    rebuild_rng: ChaCha8Rng,
     model: Model,
     vol: Option<E>,
     stats: RunStats,
@@ -651,6 +668,7 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         data,
         meta,
         rng,
+        rebuild_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x1DE8_B11D),
         model: Model::new(),
         vol: None,
         stats: RunStats::default(),
@@ -742,7 +760,27 @@ impl<E: SimEngine> Run<'_, E> {
                 self.note(format!("arm crash after {after} I/O calls"));
                 self.machine.arm_crash(after);
             }
-            self.step()?;
+            if self.vol.is_some() && !self.machine.is_crashed() && self.rebuild_rng.gen_range(0..100) < REBUILD_STEP_PCT
+            {
+                let armed = self.cfg.crash_ppm > 0 && self.rebuild_rng.gen_range(0..100) < REBUILD_CRASH_PCT;
+                if armed {
+                    // A crash inside the step's reads (when it has any left to do).
+                    self.note("arm crash in the index rebuild step".into());
+                    self.machine.arm_crash(0);
+                }
+                if self.vol().background_step() {
+                    self.stats.rebuild_steps += 1;
+                    self.note("index rebuild step".into());
+                }
+                if self.machine.is_crashed() {
+                    self.stats.crashes_in_rebuild += 1;
+                } else if armed {
+                    self.machine.disarm_crash();
+                }
+            }
+            if !self.machine.is_crashed() {
+                self.step()?;
+            }
             if self.opts.audit_every_op && !self.machine.is_crashed() {
                 self.machine.set_passthrough(true);
                 let r = self.vol().audit();

@@ -40,6 +40,11 @@ pub trait SimEngine: Sized {
     fn coverage(&self) -> Coverage {
         Coverage::default()
     }
+    /// Runs one step of the engine's background work the driver schedules itself (the
+    /// fingerprint index's rebuild after an open); false when there is none left.
+    fn background_step(&self) -> bool {
+        false
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -80,6 +85,10 @@ pub struct Coverage {
     pub woj_hits: u64,
     /// WOJ candidates whose bytes differed from the write (weak hash collisions).
     pub woj_collisions: u64,
+    /// Fingerprint records the index rebuilds after opens read from the chapter ring.
+    pub index_rebuild_records: u64,
+    /// Record pages of the chapter ring the rebuilds skipped (torn, stale, never written).
+    pub index_rebuild_pages_skipped: u64,
 }
 
 impl Coverage {
@@ -94,6 +103,8 @@ impl Coverage {
         self.data_used_pct_max = self.data_used_pct_max.max(o.data_used_pct_max);
         self.woj_hits += o.woj_hits;
         self.woj_collisions += o.woj_collisions;
+        self.index_rebuild_records += o.index_rebuild_records;
+        self.index_rebuild_pages_skipped += o.index_rebuild_pages_skipped;
     }
 }
 
@@ -127,6 +138,9 @@ impl SimEngine for Volume {
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport> {
         check_volume(data, meta, false)
     }
+    fn background_step(&self) -> bool {
+        self.index_rebuild_step()
+    }
     fn audit(&self) -> std::result::Result<(), String> {
         self.audit_memory()
     }
@@ -143,6 +157,8 @@ impl SimEngine for Volume {
             data_used_pct_max: s.data_blocks_used * 100 / s.data_blocks_total.max(1),
             woj_hits: s.woj.as_ref().map_or(0, |w| w.hits),
             woj_collisions: s.woj.as_ref().map_or(0, |w| w.collisions),
+            index_rebuild_records: s.index.rebuild_records,
+            index_rebuild_pages_skipped: s.index.rebuild_pages_skipped,
         }
     }
     fn data_region(data: &dyn Storage, _has_meta: bool) -> Option<Range<u64>> {

@@ -193,7 +193,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -211,6 +211,10 @@ fn figures(s: &RunStats) -> String {
         s.heals,
         s.no_space,
         s.restarts,
+        s.rebuild_steps,
+        s.crashes_in_rebuild,
+        s.coverage.index_rebuild_records,
+        s.coverage.index_rebuild_pages_skipped,
         s.io_calls
     )
 }

@@ -27,6 +27,9 @@ const LOST_RANGES_LISTED_MAX: usize = 1000;
 const CHECK_READ_BLOCKS_MAX: usize = 256;
 /// Logical blocks named in one checksum problem.
 const PROBLEM_LBAS_MAX: usize = 8;
+/// Fingerprint records audited at most (the newest chapters first; about 64 bytes of
+/// memory each while the audit runs).
+const INDEX_RECORDS_AUDITED_MAX: usize = 1 << 21;
 
 /// What the audit can find wrong. Callers (the CLI, the simulator) match on the variant,
 /// never on the message text.
@@ -201,6 +204,33 @@ pub struct CheckOptions {
     pub index_memory_bytes: Option<u64>,
 }
 
+/// The fingerprint index's records audited against the block map and the stored data.
+/// A stale record is not a problem: the index is advisory, every overwrite leaves the
+/// records of the blocks it freed behind, and the write path never trusts a record
+/// without proof (a current reuse stamp or a byte comparison). These figures say how
+/// much of the window still leads to data, and that nothing stale is in use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct IndexAudit {
+    /// Chapters of the window read.
+    pub chapters: u64,
+    /// Record pages skipped (torn, stale, never written).
+    pub pages_skipped: u64,
+    /// Records audited.
+    pub records: u64,
+    /// Records whose location holds data with their fingerprint: they can lead to a share.
+    pub live: u64,
+    /// Records whose block (or packed slot) is no longer referenced: freed.
+    pub stale_freed: u64,
+    /// Records whose location is referenced but holds other content: freed and reused.
+    pub stale_reused: u64,
+    /// Records whose location holds damaged data (fails its checksum, or unreadable).
+    pub stale_damaged: u64,
+    /// Records naming a block outside the data region.
+    pub beyond_data_region: u64,
+    /// Records of the window not audited (past `INDEX_RECORDS_AUDITED_MAX`).
+    pub not_audited: u64,
+}
+
 /// Result of auditing a volume.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CheckReport {
@@ -228,6 +258,8 @@ pub struct CheckReport {
     pub lost_ranges: Vec<LostRange>,
     /// Whether the lost blocks were unmapped (`CheckOptions::unmap_lost`).
     pub lost_unmapped: bool,
+    /// The fingerprint index's records against the block map (statistics, not problems).
+    pub index: IndexAudit,
 }
 
 impl CheckReport {
@@ -386,8 +418,30 @@ impl Volume {
                 counted_zero: counted.zero_blocks,
             });
         }
-        // Data checksums: every referenced block is read and every referenced fragment decoded.
+        // The index's records, by location, to compare with the data read below.
+        let (chapters, source) = (st.dedup.index().window_chapters(), st.dedup.index().source());
         drop(st);
+        let mut records: HashMap<(u64, u8), Vec<[u8; 32]>> = HashMap::new();
+        for vcn in chapters {
+            if report.index.records as usize >= INDEX_RECORDS_AUDITED_MAX {
+                report.index.not_audited += source.chapter_records(vcn).0.len() as u64;
+                continue;
+            }
+            let (recs, skipped) = source.chapter_records(vcn);
+            report.index.chapters += 1;
+            report.index.pages_skipped += skipped;
+            for r in recs {
+                report.index.records += 1;
+                if r.loc.pbn >= geo.data_blocks {
+                    report.index.beyond_data_region += 1;
+                } else if refs.get(r.loc.pbn as usize).is_some_and(|&n| n > 0) {
+                    records.entry((r.loc.pbn, r.loc.state)).or_default().push(r.hash);
+                } else {
+                    report.index.stale_freed += 1;
+                }
+            }
+        }
+        // Data checksums: every referenced block is read and every referenced fragment decoded.
         let mut buf = vec![0u8; BLOCK_SIZE];
         let mut out = vec![0u8; BLOCK_SIZE];
         let mut damaged: Vec<Damage> = Vec::new();
@@ -421,6 +475,8 @@ impl Volume {
                 Some(b) => buf.copy_from_slice(b),
                 None => {
                     if let Err(e) = self.data.read(IoKind::Verify, pbn, &mut buf, "block map entry") {
+                        let unreadable: u64 = records.extract_if(|k, _| k.0 == pbn).map(|(_, v)| v.len() as u64).sum();
+                        report.index.stale_damaged += unreadable;
                         report.problem(Problem::Unreadable { pbn, error: e.to_string() });
                         damaged.push(Damage { pbn, slot: None, unreadable: true });
                         continue;
@@ -446,12 +502,15 @@ impl Volume {
             if let Some(&crc) = raw_crc.get(&pbn) {
                 check(None, crc, &mut report);
             }
+            audit_records(&mut records, &mut report.index, pbn, &buf, &raw_crc, &frag_crc);
             for s in 0..max_slot.get(pbn as usize).copied().unwrap_or(0) {
                 if let Some(&crc) = frag_crc.get(&(pbn, s)) {
                     check(Some(s), crc, &mut report);
                 }
             }
         }
+        // Records left name a referenced block in a form (raw, or a slot) nobody uses.
+        report.index.stale_freed += records.values().map(|v| v.len() as u64).sum::<u64>();
         // Damaged blocks leave deduplication at once, so no write shares them again (after
         // a reopen their records are of an earlier epoch, compared byte for byte before
         // any sharing, which damaged content fails).
@@ -541,5 +600,45 @@ impl Volume {
             }
         }
         Ok(runs)
+    }
+}
+
+/// Compares the records naming physical block `pbn` (content in `block`) with what it
+/// holds: live when the content at their location is referenced, matches its checksum and
+/// has their fingerprint; counted stale otherwise. Audited records leave `records`.
+fn audit_records(
+    records: &mut HashMap<(u64, u8), Vec<[u8; 32]>>,
+    audit: &mut IndexAudit,
+    pbn: u64,
+    block: &[u8],
+    raw_crc: &HashMap<u64, u32>,
+    frag_crc: &HashMap<(u64, u8), u32>,
+) {
+    if records.is_empty() {
+        return;
+    }
+    let mut out = vec![0u8; BLOCK_SIZE];
+    let slots = 0..crate::metadata::block_map::PACKED_SLOTS_MAX;
+    for state in std::iter::once(MapEntry::raw(pbn, 0).state).chain(slots.map(|s| MapEntry::packed(pbn, s, 0).state)) {
+        let Some(hashes) = records.remove(&(pbn, state)) else { continue };
+        let slot = MapEntry { pbn, state, crc: 0 }.slot();
+        // The content at the location, if it is referenced and matches its checksum.
+        let content: Option<Option<&[u8]>> = match slot {
+            None => raw_crc.get(&pbn).map(|&c| (crc32c::crc32c(block) == c).then_some(block)),
+            Some(s) => frag_crc.get(&(pbn, s)).map(|&c| {
+                (packer::unpack(block, pbn, s, &mut out).is_ok() && crc32c::crc32c(&out) == c).then_some(out.as_slice())
+            }),
+        };
+        let n = hashes.len() as u64;
+        match content {
+            None => audit.stale_freed += n,
+            Some(None) => audit.stale_damaged += n,
+            Some(Some(c)) => {
+                let h = *blake3::hash(c).as_bytes();
+                let live = hashes.iter().filter(|&&x| x == h).count() as u64;
+                audit.live += live;
+                audit.stale_reused += n - live;
+            }
+        }
     }
 }

@@ -154,6 +154,25 @@ pub fn encode_page(uuid_lo: u64, h: PageHeader, records: &[Record]) -> Vec<u8> {
     buf
 }
 
+/// Checks a record page of volume `uuid_lo` and yields its header and the fingerprints of
+/// its records in place (the rebuild's decoder: nothing is copied); `None` as for
+/// `decode_page`.
+pub fn page_records(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, impl Iterator<Item = &[u8; 32]>)> {
+    if buf.len() != BLOCK_SIZE || get_u32(buf, 0) != CHAPTER_MAGIC || get_u64(buf, 8) != uuid_lo {
+        return None;
+    }
+    if !crc_ok(buf, CHAPTER_CRC_OFFSET) {
+        return None;
+    }
+    let h =
+        PageHeader { vcn: get_u64(buf, 16), epoch: get_u32(buf, 24), page: get_u16(buf, 28), count: get_u16(buf, 30) };
+    let body = buf.get(CHAPTER_PAGE_HEADER_BYTES..CHAPTER_PAGE_HEADER_BYTES + usize::from(h.count) * RECORD_BYTES)?;
+    if usize::from(h.count) > RECORDS_PER_PAGE {
+        return None;
+    }
+    Some((h, body.chunks_exact(RECORD_BYTES).filter_map(|r| r.first_chunk::<32>())))
+}
+
 /// Decodes a record page of volume `uuid_lo`; `None` for a page that is torn, stale from
 /// another volume, never written, or whose count does not fit.
 pub fn decode_page(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, Vec<Record>)> {

@@ -1,21 +1,23 @@
 //! The fingerprint index, in two levels (docs/design.md, "The fingerprint index"):
 //! full records in the chapter ring on the metadata device (`chapter`), and in memory a
-//! compact volume index from fingerprint bits to (chapter, page) (`volume_index`) plus a
-//! bounded cache of record pages (`record_cache`).
+//! compact volume index from fingerprint bits to (chapter, page, record) (`volume_index`)
+//! plus a bounded cache of record pages (`record_cache`).
 //!
-//! A lookup (the volume's state lock held):
-//! 1. dense: the volume index names the candidate pages (usually none: no I/O); a page
-//!    of the open chapter is in memory, another comes from the record cache or one
-//!    4 KiB read; the full fingerprint is compared in the page;
+//! A lookup (the volume's state lock held) never reads the device (`lookup_cached`):
+//! 1. dense: the volume index names the candidate records (usually none); a record of the
+//!    open chapter is in memory, another is in the record cache or its page must be read:
+//!    the lookup then answers with a `Fetch`, which the caller reads after letting the
+//!    state lock go (`PageSource::fetch`) before asking again;
 //! 2. sparse: the open chapter and the cached chapters are searched by fingerprint; only
 //!    a hook (1 fingerprint in `SPARSE_SAMPLE`) is in the volume index, and a hook that
-//!    names an uncached chapter loads that whole chapter (one sequential read), so the
+//!    names an uncached chapter asks for that whole chapter (one sequential read), so the
 //!    records written together with it are found in memory next.
 //!
 //! New records go to the open chapter; a full chapter is written and the next one opened,
 //! which drops the oldest chapter of the ring (the window). The open chapter's new pages
 //! are handed to each journal commit (`take_dirty`), so a record is on the device once
-//! the write it describes is durable. At open the volume index is rebuilt from the ring.
+//! the write it describes is durable. At open the newest chapter is found in a few reads
+//! and the volume index is rebuilt from the ring in the background (`rebuild`).
 //!
 //! Invariants:
 //! - Memory is bounded: the table by `index_memory_bytes`, the caches by page counts.
@@ -23,36 +25,46 @@
 //!   trusts a record only when its block is in use and either its stamp is current (a
 //!   record of this epoch) or the bytes were compared.
 //! - `current` is true exactly for records of this epoch: the epoch changes only between
-//!   chapters (a new epoch closes the open chapter and empties the caches).
+//!   chapters (a new epoch closes the open chapter and empties the caches, and a page
+//!   read for a request made before the emptying is not cached).
 //! - Epochs are never reused: a session's first epoch is `session << EPOCH_SESSION_SHIFT`
 //!   (the superblock's read-write open count, persisted before anything is written) and
-//!   above every epoch in the ring; a session that runs out of its `2^EPOCH_SESSION_SHIFT`
-//!   epochs stops trusting stamps altogether (`stamps_untrusted`). A page whose epoch is
-//!   not below the session's first was not written by an earlier session and is skipped.
+//!   above every epoch seen in the ring; a session that runs out of its
+//!   `2^EPOCH_SESSION_SHIFT` epochs stops trusting stamps altogether (`stamps_untrusted`).
+//!   A page whose epoch is not below the session's first was not written by an earlier
+//!   session and is not rebuilt.
 //! - The open chapter holds fewer than `records_per_chapter` records.
+//! - Lock order: the volume's state lock, then the volume index's (`Shared::table`), then
+//!   a record cache's; the rebuild thread takes only the last two.
 
 use super::chapter::{decode_page, encode_page, PageHeader, Record, RingLayout, RECORDS_PER_PAGE};
+use super::rebuild::{find_newest, RebuildThread, Rebuilder};
 use super::record_cache::{prefix, ChapterCache, PageCache, Records};
 use super::volume_index::{VolumeIndex, LOAD_PERCENT, SLOT_BYTES};
 use crate::config::{IndexMode, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::Result;
 use crate::io::{Dev, IoKind};
+use crate::obs::stats::IndexFigures;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Closed chapters' pages waiting for the next commit, at most (past it they are written
 /// at once, under the state lock).
 const PENDING_BYTES_MAX: usize = 8 << 20;
-/// Largest read of the rebuild at open (whole chapters, in ring order).
-const REBUILD_READ_BYTES: u64 = 4 << 20;
 /// Epochs each session may use (a new one per reuse stamp that wraps).
 pub const EPOCH_SESSION_SHIFT: u32 = 10;
 /// One fingerprint in `SPARSE_SAMPLE` is a hook in sparse mode.
 pub const SPARSE_SAMPLE: u64 = 32;
-/// Record cache budget in pages (16 MiB): single pages (dense) or whole chapters (sparse).
+/// Record cache budget in pages (101 decoded records each): single pages (dense) or
+/// whole chapters (sparse).
 pub const RECORD_CACHE_PAGES: u64 = 4096;
+/// Chapters a rebuild reads before `open` returns, at most, with `IndexRebuild::Auto`.
+pub const REBUILD_FOREGROUND_BYTES_MAX: u64 = 16 << 20;
+/// Memory of a cached page besides its records: its map entry, its place in the clock,
+/// the shared vector's header (an estimate, for statistics).
+const PAGE_OVERHEAD_BYTES: u64 = 96;
 
 /// Where a fingerprint's copy lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,60 +103,170 @@ struct Counters {
     chapters_closed: AtomicU64,
 }
 
-/// What the rebuild at open found.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Rebuild {
-    /// Wall time in milliseconds.
-    pub millis: u64,
-    /// Records read (all of them, hooks or not).
-    pub records: u64,
-    /// Chapters inside the window found on the device.
-    pub chapters: u64,
-    /// Pages of those chapters skipped (torn, stale, never written).
-    pub pages_skipped: u64,
-    /// Bytes read.
-    pub bytes_read: u64,
+/// How far the rebuild got (written by whoever runs it, read by statistics).
+#[derive(Default)]
+pub struct Progress {
+    /// A rebuild is under way.
+    pub running: AtomicBool,
+    /// Chapters of the window to rebuild.
+    pub chapters_total: AtomicU64,
+    /// Chapters done (read, or skipped because they left the window meanwhile).
+    pub chapters_done: AtomicU64,
+    /// Records read.
+    pub records: AtomicU64,
+    /// Pages skipped (torn, stale, never written, unreadable).
+    pub pages_skipped: AtomicU64,
+    /// Bytes of chapters read.
+    pub bytes_read: AtomicU64,
+    /// Time since the rebuild started (while running), or its total time.
+    pub millis: AtomicU64,
 }
 
-/// The index's figures, for statistics.
-#[derive(Debug, Clone, Copy)]
-pub struct IndexStats {
-    /// Dense or sparse.
-    pub mode: IndexMode,
-    /// Occupied slots of the volume index.
-    pub entries: u64,
-    /// Memory of the volume index.
-    pub table_bytes: u64,
-    /// Memory of the cached record pages (4 KiB each).
-    pub cache_bytes: u64,
-    /// Chapters in the ring.
-    pub chapters: u64,
-    /// Chapters opened so far (the open one included) since the volume was made.
-    pub chapters_used: u64,
-    /// Records per chapter.
-    pub records_per_chapter: u64,
-    /// Data the ring covers, in bytes (the dedup window).
-    pub window_bytes: u64,
-    /// Lookups.
-    pub lookups: u64,
-    /// Lookups that read the device.
-    pub lookups_with_io: u64,
-    /// Record pages read.
-    pub page_reads: u64,
-    /// Record pages found in the cache.
-    pub page_cache_hits: u64,
-    /// Whole chapters loaded (sparse).
-    pub chapter_loads: u64,
-    /// Failed chapter writes (the index is advisory: only dedup is lost).
-    pub write_errors: u64,
-    /// The rebuild at open.
-    pub rebuild: Rebuild,
+/// What the index shares with the rebuild, which runs without the state lock.
+pub struct Shared {
+    /// The volume index.
+    pub table: Mutex<VolumeIndex>,
+    /// The open chapter (changed under the state lock; the rebuild reads it to leave out
+    /// chapters that left the window).
+    pub open_vcn: AtomicU64,
+    /// The rebuild's progress.
+    pub progress: Progress,
+    /// Asks the rebuild to stop.
+    pub stop: AtomicBool,
+}
+
+/// How the volume index is rebuilt after an open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IndexRebuild {
+    /// Before `open` returns when the window's chapters are at most
+    /// `REBUILD_FOREGROUND_BYTES_MAX` (a fraction of a second), else in the background
+    /// (default).
+    #[default]
+    Auto,
+    /// By a background thread; the volume accepts I/O at once.
+    Background,
+    /// Before `open` returns.
+    Foreground,
+    /// One step per `Volume::index_rebuild_step` call (deterministic tests, the simulator).
+    Manual,
+}
+
+/// A record page (or a whole chapter, sparse) a lookup needs from the device, and what
+/// the index was when it was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fetch {
+    /// Virtual chapter.
+    pub vcn: u64,
+    /// Page (None: the whole chapter, sparse mode).
+    pub page: Option<u64>,
+    /// The epoch whose records are `current`.
+    epoch: u32,
+    /// False once the session stopped trusting stamps.
+    trusted: bool,
+    /// The record cache's generation at the request (see `record_cache`).
+    generation: u64,
+}
+
+/// A lookup's answer without device I/O.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Lookup {
+    /// The candidate.
+    pub loc: Option<Location>,
+    /// A page to read (outside the state lock) before asking again, when `loc` is None; or
+    /// a chapter worth reading ahead, when `loc` is set.
+    pub fetch: Option<Fetch>,
+}
+
+/// Reads record pages for lookups, holding no volume lock.
+#[derive(Clone)]
+pub struct PageSource {
+    meta: Option<Dev>,
+    ring: RingLayout,
+    uuid_lo: u64,
+    pages: Arc<Mutex<PageCache>>,
+    chapters: Arc<Mutex<ChapterCache>>,
+    counters: Arc<Counters>,
+}
+
+impl PageSource {
+    /// Reads what `f` names into the record cache (a failed read costs dedup only).
+    pub fn fetch(&self, f: &Fetch) {
+        let Some(meta) = self.meta.as_ref() else { return };
+        match f.page {
+            Some(page) => {
+                if self.pages.lock().has(f.vcn, page) {
+                    return;
+                }
+                let mut buf = vec![0u8; BLOCK_SIZE];
+                self.counters.page_reads.fetch_add(1, Ordering::Relaxed);
+                if meta.read(IoKind::Index, &mut buf, self.ring.page_offset(f.vcn, page)).is_err() {
+                    return;
+                }
+                if let Some(recs) = decode_checked(&buf, self.uuid_lo, f, page) {
+                    self.pages.lock().put_at(f.generation, f.vcn, page, recs);
+                }
+            }
+            None => {
+                if self.chapters.lock().has(f.vcn) {
+                    return;
+                }
+                let ppc = self.ring.pages_per_chapter;
+                let mut buf = vec![0u8; (ppc * BLOCK_SIZE_U64) as usize];
+                self.counters.page_reads.fetch_add(ppc, Ordering::Relaxed);
+                self.counters.chapter_loads.fetch_add(1, Ordering::Relaxed);
+                if meta.read(IoKind::Index, &mut buf, self.ring.page_offset(f.vcn, 0)).is_err() {
+                    return;
+                }
+                let mut all = Vec::new();
+                for (i, b) in buf.chunks_exact(BLOCK_SIZE).enumerate() {
+                    if let Some(recs) = decode_checked(b, self.uuid_lo, f, i as u64) {
+                        all.extend(recs.iter().copied());
+                    }
+                }
+                self.chapters.lock().put_at(f.generation, f.vcn, Arc::new(all));
+            }
+        }
+    }
+}
+
+impl PageSource {
+    /// The records of closed chapter `vcn` as found on the device (pages that do not
+    /// check are skipped and counted), for `check`'s audit.
+    pub fn chapter_records(&self, vcn: u64) -> (Vec<Record>, u64) {
+        let Some(meta) = self.meta.as_ref() else { return (Vec::new(), 0) };
+        let ppc = self.ring.pages_per_chapter;
+        let mut buf = vec![0u8; (ppc * BLOCK_SIZE_U64) as usize];
+        if meta.read(IoKind::Index, &mut buf, self.ring.page_offset(vcn, 0)).is_err() {
+            return (Vec::new(), ppc);
+        }
+        let mut all = Vec::new();
+        let mut skipped = 0;
+        for (i, b) in buf.chunks_exact(BLOCK_SIZE).enumerate() {
+            match decode_page(b, self.uuid_lo).filter(|(h, _)| h.vcn == vcn && usize::from(h.page) == i) {
+                Some((_, recs)) => all.extend(recs),
+                None => skipped += 1,
+            }
+        }
+        (all, skipped)
+    }
+}
+
+/// The records of page `page` of chapter `f.vcn` in `buf`, if it is that page, with
+/// `current` set as the epoch of `f` says.
+fn decode_checked(buf: &[u8], uuid_lo: u64, f: &Fetch, page: u64) -> Option<Records> {
+    let (hd, mut recs) = decode_page(buf, uuid_lo)?;
+    if hd.vcn != f.vcn || u64::from(hd.page) != page {
+        return None;
+    }
+    let current = hd.epoch == f.epoch && f.trusted;
+    recs.iter_mut().for_each(|r| r.loc.current = current);
+    Some(Arc::new(recs))
 }
 
 /// The index.
 pub struct Index {
     mode: IndexMode,
-    table: VolumeIndex,
+    shared: Arc<Shared>,
     ring: RingLayout,
     /// None: the ring lives in memory only (no index area); closed chapters are lost.
     meta: Option<Dev>,
@@ -161,10 +283,16 @@ pub struct Index {
     /// Pages of closed chapters not handed out yet, and their bytes.
     pending: DirtyPages,
     pending_bytes: usize,
-    pages: Mutex<PageCache>,
-    chapters: Mutex<ChapterCache>,
-    counters: Counters,
-    rebuild: Rebuild,
+    pages: Arc<Mutex<PageCache>>,
+    chapters: Arc<Mutex<ChapterCache>>,
+    counters: Arc<Counters>,
+    /// A rebuild run step by step (`IndexRebuild::Manual`), or not started yet.
+    rebuilder: Option<Rebuilder>,
+    /// A rebuild running in the background.
+    rebuild_thread: Option<RebuildThread>,
+    /// Chapter slots' first pages read at open to find the newest chapter, and the time
+    /// it took.
+    open_probe: (u64, u64),
 }
 
 /// Runs of record pages to write: each the device offset of its first page and the pages
@@ -200,9 +328,15 @@ impl Index {
         let memory = Self::memory_wanted(mode, &ring).min(memory_bytes_max);
         let table = VolumeIndex::try_new(memory, prefault)?;
         let cache_chapters = (RECORD_CACHE_PAGES / ring.pages_per_chapter).max(2) as usize;
+        let shared = Arc::new(Shared {
+            table: Mutex::new(table),
+            open_vcn: AtomicU64::new(0),
+            progress: Progress::default(),
+            stop: AtomicBool::new(false),
+        });
         Ok(Index {
             mode,
-            table,
+            shared,
             ring,
             meta,
             uuid_lo,
@@ -214,10 +348,12 @@ impl Index {
             dirty_from: None,
             pending: Vec::new(),
             pending_bytes: 0,
-            pages: Mutex::new(PageCache::new(RECORD_CACHE_PAGES as usize)),
-            chapters: Mutex::new(ChapterCache::new(cache_chapters)),
-            counters: Counters::default(),
-            rebuild: Rebuild::default(),
+            pages: Arc::new(Mutex::new(PageCache::new(RECORD_CACHE_PAGES as usize))),
+            chapters: Arc::new(Mutex::new(ChapterCache::new(cache_chapters))),
+            counters: Arc::new(Counters::default()),
+            rebuilder: None,
+            rebuild_thread: None,
+            open_probe: (0, 0),
         })
     }
 
@@ -233,7 +369,7 @@ impl Index {
 
     /// Waits for the volume index's memory to be populated.
     pub fn wait_prefault(&mut self) {
-        self.table.wait_prefault();
+        self.shared.table.lock().wait_prefault();
     }
 
     /// The ring's layout.
@@ -244,17 +380,17 @@ impl Index {
 
     /// Slots of the volume index.
     pub fn capacity(&self) -> u64 {
-        self.table.capacity()
+        self.shared.table.lock().capacity()
     }
 
     /// Occupied slots of the volume index.
     pub fn len(&self) -> u64 {
-        self.table.len()
+        self.shared.table.lock().len()
     }
 
     /// Memory of the volume index.
     pub fn memory_bytes(&self) -> u64 {
-        self.table.memory_bytes()
+        self.shared.table.lock().memory_bytes()
     }
 
     /// Bytes of the volume index per slot.
@@ -262,11 +398,19 @@ impl Index {
         SLOT_BYTES
     }
 
-    /// Memory of cached record pages.
+    /// Memory of the record cache: its decoded records (`size_of::<Record>()` each) and
+    /// its bookkeeping.
     pub fn cache_bytes(&self) -> u64 {
-        let pages = self.pages.lock().len() as u64;
-        let recs = self.chapters.lock().records() as u64;
-        pages * BLOCK_SIZE_U64 + recs.div_ceil(RECORDS_PER_PAGE as u64) * BLOCK_SIZE_U64
+        let rec = std::mem::size_of::<Record>() as u64;
+        let (pages, precs) = {
+            let p = self.pages.lock();
+            (p.len() as u64, p.records() as u64)
+        };
+        let (crecs, map) = {
+            let c = self.chapters.lock();
+            (c.records() as u64, c.map_bytes() as u64)
+        };
+        (precs + crecs) * rec + pages * PAGE_OVERHEAD_BYTES + map
     }
 
     fn records_per_chapter(&self) -> usize {
@@ -278,22 +422,57 @@ impl Index {
         vcn <= self.open_vcn && self.open_vcn - vcn < self.ring.chapters
     }
 
-    /// The candidate location for fingerprint `h`.
-    pub fn lookup(&self, h: &[u8; 32]) -> Option<Location> {
-        self.counters.lookups.fetch_add(1, Ordering::Relaxed);
-        let mut io = false;
-        let found = match self.mode {
-            IndexMode::Dense => self.lookup_dense(h, &mut io),
-            IndexMode::Sparse => self.lookup_sparse(h, &mut io),
+    /// Reads record pages for lookups without the state lock.
+    pub fn source(&self) -> PageSource {
+        PageSource {
+            meta: self.meta.clone(),
+            ring: self.ring,
+            uuid_lo: self.uuid_lo,
+            pages: self.pages.clone(),
+            chapters: self.chapters.clone(),
+            counters: self.counters.clone(),
+        }
+    }
+
+    fn fetch_for(&self, vcn: u64, page: Option<u64>) -> Option<Fetch> {
+        self.meta.as_ref()?;
+        let generation = match page {
+            Some(_) => self.pages.lock().generation(),
+            None => self.chapters.lock().generation(),
         };
-        if io {
-            self.counters.lookups_with_io.fetch_add(1, Ordering::Relaxed);
+        Some(Fetch { vcn, page, epoch: self.epoch, trusted: !self.stamps_untrusted, generation })
+    }
+
+    /// The candidate location for fingerprint `h`, reading a record page when it must
+    /// (tests; the write path uses `lookup_cached` and reads outside the lock).
+    #[cfg(test)]
+    pub fn lookup(&self, h: &[u8; 32]) -> Option<Location> {
+        let first = self.lookup_cached(h, true);
+        let Some(f) = first.fetch else { return first.loc };
+        self.source().fetch(&f);
+        first.loc.or_else(|| self.lookup_cached(h, false).loc)
+    }
+
+    /// The candidate location for fingerprint `h` from memory alone; what to read when
+    /// memory cannot tell. `count`: a first lookup of `h` (statistics count those).
+    pub fn lookup_cached(&self, h: &[u8; 32], count: bool) -> Lookup {
+        let found = match self.mode {
+            IndexMode::Dense => self.lookup_dense(h),
+            IndexMode::Sparse => self.lookup_sparse(h),
+        };
+        if count {
+            self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+            if found.loc.is_none() && found.fetch.is_some() {
+                self.counters.lookups_with_io.fetch_add(1, Ordering::Relaxed);
+            }
         }
         found
     }
 
-    fn lookup_dense(&self, h: &[u8; 32], io: &mut bool) -> Option<Location> {
-        for (vcn, page, position) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
+    fn lookup_dense(&self, h: &[u8; 32]) -> Lookup {
+        let cands = self.shared.table.lock().candidates(h, self.open_vcn, self.ring.chapters);
+        let mut fetch = None;
+        for (vcn, page, position) in cands {
             // The slot names the newest record of its fingerprint (a block at the reference
             // cap got a new copy recorded after it, and took the slot); another
             // fingerprint's record there is a tag collision: the next candidate.
@@ -301,96 +480,56 @@ impl Index {
             let found = if vcn == self.open_vcn {
                 self.open.get(page as usize * RECORDS_PER_PAGE + at).filter(|r| r.hash == *h).copied()
             } else {
-                self.page(vcn, page, io).and_then(|p| p.get(at).filter(|r| r.hash == *h).copied())
+                let cached = self.pages.lock().get(vcn, page);
+                match cached {
+                    Some(p) => {
+                        self.counters.page_cache_hits.fetch_add(1, Ordering::Relaxed);
+                        p.get(at).filter(|r| r.hash == *h).copied()
+                    }
+                    None => {
+                        // The newest uncached candidate is read first; a tag collision
+                        // there costs one more round.
+                        if fetch.is_none() {
+                            fetch = self.fetch_for(vcn, Some(page));
+                        }
+                        None
+                    }
+                }
             };
             if let Some(r) = found {
-                return Some(r.loc);
+                return Lookup { loc: Some(r.loc), fetch: None };
             }
         }
-        None
+        Lookup { loc: None, fetch }
     }
 
-    fn lookup_sparse(&self, h: &[u8; 32], io: &mut bool) -> Option<Location> {
+    fn lookup_sparse(&self, h: &[u8; 32]) -> Lookup {
         let p = prefix(h);
         if let Some(r) = self.open_by_prefix.get(&p).and_then(|&i| self.open.get(i as usize)).filter(|r| r.hash == *h) {
-            return Some(r.loc);
+            return Lookup { loc: Some(r.loc), fetch: None };
         }
         let cached = self.chapters.lock().find(h);
         if let Some((vcn, r, near_end)) = cached {
             if self.in_window(vcn) {
                 // Readahead: a stream reaching the end of a chapter goes on into the next,
                 // which it would otherwise find only at that chapter's first hook.
-                if near_end && vcn + 1 < self.open_vcn && !self.chapters.lock().has(vcn + 1) {
-                    self.load_chapter(vcn + 1, io);
-                }
-                return Some(r.loc);
+                let next = vcn + 1;
+                let fetch = (near_end && next < self.open_vcn && !self.chapters.lock().has(next))
+                    .then(|| self.fetch_for(next, None))
+                    .flatten();
+                return Lookup { loc: Some(r.loc), fetch };
             }
         }
         if !is_hook(h) {
-            return None;
+            return Lookup::default();
         }
-        for (vcn, _, _) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
-            if vcn == self.open_vcn || self.chapters.lock().has(vcn) {
-                continue;
-            }
-            self.load_chapter(vcn, io);
-            if let Some((_, r, _)) = self.chapters.lock().find(h) {
-                return Some(r.loc);
-            }
-        }
-        None
-    }
-
-    /// Loads closed chapter `vcn` into the chapter cache (sets `io`).
-    fn load_chapter(&self, vcn: u64, io: &mut bool) {
-        if let Some(recs) = self.read_chapter(vcn) {
-            *io = true;
-            self.counters.chapter_loads.fetch_add(1, Ordering::Relaxed);
-            self.chapters.lock().put(vcn, recs);
-        }
-    }
-
-    /// Page `page` of closed chapter `vcn`: from the cache, else read (sets `io`).
-    fn page(&self, vcn: u64, page: u64, io: &mut bool) -> Option<Records> {
-        if let Some(p) = self.pages.lock().get(vcn, page) {
-            self.counters.page_cache_hits.fetch_add(1, Ordering::Relaxed);
-            return Some(p);
-        }
-        let meta = self.meta.as_ref()?;
-        let mut buf = vec![0u8; BLOCK_SIZE];
-        *io = true;
-        self.counters.page_reads.fetch_add(1, Ordering::Relaxed);
-        meta.read(IoKind::Index, &mut buf, self.ring.page_offset(vcn, page)).ok()?;
-        let recs = self.decode(&buf, vcn, page)?;
-        self.pages.lock().put(vcn, page, recs.clone());
-        Some(recs)
-    }
-
-    /// The records of page `page` of chapter `vcn` in `buf`, if it is that page.
-    fn decode(&self, buf: &[u8], vcn: u64, page: u64) -> Option<Records> {
-        let (hd, mut recs) = decode_page(buf, self.uuid_lo)?;
-        if hd.vcn != vcn || u64::from(hd.page) != page {
-            return None;
-        }
-        let current = hd.epoch == self.epoch && !self.stamps_untrusted;
-        recs.iter_mut().for_each(|r| r.loc.current = current);
-        Some(Arc::new(recs))
-    }
-
-    /// Every record of closed chapter `vcn` (one sequential read).
-    fn read_chapter(&self, vcn: u64) -> Option<Records> {
-        let meta = self.meta.as_ref()?;
-        let ppc = self.ring.pages_per_chapter;
-        let mut buf = vec![0u8; (ppc * BLOCK_SIZE_U64) as usize];
-        self.counters.page_reads.fetch_add(ppc, Ordering::Relaxed);
-        meta.read(IoKind::Index, &mut buf, self.ring.page_offset(vcn, 0)).ok()?;
-        let mut all = Vec::new();
-        for (i, b) in buf.chunks_exact(BLOCK_SIZE).enumerate() {
-            if let Some(recs) = self.decode(b, vcn, i as u64) {
-                all.extend(recs.iter().copied());
-            }
-        }
-        Some(Arc::new(all))
+        let cands = self.shared.table.lock().candidates(h, self.open_vcn, self.ring.chapters);
+        let fetch = cands
+            .into_iter()
+            .map(|(vcn, _, _)| vcn)
+            .find(|&vcn| vcn != self.open_vcn && !self.chapters.lock().has(vcn))
+            .and_then(|vcn| self.fetch_for(vcn, None));
+        Lookup { loc: None, fetch }
     }
 
     /// Records `h` at `loc` (a block stored, or a record refreshed) in the open chapter.
@@ -398,14 +537,13 @@ impl Index {
         let idx = self.open.len();
         let page = idx / RECORDS_PER_PAGE;
         self.open.push(Record { hash: *h, loc: Location { current: !self.stamps_untrusted, ..loc } });
+        let at = (idx % RECORDS_PER_PAGE) as u64;
         match self.mode {
-            IndexMode::Dense => {
-                self.table.insert(h, self.open_vcn, page as u64, (idx % RECORDS_PER_PAGE) as u64, self.open_vcn)
-            }
+            IndexMode::Dense => self.shared.table.lock().insert(h, self.open_vcn, page as u64, at, self.open_vcn),
             IndexMode::Sparse => {
                 self.open_by_prefix.insert(prefix(h), idx as u32);
                 if is_hook(h) {
-                    self.table.insert(h, self.open_vcn, page as u64, (idx % RECORDS_PER_PAGE) as u64, self.open_vcn);
+                    self.shared.table.lock().insert(h, self.open_vcn, page as u64, at, self.open_vcn);
                 }
             }
         }
@@ -481,8 +619,9 @@ impl Index {
         }
         self.open_by_prefix.clear();
         self.open_vcn += 1;
+        self.shared.open_vcn.store(self.open_vcn, Ordering::Release);
         self.counters.chapters_closed.fetch_add(1, Ordering::Relaxed);
-        self.table.sweep(self.open_vcn, self.ring.chapters);
+        self.shared.table.lock().sweep(self.open_vcn, self.ring.chapters);
     }
 
     /// Starts a new epoch: every record made so far stops being `current` (a reuse stamp
@@ -502,8 +641,11 @@ impl Index {
 
     /// Forgets `h` (its record failed verification).
     pub fn remove(&mut self, h: &[u8; 32]) {
-        for (vcn, page, _) in self.table.candidates(h, self.open_vcn, self.ring.chapters) {
-            self.table.remove(h, vcn, page);
+        {
+            let mut t = self.shared.table.lock();
+            for (vcn, page, _) in t.candidates(h, self.open_vcn, self.ring.chapters) {
+                t.remove(h, vcn, page);
+            }
         }
         let p = prefix(h);
         if self.open_by_prefix.get(&p).and_then(|&i| self.open.get(i as usize)).is_some_and(|r| r.hash == *h) {
@@ -512,111 +654,106 @@ impl Index {
         self.chapters.lock().forget(h);
     }
 
-    /// Rebuilds the volume index from the ring (at open): the first page of every slot
-    /// says which chapter it holds; the chapters of the window are then read in ring
-    /// order, several per sequential read, and their records (hooks only, in sparse mode) enter
-    /// the volume index. The next chapter follows the newest found; the epoch is the first
-    /// of read-write session `session`, or above every epoch found if that is higher.
-    pub fn rebuild(&mut self, session: u64) {
+    /// Prepares the rebuild of the volume index from the ring (at open, before the volume
+    /// accepts I/O): finds the newest chapter in a few reads (`rebuild::find_newest`) and
+    /// opens the one after it, takes the first epoch of read-write session `session` (or
+    /// one above every epoch seen, if higher), then rebuilds the window's chapters as
+    /// `how` says.
+    pub fn rebuild(&mut self, session: u64, how: IndexRebuild) {
         let base = u32::try_from(session).unwrap_or(u32::MAX).checked_shl(EPOCH_SESSION_SHIFT).unwrap_or(0);
         let base = if u64::from(base) >> EPOCH_SESSION_SHIFT == session { base } else { 0 };
         let Some(meta) = self.meta.clone() else { return };
         let t0 = std::time::Instant::now();
-        let ring = self.ring;
-        let mut heads: Vec<Option<u64>> = vec![None; ring.chapters as usize];
-        let mut epoch_max = 0u32;
-        let mut buf = vec![0u8; BLOCK_SIZE];
-        let mut bytes_read = 0u64;
-        for slot in 0..ring.chapters {
-            let off = (ring.start_block + slot * ring.pages_per_chapter) * BLOCK_SIZE_U64;
-            bytes_read += BLOCK_SIZE_U64;
-            if meta.read(IoKind::Index, &mut buf, off).is_err() {
-                continue;
-            }
-            if let Some((h, _)) = decode_page(&buf, self.uuid_lo) {
-                if h.page == 0 && h.vcn % ring.chapters == slot {
-                    if let Some(s) = heads.get_mut(slot as usize) {
-                        *s = Some(h.vcn);
-                    }
-                    epoch_max = epoch_max.max(h.epoch);
-                }
-            }
-        }
+        let newest = find_newest(&meta, &self.ring, self.uuid_lo);
+        self.open_probe = (newest.reads, t0.elapsed().as_millis() as u64);
         // Past the last epoch counter value, the session trusts no stamp (as above).
-        self.epoch = base.max(epoch_max.saturating_add(1)).max(1);
-        self.stamps_untrusted = (base == 0 && session > 0) || epoch_max == u32::MAX;
-        let Some(newest) = heads.iter().flatten().copied().max() else {
-            self.rebuild = Rebuild { millis: t0.elapsed().as_millis() as u64, bytes_read, ..Rebuild::default() };
-            return;
+        self.epoch = base.max(newest.epoch_max.saturating_add(1)).max(1);
+        self.stamps_untrusted = (base == 0 && session > 0) || newest.epoch_max == u32::MAX;
+        let Some(n) = newest.vcn else { return };
+        self.open_vcn = n + 1;
+        self.shared.open_vcn.store(self.open_vcn, Ordering::Release);
+        let mut r = Rebuilder::new(meta, self.ring, self.uuid_lo, self.mode, self.epoch, n, self.shared.clone());
+        let bytes = (n + 1).min(self.ring.chapters - 1) * self.ring.pages_per_chapter * BLOCK_SIZE_U64;
+        let how = match how {
+            IndexRebuild::Auto if bytes <= REBUILD_FOREGROUND_BYTES_MAX => IndexRebuild::Foreground,
+            IndexRebuild::Auto => IndexRebuild::Background,
+            h => h,
         };
-        self.open_vcn = newest + 1;
-        let mut r = Rebuild::default();
-        // The window's chapters in ring order, in reads of up to `REBUILD_READ_BYTES`: the
-        // volume index keeps the newer record whatever the order it sees them in.
-        let first = self.open_vcn.saturating_sub(ring.chapters - 1);
-        let run = (REBUILD_READ_BYTES / (ring.pages_per_chapter * BLOCK_SIZE_U64)).max(1);
-        let chapter_bytes = (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
-        let mut buf = vec![0u8; run as usize * chapter_bytes];
-        let mut slot = 0;
-        while slot < ring.chapters {
-            let n = run.min(ring.chapters - slot);
-            let want: Vec<Option<u64>> = (slot..slot + n)
-                .map(|s| heads.get(s as usize).copied().flatten().filter(|&v| v >= first && v < self.open_vcn))
-                .collect();
-            let start = slot;
-            slot += n;
-            if want.iter().all(Option::is_none) {
-                continue;
-            }
-            let Some(chunk) = buf.get_mut(..n as usize * chapter_bytes) else { break };
-            bytes_read += chunk.len() as u64;
-            let off = (ring.start_block + start * ring.pages_per_chapter) * BLOCK_SIZE_U64;
-            if meta.read(IoKind::Index, chunk, off).is_err() {
-                continue;
-            }
-            for (vcn, pages) in want.iter().zip(chunk.chunks_exact(chapter_bytes)) {
-                let Some(vcn) = *vcn else { continue };
-                r.chapters += 1;
-                for (i, b) in pages.chunks_exact(BLOCK_SIZE).enumerate() {
-                    let valid = |h: &PageHeader| h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch;
-                    let Some((_, recs)) = decode_page(b, self.uuid_lo).filter(|(h, _)| valid(h)) else {
-                        r.pages_skipped += 1;
-                        continue;
-                    };
-                    for (at, rec) in recs.iter().enumerate() {
-                        if self.mode == IndexMode::Dense || is_hook(&rec.hash) {
-                            self.table.insert(&rec.hash, vcn, i as u64, at as u64, self.open_vcn);
-                        }
-                    }
-                    r.records += recs.len() as u64;
-                }
-            }
+        match how {
+            IndexRebuild::Foreground | IndexRebuild::Auto => while r.step() {},
+            IndexRebuild::Manual => self.rebuilder = Some(r),
+            IndexRebuild::Background => match RebuildThread::start(r) {
+                Ok(t) => self.rebuild_thread = Some(t),
+                Err(mut r) => while r.step() {},
+            },
         }
-        r.bytes_read = bytes_read;
-        r.millis = t0.elapsed().as_millis() as u64;
-        self.rebuild = r;
+    }
+
+    /// The window's closed chapters, newest first (`check` reads their records through
+    /// `source` to audit them).
+    pub fn window_chapters(&self) -> Vec<u64> {
+        let first = (self.open_vcn + 1).saturating_sub(self.ring.chapters);
+        (first..self.open_vcn).rev().collect()
+    }
+
+    /// Runs one step of a manual rebuild; false when none is left.
+    pub fn rebuild_step(&mut self) -> bool {
+        let more = self.rebuilder.as_mut().is_some_and(Rebuilder::step);
+        if !more {
+            self.rebuilder = None;
+        }
+        more
+    }
+
+    /// Stops a rebuild under way (close, drop): the chapters not read yet stay unindexed.
+    pub fn stop_rebuild(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(mut t) = self.rebuild_thread.take() {
+            t.stop();
+        }
+        self.rebuilder = None;
+        self.shared.progress.running.store(false, Ordering::Relaxed);
+    }
+
+    /// The background rebuild's thread, for a caller to wait for it without the state
+    /// lock (dropping it stops the rebuild).
+    pub fn take_rebuild_thread(&mut self) -> Option<RebuildThread> {
+        self.rebuild_thread.take()
     }
 
     /// The index's figures.
-    pub fn stats(&self) -> IndexStats {
+    pub fn stats(&self) -> IndexFigures {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        IndexStats {
-            mode: self.mode,
-            entries: self.table.len(),
-            table_bytes: self.table.memory_bytes(),
+        let p = &self.shared.progress;
+        let (entries, table_bytes) = {
+            let t = self.shared.table.lock();
+            (t.len(), t.memory_bytes())
+        };
+        let lookups = get(&c.lookups);
+        IndexFigures {
+            mode: self.mode.to_string(),
+            memory_bytes_per_entry: table_bytes as f64 / entries.max(1) as f64,
             cache_bytes: self.cache_bytes(),
             chapters: self.ring.chapters,
             chapters_used: (self.open_vcn + 1).min(self.ring.chapters),
             records_per_chapter: self.ring.records_per_chapter(),
             window_bytes: self.ring.window_blocks() * BLOCK_SIZE_U64,
-            lookups: get(&c.lookups),
-            lookups_with_io: get(&c.lookups_with_io),
+            lookups,
+            lookups_without_io: lookups.saturating_sub(get(&c.lookups_with_io)),
             page_reads: get(&c.page_reads),
             page_cache_hits: get(&c.page_cache_hits),
             chapter_loads: get(&c.chapter_loads),
             write_errors: get(&c.write_errors),
-            rebuild: self.rebuild,
+            rebuild_running: p.running.load(Ordering::Relaxed),
+            rebuild_chapters_total: get(&p.chapters_total),
+            rebuild_chapters_done: get(&p.chapters_done),
+            rebuild_millis: get(&p.millis),
+            rebuild_records: get(&p.records),
+            rebuild_bytes: get(&p.bytes_read),
+            rebuild_pages_skipped: get(&p.pages_skipped),
+            rebuild_probe_reads: self.open_probe.0,
+            rebuild_probe_millis: self.open_probe.1,
         }
     }
 
@@ -627,7 +764,7 @@ impl Index {
         &self,
         check: impl Fn(Location) -> std::result::Result<(), String>,
     ) -> std::result::Result<(), String> {
-        self.table.audit()?;
+        self.shared.table.lock().audit()?;
         if self.open.len() >= self.records_per_chapter() {
             return Err(format!(
                 "the open chapter holds {} records, a chapter {}",
@@ -639,6 +776,12 @@ impl Index {
             check(r.loc).map_err(|m| format!("record {:02x?}: {m}", r.hash.get(..8)))?;
         }
         Ok(())
+    }
+}
+
+impl Drop for Index {
+    fn drop(&mut self) {
+        self.stop_rebuild();
     }
 }
 
@@ -674,13 +817,13 @@ mod tests {
         let d = ix.take_dirty();
         ix.write_dirty(&meta, &d);
         let mut re = Index::new(IndexMode::Dense, Some(meta.clone()), (16, 8), 7, 1 << 20, false).expect("index");
-        re.rebuild(2);
+        re.rebuild(2, IndexRebuild::Foreground);
         let l = re.lookup(&h(999)).expect("open chapter record written with the commit");
         assert_eq!((l.pbn, l.current), (999, false), "records of an earlier epoch are not current");
         // The rebuild opened chapter 10, so chapter 2 (records 202..303) left the window.
         assert_eq!(re.lookup(&h(400)).map(|l| l.pbn), Some(400));
         assert_eq!(re.lookup(&h(300)), None);
-        assert_eq!(re.stats().rebuild.records, 6 * 101 + 91, "chapters 3..=8 and the 91 records of chapter 9");
+        assert_eq!(re.stats().rebuild_records, 6 * 101 + 91, "chapters 3..=8 and the 91 records of chapter 9");
         // A torn page is skipped: the rest of the ring still rebuilds.
         let mut torn = vec![0u8; BLOCK_SIZE];
         meta.read(IoKind::Index, &mut torn, re.ring().page_offset(3, 0)).expect("read");
@@ -689,7 +832,7 @@ mod tests {
         }
         meta.write(IoKind::Index, &torn, re.ring().page_offset(3, 0)).expect("write");
         let mut re2 = Index::new(IndexMode::Dense, Some(meta), (16, 8), 7, 1 << 20, false).expect("index");
-        re2.rebuild(3);
+        re2.rebuild(3, IndexRebuild::Foreground);
         assert_eq!(re2.lookup(&h(3 * 101 + 5)), None, "the torn chapter's records are gone");
         assert_eq!(re2.lookup(&h(500)).map(|l| l.pbn), Some(500));
     }
@@ -705,7 +848,7 @@ mod tests {
         let d = ix.take_dirty();
         ix.write_dirty(&meta, &d);
         let mut re = Index::new(IndexMode::Sparse, Some(meta), (0, 64), 7, 1 << 20, false).expect("index");
-        re.rebuild(2);
+        re.rebuild(2, IndexRebuild::Foreground);
         // Chapter 2 is in the window (the rebuild opened chapter 3, dropping chapter 0).
         let hook = (2 * rpc..3 * rpc).find(|&i| is_hook(&h(i))).expect("a hook in chapter 2");
         let plain = (2 * rpc..3 * rpc).find(|&i| !is_hook(&h(i))).expect("a non-hook");

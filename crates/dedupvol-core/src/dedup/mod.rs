@@ -42,11 +42,12 @@
 
 pub(crate) mod chapter;
 pub(crate) mod index;
+pub(crate) mod rebuild;
 pub(crate) mod record_cache;
 pub(crate) mod verify;
 pub(crate) mod volume_index;
 
-use crate::dedup::index::{Index, Location};
+use crate::dedup::index::{Fetch, Index, Location};
 use crate::metadata::block_map::MapEntry;
 use crate::metadata::refcount::{Refcounts, REFCOUNT_MAX};
 use crate::obs::stats::ReductionCounters;
@@ -121,11 +122,14 @@ impl Deduper {
         rc.get(loc.pbn) > 0 && !self.damaged.contains(&loc.pbn) && (!self.by_stamp(loc) || self.stamp_matches(loc))
     }
 
-    /// Step 1: the candidate for `hash`. A record proven by its stamp comes back verified;
-    /// any other is left for byte verification.
-    pub(crate) fn lookup(&self, hash: &[u8; 32], rc: &Refcounts) -> Candidate {
-        let loc = self.index.lookup(hash).filter(|l| self.usable(l, rc));
-        Candidate { loc, verified: loc.is_some_and(|l| self.by_stamp(&l)) }
+    /// Step 1: the candidate for `hash`, from memory. A record proven by its stamp comes
+    /// back verified; any other is left for byte verification. The `Fetch`, if any, names
+    /// a record page to read without the state lock: with no candidate, the lookup is worth
+    /// asking again once it is read (`first`: a chunk's first lookup, for statistics).
+    pub(crate) fn lookup(&self, hash: &[u8; 32], rc: &Refcounts, first: bool) -> (Candidate, Option<Fetch>) {
+        let found = self.index.lookup_cached(hash, first);
+        let loc = found.loc.filter(|l| self.usable(l, rc));
+        (Candidate { loc, verified: loc.is_some_and(|l| self.by_stamp(&l)) }, found.fetch)
     }
 
     /// Step 3: the final decision at placement, by the table in docs/design.md.
@@ -160,7 +164,7 @@ impl Deduper {
         }
         // A duplicate stored by this request or a concurrent writer since the lookup: only
         // taken when it can be verified from memory.
-        let Some(loc) = self.index.lookup(hash).filter(|l| Some(*l) != cand.loc) else {
+        let Some(loc) = self.index.lookup_cached(hash, false).loc.filter(|l| Some(*l) != cand.loc) else {
             return Claim::Store;
         };
         if !self.usable(&loc, rc) || rc.get(loc.pbn) >= REFCOUNT_MAX {

@@ -32,12 +32,38 @@ pub struct PageCache {
     pages: HashMap<(u64, u64), (Records, bool)>,
     clock: VecDeque<(u64, u64)>,
     pages_max: usize,
+    records: usize,
+    generation: u64,
 }
 
 impl PageCache {
     /// A cache of at most `pages_max` pages.
     pub fn new(pages_max: usize) -> Self {
-        PageCache { pages: HashMap::new(), clock: VecDeque::new(), pages_max: pages_max.max(1) }
+        PageCache {
+            pages: HashMap::new(),
+            clock: VecDeque::new(),
+            pages_max: pages_max.max(1),
+            records: 0,
+            generation: 0,
+        }
+    }
+
+    /// Times the cache was emptied.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Adds a page read for a request made at `generation`, unless the cache was emptied
+    /// since.
+    pub fn put_at(&mut self, generation: u64, vcn: u64, page: u64, records: Records) {
+        if generation == self.generation {
+            self.put(vcn, page, records);
+        }
+    }
+
+    /// Records held (each `size_of::<Record>()` bytes in memory).
+    pub fn records(&self) -> usize {
+        self.records
     }
 
     /// The page, marking it referenced.
@@ -48,9 +74,15 @@ impl PageCache {
         })
     }
 
+    /// True when the page is cached (not marked referenced).
+    pub fn has(&self, vcn: u64, page: u64) -> bool {
+        self.pages.contains_key(&(vcn, page))
+    }
+
     /// Adds a page, evicting by CLOCK when full.
     pub fn put(&mut self, vcn: u64, page: u64, records: Records) {
         if let Some(e) = self.pages.get_mut(&(vcn, page)) {
+            self.records = self.records + records.len() - e.0.len();
             e.0 = records;
             return;
         }
@@ -65,10 +97,13 @@ impl PageCache {
                     self.clock.push_back(key);
                 }
                 _ => {
-                    self.pages.remove(&key);
+                    if let Some((r, _)) = self.pages.remove(&key) {
+                        self.records -= r.len();
+                    }
                 }
             }
         }
+        self.records += records.len();
         self.pages.insert((vcn, page), (records, false));
         self.clock.push_back((vcn, page));
         debug_assert!(self.pages.len() <= self.pages_max && self.clock.len() == self.pages.len());
@@ -83,6 +118,8 @@ impl PageCache {
     pub fn clear(&mut self) {
         self.pages.clear();
         self.clock.clear();
+        self.records = 0;
+        self.generation += 1;
     }
 }
 
@@ -92,6 +129,8 @@ pub struct ChapterCache {
     order: VecDeque<u64>,
     by_prefix: HashMap<u64, (u64, u32)>,
     chapters_max: usize,
+    records: usize,
+    generation: u64,
 }
 
 impl ChapterCache {
@@ -102,6 +141,21 @@ impl ChapterCache {
             order: VecDeque::new(),
             by_prefix: HashMap::new(),
             chapters_max: chapters_max.max(1),
+            records: 0,
+            generation: 0,
+        }
+    }
+
+    /// Times the cache was emptied.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Adds a chapter read for a request made at `generation`, unless the cache was
+    /// emptied since.
+    pub fn put_at(&mut self, generation: u64, vcn: u64, records: Records) {
+        if generation == self.generation {
+            self.put(vcn, records);
         }
     }
 
@@ -128,6 +182,7 @@ impl ChapterCache {
         while self.chapters.len() >= self.chapters_max {
             let Some(old) = self.order.pop_front() else { break };
             if let Some(recs) = self.chapters.remove(&old) {
+                self.records -= recs.len();
                 for r in recs.iter() {
                     let p = prefix(&r.hash);
                     if self.by_prefix.get(&p).is_some_and(|(v, _)| *v == old) {
@@ -139,6 +194,7 @@ impl ChapterCache {
         for (i, r) in records.iter().enumerate() {
             self.by_prefix.insert(prefix(&r.hash), (vcn, i as u32));
         }
+        self.records += records.len();
         self.chapters.insert(vcn, records);
         self.order.push_back(vcn);
         debug_assert!(self.chapters.len() <= self.chapters_max);
@@ -153,7 +209,12 @@ impl ChapterCache {
 
     /// Records held.
     pub fn records(&self) -> usize {
-        self.chapters.values().map(|c| c.len()).sum()
+        self.records
+    }
+
+    /// Memory held beyond the records themselves: the fingerprint-prefix map.
+    pub fn map_bytes(&self) -> usize {
+        self.by_prefix.capacity() * (std::mem::size_of::<(u64, (u64, u32))>() + 1)
     }
 
     /// Forgets everything.
@@ -161,6 +222,8 @@ impl ChapterCache {
         self.chapters.clear();
         self.order.clear();
         self.by_prefix.clear();
+        self.records = 0;
+        self.generation += 1;
     }
 }
 

@@ -128,7 +128,8 @@ pub struct IndexFigures {
     /// Volume index memory per occupied slot, in bytes (the table is sized for a full
     /// window; lower is better, 6 / load factor at a full window).
     pub memory_bytes_per_entry: f64,
-    /// Memory of cached record pages, in bytes.
+    /// Memory of the record cache, in bytes: its decoded records (48 bytes each, 101 a
+    /// page) and their bookkeeping.
     pub cache_bytes: u64,
     /// Chapters in the ring.
     pub chapters: u64,
@@ -150,7 +151,24 @@ pub struct IndexFigures {
     pub chapter_loads: u64,
     /// Failed chapter writes (dedup lost, no data).
     pub write_errors: u64,
-    /// Time the rebuild at open took, in milliseconds.
+    /// The rebuild of the volume index from the ring is under way (in the background;
+    /// duplicates in chapters not rebuilt yet are missed meanwhile).
+    #[serde(default)]
+    pub rebuild_running: bool,
+    /// Chapters of the window the rebuild reads.
+    #[serde(default)]
+    pub rebuild_chapters_total: u64,
+    /// Chapters of the window rebuilt so far.
+    #[serde(default)]
+    pub rebuild_chapters_done: u64,
+    /// First pages of chapter slots read at open to find the newest chapter (before the
+    /// volume accepts I/O).
+    #[serde(default)]
+    pub rebuild_probe_reads: u64,
+    /// Time those reads took, in milliseconds.
+    #[serde(default)]
+    pub rebuild_probe_millis: u64,
+    /// Time the rebuild took (so far, while it runs), in milliseconds.
     pub rebuild_millis: u64,
     /// Records the rebuild read.
     pub rebuild_records: u64,

@@ -6,6 +6,7 @@ use super::{chunk, DataPlan, Plan};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
 use crate::data::placement::DataDevice;
+use crate::dedup::index::{Fetch, PageSource};
 use crate::dedup::{verify, Candidate};
 use crate::metadata::block_map::MapEntry;
 use crate::metadata::refcount::REFCOUNT_MAX;
@@ -14,17 +15,35 @@ use crate::volume::state::State;
 use crate::woj::Woj;
 use parking_lot::Mutex;
 
-/// Stage 2 (state lock held): each data chunk's dedup candidate. A candidate not on the
-/// device yet (the device may still hold its block's previous life) is verified here,
-/// from memory; the others are verified in stage 3.
-pub(crate) fn find_candidates(st: &State, buf: &[u8], plans: &mut [Plan]) {
-    for (i, p) in plans.iter_mut().enumerate() {
-        let Plan::Data(d) = p else { continue };
+/// Stage 2 (state lock held): each data chunk's dedup candidate, from memory. A candidate
+/// not on the device yet (the device may still hold its block's previous life) is verified
+/// here, from memory; the others are verified in stage 3. `only`: the chunks to look up
+/// (None: all of them, a first lookup). Returns the record pages to read before asking
+/// again (without the lock: `read_pages`) and the chunks worth asking again once they are.
+pub(crate) fn find_candidates(
+    st: &State,
+    buf: &[u8],
+    plans: &mut [Plan],
+    only: Option<&[usize]>,
+) -> (Vec<Fetch>, Vec<usize>) {
+    let mut fetches: Vec<Fetch> = Vec::new();
+    let mut again = Vec::new();
+    let mut one = |i: usize, p: &mut Plan| {
+        let Plan::Data(d) = p else { return };
         // A chunk with a write-once journaling candidate has no BLAKE3 fingerprint yet.
         if !d.hashed {
-            continue;
+            return;
         }
-        let cand = st.dedup.lookup(&d.hash, &st.rc);
+        let (cand, fetch) = st.dedup.lookup(&d.hash, &st.rc, only.is_none());
+        if let Some(f) = fetch {
+            if cand.loc.is_none() {
+                again.push(i);
+            }
+            // Requests of a batch often name the same page: read it once.
+            if !fetches.contains(&f) && fetches.len() < FETCHES_MAX {
+                fetches.push(f);
+            }
+        }
         d.cand = match cand {
             Candidate { loc: Some(loc), verified: false } => {
                 let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
@@ -37,7 +56,27 @@ pub(crate) fn find_candidates(st: &State, buf: &[u8], plans: &mut [Plan]) {
             }
             _ => cand,
         };
+    };
+    match only {
+        None => plans.iter_mut().enumerate().for_each(|(i, p)| one(i, p)),
+        Some(idx) => {
+            for &i in idx {
+                if let Some(p) = plans.get_mut(i) {
+                    one(i, p);
+                }
+            }
+        }
     }
+    (fetches, again)
+}
+
+/// Record pages one batch reads for its lookups at most (a batch is at most 1,024 chunks;
+/// past this bound the chunks just miss their duplicates).
+const FETCHES_MAX: usize = 256;
+
+/// Reads the record pages stage 2 asked for (no lock; in parallel for several).
+pub(crate) fn read_pages(exec: &dyn Executor, source: &PageSource, fetches: &mut [Fetch]) {
+    for_each(exec, fetches, |_, f| source.fetch(f));
 }
 
 /// Stage 3 (no lock): reads and compares the candidates left unverified (write-once

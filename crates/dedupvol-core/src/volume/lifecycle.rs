@@ -218,9 +218,9 @@ impl Volume {
     /// 2. the fingerprint index is allocated (nothing written yet);
     /// 3. recovery: journal replay into the block map and reference counts, made durable
     ///    in their pages (`recover`);
-    /// 4. the in-memory state; the fingerprint index rebuilt from its chapter ring (it
-    ///    only reads, so a read-only open does it too, for its statistics); the data
-    ///    writer.
+    /// 4. the in-memory state; the fingerprint index's newest chapter found and its
+    ///    rebuild from the chapter ring started (in the background by default; it only
+    ///    reads, so a read-only open does it too, for its statistics); the data writer.
     pub fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Volume> {
         let io = Arc::new(IoCounters::default());
         let (data, meta, mut sb, mut notes) = open_devices(data, meta, &io)?;
@@ -244,7 +244,7 @@ impl Volume {
         let mut dedup = Deduper::new(index, hash_mode, geo.data_blocks);
         if sb.dedup {
             // Recovery counted this open (and made it durable) before anything is written.
-            dedup.index_mut().rebuild(sb.lifetime.read_write_opens);
+            dedup.index_mut().rebuild(sb.lifetime.read_write_opens, opts.index_rebuild);
         }
         let state = State {
             alloc: Allocator::from_counts(rec.rc.counts(), geo.slab_blocks),
@@ -308,6 +308,9 @@ impl Volume {
         self.check_not_failed()?;
         let _c = self.commit_lock.lock();
         let mut st = self.state.lock();
+        // A rebuild still under way stops: the chapters it did not read stay on the device
+        // for the next open.
+        st.dedup.index_mut().stop_rebuild();
         self.checkpoint(&mut st)?;
         let mut sb = self.sb.lock();
         sb.clean = true;

@@ -176,6 +176,26 @@ impl Volume {
         self.state.lock().dedup.wait_ready();
     }
 
+    /// Waits until the fingerprint index's rebuild from its chapter ring, started by the
+    /// open, is done (a manual one is run to its end). Nothing needs it for correctness;
+    /// tests and benchmarks call it to measure dedup with the whole window indexed.
+    pub fn wait_index_rebuilt(&self) {
+        // The thread is taken out of the state and joined without the state lock, so
+        // writers go on meanwhile.
+        let thread = self.state.lock().dedup.index_mut().take_rebuild_thread();
+        if let Some(mut t) = thread {
+            t.wait();
+        }
+        while self.index_rebuild_step() {}
+    }
+
+    /// Runs one step of the index rebuild (`IndexRebuild::Manual`: one sequential read of
+    /// chapters and their insertion); false when the rebuild is done. Holds the state lock
+    /// for its read, which only the simulator and tests, who ask for it, accept.
+    pub fn index_rebuild_step(&self) -> bool {
+        self.state.lock().dedup.index_mut().rebuild_step()
+    }
+
     /// What opening the hot-chunk tier noticed: why it is not used (its device could not
     /// be opened or read; the volume works without it) or why it was re-initialised.
     /// Empty when no tier was asked for or all went well.

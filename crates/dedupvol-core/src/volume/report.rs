@@ -10,7 +10,7 @@ use super::Volume;
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
 use crate::io::IoKind;
-use crate::obs::stats::{IndexFigures, LifetimeCounters, Savings, Stats};
+use crate::obs::stats::{LifetimeCounters, Savings, Stats};
 
 impl Volume {
     /// Memory held by the volume's structures now, in bytes, by structure.
@@ -22,7 +22,7 @@ impl Volume {
             ("allocator bitmap", blocks.div_ceil(64) * 8),
             ("reuse stamps", st.dedup.stamp_bytes()),
             ("fingerprint volume index", st.dedup.index().memory_bytes()),
-            ("fingerprint record cache (pages held now)", st.dedup.index().cache_bytes()),
+            ("fingerprint record cache (records held now)", st.dedup.index().cache_bytes()),
             ("block map cache (pages held now)", st.map.cached_pages() as u64 * BLOCK_SIZE_U64),
             ("content cache (blocks held now)", self.cache.lock().len() as u64 * BLOCK_SIZE_U64),
         ];
@@ -142,28 +142,7 @@ impl Volume {
             index_capacity: index.capacity(),
             index_memory_bytes: index.memory_bytes(),
             index_bytes_per_entry: index.bytes_per_entry(),
-            index: {
-                let x = index.stats();
-                IndexFigures {
-                    mode: x.mode.to_string(),
-                    memory_bytes_per_entry: x.table_bytes as f64 / x.entries.max(1) as f64,
-                    cache_bytes: x.cache_bytes,
-                    chapters: x.chapters,
-                    chapters_used: x.chapters_used,
-                    records_per_chapter: x.records_per_chapter,
-                    window_bytes: x.window_bytes,
-                    lookups: x.lookups,
-                    lookups_without_io: x.lookups - x.lookups_with_io,
-                    page_reads: x.page_reads,
-                    page_cache_hits: x.page_cache_hits,
-                    chapter_loads: x.chapter_loads,
-                    write_errors: x.write_errors,
-                    rebuild_millis: x.rebuild.millis,
-                    rebuild_records: x.rebuild.records,
-                    rebuild_bytes: x.rebuild.bytes_read,
-                    rebuild_pages_skipped: x.rebuild.pages_skipped,
-                }
-            },
+            index: index.stats(),
             block_map_cached_pages: st.map.cached_pages() as u64,
             compression: sb.compression,
             dedup: sb.dedup,

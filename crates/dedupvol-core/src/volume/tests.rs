@@ -42,7 +42,7 @@ fn reuse_stamp_wrap_starts_a_new_epoch() {
     assert_eq!(st.dedup.stamp(pbn), Some(0));
     let l = st.dedup.index().lookup(&ha).expect("the record stays");
     assert!(!l.current, "a record from before the stamp wrap is still trusted by its stamp");
-    assert!(!st.dedup.lookup(&ha, &st.rc).verified);
+    assert!(!st.dedup.lookup(&ha, &st.rc, true).0.verified);
     assert_eq!(st.red.stamp_wrap_scans, 1);
 }
 
@@ -61,6 +61,7 @@ fn a_stale_record_after_a_crash_is_rejected() {
     vol.flush().expect("flush");
     drop(vol);
     let vol = Volume::open(dev, None, &OpenOptions::default()).expect("reopen after the crash");
+    vol.wait_index_rebuilt();
     let ha = *blake3::hash(&a).as_bytes();
     let pbn = vol.state.lock().dedup.index().lookup(&ha).expect("record rebuilt from the ring").pbn;
     // Free a's block, then store other content until the allocator hands it out again.
@@ -84,7 +85,7 @@ fn a_stale_record_after_a_crash_is_rejected() {
     vol.flush().expect("flush");
     {
         let st = vol.state.lock();
-        let cand = st.dedup.lookup(&ha, &st.rc);
+        let cand = st.dedup.lookup(&ha, &st.rc, true).0;
         assert_eq!(cand.loc.map(|l| l.pbn), Some(pbn));
         assert!(!cand.verified, "a record from before the crash was trusted by its stamp");
     }
@@ -260,6 +261,7 @@ fn an_index_saved_by_an_older_build_is_skipped() {
     assert_eq!(vol.stats().counters.dedup_hits, 8);
     vol.close().expect("close");
     let vol = Volume::open(mem, None, &OpenOptions::default()).expect("reopen");
+    vol.wait_index_rebuilt();
     assert_eq!(vol.stats().index.rebuild_records, 8);
     vol.close().expect("close");
 }

@@ -74,19 +74,29 @@ impl Volume {
         //    use every core).
         let woj = self.woj.as_ref();
         let mut plans = fingerprint(&*self.exec, buf, self.dedup, woj, lba0);
-        // 2. Journal copies, then dedup candidates (state lock).
-        let (looked_up_at, woj_dropped) = {
+        // 2. Journal copies, then dedup candidates (state lock). Record pages the lookups
+        // need are read after the lock is let go, then those chunks are looked up again.
+        // The generation of the first hold is kept: it is the older one, so claim judges
+        // byte verifications against every reuse since the first lookup.
+        let (looked_up_at, woj_dropped, mut fetches, again, source) = {
             let mut st = self.state.lock();
             let dropped = woj.map(|w| reduce::resolve_woj(&mut st, w, buf, &mut plans));
-            if self.dedup {
-                reduce::find_candidates(&st, buf, &mut plans);
-            }
-            (st.dedup.generation(), dropped)
+            let (fetches, again) =
+                if self.dedup { reduce::find_candidates(&st, buf, &mut plans, None) } else { Default::default() };
+            let source = (!fetches.is_empty()).then(|| st.dedup.index().source());
+            (st.dedup.generation(), dropped, fetches, again, source)
         };
         if let (Some(w), Some((collisions, stale))) = (woj, woj_dropped) {
             let mut w = w.lock();
             w.stats.collisions += collisions;
             w.stats.stale += stale;
+        }
+        if let Some(source) = source {
+            reduce::read_pages(&*self.exec, &source, &mut fetches);
+            if !again.is_empty() {
+                let st = self.state.lock();
+                reduce::find_candidates(&st, buf, &mut plans, Some(&again));
+            }
         }
         // 3. Verification reads and compression (no lock; parallel).
         reduce::verify_and_compress(

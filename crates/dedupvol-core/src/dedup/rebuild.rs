@@ -1,0 +1,493 @@
+//! The rebuild of the volume index from the chapter ring, after a volume opens.
+//!
+//! Two parts (docs/design.md, "The fingerprint index", crashes):
+//! 1. `find_newest` (at open, before the volume accepts I/O): the newest chapter in the
+//!    ring, by a binary search over the chapter slots' first pages (a few dozen 4 KiB
+//!    reads whatever the ring's size), so the session knows which chapter to open next;
+//! 2. `Rebuilder::step`, repeated by a background thread (or by the caller, one step at
+//!    a time): reads the window's chapters in ring order, oldest first, in sequential
+//!    reads of `READ_BYTES`, checks and decodes the pages holding no lock, then inserts
+//!    their records (the hooks in sparse mode) into the volume index under the table's
+//!    own lock, `INSERT_BATCH` at a time. Writers keep running meanwhile: a chapter not
+//!    rebuilt yet only misses duplicates.
+//!
+//! Invariants:
+//! - Nothing read here is trusted: a page is used only if it checks (magic, crc, volume,
+//!   position, the chapter its slot must hold) and was written by an earlier session
+//!   (its epoch is below this session's first), and its records are of an earlier epoch,
+//!   so `Deduper` compares every one of them byte for byte before sharing.
+//! - The rebuild never takes the volume's state lock, only the volume index's, and holds
+//!   it for at most `INSERT_BATCH` inserts; the lock order is state → table.
+//! - A record newer than the rebuilt one (made by this session) is never replaced by it
+//!   (the volume index keeps the newer of two records), and a chapter that left the
+//!   window while the rebuild ran is not inserted.
+//! - Bounded: one read buffer of `READ_BYTES` and the decoded records of one read; a stop
+//!   request ends the rebuild at the next step (close, or the volume dropped).
+
+use super::chapter::{page_records, RingLayout, RECORDS_PER_PAGE};
+use super::index::{is_hook, Shared};
+use crate::config::{IndexMode, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::io::aligned::AlignedBuf;
+use crate::io::{Dev, IoKind};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Largest read of the rebuild (whole chapters, in ring order).
+pub const READ_BYTES: u64 = 16 << 20;
+/// Records inserted per hold of the volume index's lock.
+const INSERT_BATCH: usize = 8192;
+/// Neighbouring slots probed when a chapter slot's first page does not check.
+const PROBE_SPAN: u64 = 8;
+
+/// Reads the first page of chapter slot `slot`: the chapter it holds and its epoch, if
+/// the page checks.
+fn head(meta: &Dev, ring: &RingLayout, uuid_lo: u64, slot: u64, buf: &mut [u8], reads: &mut u64) -> Option<(u64, u32)> {
+    *reads += 1;
+    let off = (ring.start_block + slot * ring.pages_per_chapter) * BLOCK_SIZE_U64;
+    meta.read(IoKind::Index, buf, off).ok()?;
+    let (h, _) = page_records(buf, uuid_lo)?;
+    (h.page == 0 && h.vcn % ring.chapters == slot).then_some((h.vcn, h.epoch))
+}
+
+/// What `find_newest` found.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Newest {
+    /// The newest chapter (None: an empty ring).
+    pub vcn: Option<u64>,
+    /// The highest epoch among the pages read.
+    pub epoch_max: u32,
+    /// First pages read.
+    pub reads: u64,
+}
+
+/// The newest chapter of the ring, from a few of its slots' first pages.
+///
+/// Chapters are opened in order, so along the slots the chapter numbers rise from slot 0
+/// to the newest chapter's slot, then drop once (to the oldest chapter of the window, or
+/// to never-written slots). A binary search for the last slot at or above the first
+/// valid slot's chapter finds the drop; a slot whose first page does not check is judged
+/// by the next valid one within `PROBE_SPAN`, and the slots just past the answer are
+/// probed for a newer chapter hidden behind such a hole. A ring damaged in ways this
+/// misses yields an older chapter than the newest: the session then reuses slots of
+/// chapters it did not rebuild (dedup lost, never correctness: every page is checked
+/// against the chapter its slot must hold, and their records are verified byte for byte).
+pub fn find_newest(meta: &Dev, ring: &RingLayout, uuid_lo: u64) -> Newest {
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    let mut out = Newest::default();
+    let c = ring.chapters;
+    let mut probe = |slot: u64, out: &mut Newest| -> Option<(u64, u64)> {
+        (slot..(slot + PROBE_SPAN).min(c)).find_map(|s| {
+            let (v, e) = head(meta, ring, uuid_lo, s, &mut buf, &mut out.reads)?;
+            out.epoch_max = out.epoch_max.max(e);
+            Some((s, v))
+        })
+    };
+    // An anchor: the first valid slot near the start, else any of 64 spread over the ring.
+    let stride = (c / 64).max(PROBE_SPAN);
+    let Some((s0, v0)) = (0..c).step_by(stride as usize).find_map(|s| probe(s, &mut out)) else {
+        return out;
+    };
+    // Last slot in s0..c whose chapter is at least v0 (true up to the drop).
+    let (mut lo, mut hi, mut best) = (s0 + 1, c, v0);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match probe(mid, &mut out) {
+            Some((s, v)) if v >= v0 => {
+                best = best.max(v);
+                lo = s + 1;
+            }
+            _ => hi = mid,
+        }
+    }
+    // A newer chapter just past a hole the search stopped at.
+    let mut next = best % c + 1;
+    while next < c {
+        match probe(next, &mut out) {
+            Some((s, v)) if v > best => {
+                best = v;
+                next = s + 1;
+            }
+            _ => break,
+        }
+    }
+    out.vcn = Some(best);
+    out
+}
+
+/// The rebuild of the window's chapters, one sequential read per step.
+pub struct Rebuilder {
+    meta: Dev,
+    ring: RingLayout,
+    uuid_lo: u64,
+    mode: IndexMode,
+    /// Pages of this epoch or later were written by this session: skipped.
+    epoch_first: u32,
+    /// The newest chapter when the session opened; the window's chapters are the
+    /// `ring.chapters - 1` up to it.
+    newest: u64,
+    /// Chapters of the window still to read, oldest first: the next one's number.
+    next_vcn: u64,
+    shared: Arc<Shared>,
+    buf: Option<AlignedBuf>,
+    recs: Vec<([u8; 32], u64, u64, u64)>,
+    started: std::time::Instant,
+}
+
+impl Rebuilder {
+    /// A rebuild of the chapters up to `newest` (the session opened `newest + 1`).
+    pub fn new(
+        meta: Dev,
+        ring: RingLayout,
+        uuid_lo: u64,
+        mode: IndexMode,
+        epoch_first: u32,
+        newest: u64,
+        shared: Arc<Shared>,
+    ) -> Self {
+        let first = (newest + 2).saturating_sub(ring.chapters);
+        let p = &shared.progress;
+        p.chapters_total.store(newest + 1 - first, Ordering::Relaxed);
+        p.running.store(true, Ordering::Relaxed);
+        Rebuilder {
+            meta,
+            ring,
+            uuid_lo,
+            mode,
+            epoch_first,
+            newest,
+            next_vcn: first,
+            shared,
+            buf: None,
+            recs: Vec::new(),
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// True when every chapter was read (or the rebuild was stopped).
+    pub fn done(&self) -> bool {
+        self.next_vcn > self.newest || self.shared.stop.load(Ordering::Relaxed)
+    }
+
+    /// Reads, checks and inserts the next run of chapters (contiguous slots, at most
+    /// `READ_BYTES`). Returns false once there is nothing left.
+    pub fn step(&mut self) -> bool {
+        if self.done() {
+            self.finish();
+            return false;
+        }
+        let ring = self.ring;
+        let chapter_bytes = ring.pages_per_chapter * BLOCK_SIZE_U64;
+        let per_read = (READ_BYTES / chapter_bytes).max(1);
+        // Chapters that left the window since the session opened are not worth reading.
+        let open = self.shared.open_vcn.load(Ordering::Acquire);
+        let first_live = (open + 1).saturating_sub(ring.chapters);
+        let skipped = first_live.saturating_sub(self.next_vcn).min(self.newest + 1 - self.next_vcn);
+        let p = &self.shared.progress;
+        p.chapters_done.fetch_add(skipped, Ordering::Relaxed);
+        self.next_vcn += skipped;
+        if self.next_vcn > self.newest {
+            self.finish();
+            return false;
+        }
+        // A run of chapters in consecutive slots (it ends where the ring wraps).
+        let v0 = self.next_vcn;
+        let slot0 = v0 % ring.chapters;
+        let n = per_read.min(self.newest + 1 - v0).min(ring.chapters - slot0);
+        let len = (n * chapter_bytes) as usize;
+        if self.buf.is_none() {
+            // One buffer for every step: a whole read, or less when a chapter is larger.
+            self.buf = AlignedBuf::new((per_read * chapter_bytes) as usize);
+        }
+        let Some(chunk) = self.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..len)) else {
+            // No memory for the read buffer: the rebuild ends (dedup lost, nothing else).
+            self.shared.stop.store(true, Ordering::Relaxed);
+            self.finish();
+            return false;
+        };
+        self.next_vcn += n;
+        p.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        if self.meta.read(IoKind::Index, chunk, ring.page_offset(v0, 0)).is_err() {
+            p.pages_skipped.fetch_add(n * ring.pages_per_chapter, Ordering::Relaxed);
+            p.chapters_done.fetch_add(n, Ordering::Relaxed);
+            return true;
+        }
+        // Decoded holding no lock: (fingerprint, chapter, page, position), into one buffer
+        // for the whole rebuild (freed at its end: a fresh one per step would leave the
+        // allocator holding tens of MiB).
+        let mut recs = std::mem::take(&mut self.recs);
+        recs.clear();
+        let (mut records, mut skipped_pages) = (0u64, 0u64);
+        for (k, pages) in chunk.chunks_exact(chapter_bytes as usize).enumerate() {
+            let vcn = v0 + k as u64;
+            for (i, b) in pages.chunks_exact(BLOCK_SIZE).enumerate() {
+                let ok = |h: &super::chapter::PageHeader| {
+                    h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch_first
+                };
+                let Some((_, it)) = page_records(b, self.uuid_lo).filter(|(h, _)| ok(h)) else {
+                    skipped_pages += 1;
+                    continue;
+                };
+                for (at, hash) in it.enumerate() {
+                    records += 1;
+                    if self.mode == IndexMode::Dense || is_hook(hash) {
+                        recs.push((*hash, vcn, i as u64, at as u64));
+                    }
+                }
+            }
+        }
+        debug_assert!(recs.len() as u64 <= n * ring.pages_per_chapter * RECORDS_PER_PAGE as u64);
+        for batch in recs.chunks(INSERT_BATCH) {
+            let mut t = self.shared.table.lock();
+            let open = self.shared.open_vcn.load(Ordering::Acquire);
+            for (h, vcn, page, at) in batch {
+                // Left the window meanwhile: its slot would be dead on arrival.
+                if open - vcn < ring.chapters {
+                    t.insert(h, *vcn, *page, *at, open);
+                }
+            }
+        }
+        self.recs = recs;
+        p.records.fetch_add(records, Ordering::Relaxed);
+        p.pages_skipped.fetch_add(skipped_pages, Ordering::Relaxed);
+        p.chapters_done.fetch_add(n, Ordering::Relaxed);
+        p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        true
+    }
+
+    fn finish(&mut self) {
+        let p = &self.shared.progress;
+        if p.running.swap(false, Ordering::Relaxed) {
+            p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
+        self.buf = None;
+        self.recs = Vec::new();
+    }
+}
+
+/// The background thread running a rebuild; stopped and joined when dropped.
+pub struct RebuildThread {
+    shared: Arc<Shared>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RebuildThread {
+    /// Runs `r` to its end on a thread of its own; `r` back when no thread could be made
+    /// (the caller then runs it itself).
+    pub fn start(mut r: Rebuilder) -> Result<Self, Box<Rebuilder>> {
+        let shared = r.shared.clone();
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Rebuilder>(1);
+        let spawned = std::thread::Builder::new().name("dedupvol-index-rebuild".into()).spawn(move || {
+            let Ok(mut r) = rx.recv() else { return };
+            while r.step() {}
+        });
+        match spawned {
+            Ok(handle) => {
+                // The thread is waiting on the channel; a send cannot fail while it lives.
+                if let Err(std::sync::mpsc::SendError(back)) = tx.send(r) {
+                    r = back;
+                    r.shared.stop.store(true, Ordering::Relaxed);
+                    r.finish();
+                }
+                Ok(RebuildThread { shared, handle: Some(handle) })
+            }
+            Err(_) => Err(Box::new(r)),
+        }
+    }
+
+    /// Asks the thread to stop after its current step and waits for it.
+    pub fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        self.shared.progress.running.store(false, Ordering::Relaxed);
+    }
+
+    /// Waits for the rebuild to end on its own.
+    pub fn wait(&mut self) {
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for RebuildThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{FormatOptions, OpenOptions};
+    use crate::dedup::chapter::{encode_page, PageHeader, Record};
+    use crate::dedup::index::{IndexRebuild, Location};
+    use crate::io::{FileStorage, IoCounters, IoMode, Storage};
+    use crate::volume::Volume;
+    use std::time::Instant;
+
+    fn rss_bytes() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|k| k.parse::<u64>().ok())
+            .map_or(0, |k| k << 10)
+    }
+
+    /// A fingerprint for record `i` (distinct, spread like BLAKE3 output).
+    fn fp(i: u64) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x1234_5678;
+        for c in out.chunks_mut(8) {
+            x ^= x >> 31;
+            x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x ^= x >> 29;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    /// Measures, on a volume whose chapter ring is full of synthetic records: how long
+    /// `open` takes before the volume accepts I/O, the first write after it, the rebuild's
+    /// read rate beside the device's own sequential read rate, and the RSS per indexed
+    /// block. Run with `cargo test --release -p dedupvol-core measure_open_and_rebuild --
+    /// --ignored --nocapture`; `DEDUPVOL_MEASURE_DIR` (default /tmp) holds the sparse
+    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window, and
+    /// `DEDUPVOL_MEASURE_MODE` dense or sparse.
+    #[test]
+    #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
+    fn measure_open_and_rebuild() {
+        let dir = std::env::var("DEDUPVOL_MEASURE_DIR").unwrap_or_else(|_| "/tmp".into());
+        let window_gib: u64 =
+            std::env::var("DEDUPVOL_MEASURE_WINDOW_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+        let mode = match std::env::var("DEDUPVOL_MEASURE_MODE").as_deref() {
+            Ok("sparse") => IndexMode::Sparse,
+            _ => IndexMode::Dense,
+        };
+        let path = std::path::PathBuf::from(dir).join(format!("dedupvol-measure-{}.img", std::process::id()));
+        let window = window_gib << 30;
+        let fmt = FormatOptions {
+            logical_size_bytes: 1 << 30,
+            dedup_window_bytes: Some(window),
+            index_memory_bytes: 8 << 30,
+            index_mode: mode,
+            ..FormatOptions::default()
+        };
+        // The ring is at most 1/32 of a device without a metadata device.
+        let size = (window / 101 * 2 * 32).max(64 << 30);
+        Volume::format_path(&path, Some(size), None, &fmt, true).expect("format");
+        let file: Arc<dyn Storage> = Arc::new(FileStorage::open_with(&path, false, IoMode::Direct).expect("open"));
+        let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+        let (sb, _) = crate::metadata::superblock::Superblock::read(&dev, 0).expect("superblock");
+        let ring = RingLayout::for_area(sb.geometry.index_start, sb.geometry.index_blocks, mode).expect("ring");
+        let ulo = crate::codec::get_u64(&sb.uuid, 0);
+        // Fill every slot with a full chapter, as after 1.5 turns of the ring.
+        let t = Instant::now();
+        let newest = ring.chapters + ring.chapters / 2 - 1;
+        let chapter_bytes = (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+        let per_write = (READ_BYTES as usize / chapter_bytes).max(1);
+        let mut buf: Vec<u8> = Vec::with_capacity(per_write * chapter_bytes);
+        let mut first_slot = 0;
+        for slot in 0..ring.chapters {
+            let vcn = if slot <= newest % ring.chapters {
+                newest - newest % ring.chapters + slot
+            } else {
+                newest - newest % ring.chapters - ring.chapters + slot
+            };
+            for p in 0..ring.pages_per_chapter {
+                let base = (vcn * ring.pages_per_chapter + p) * RECORDS_PER_PAGE as u64;
+                let recs: Vec<Record> = (0..RECORDS_PER_PAGE as u64)
+                    .map(|i| Record {
+                        hash: fp(base + i),
+                        loc: Location { pbn: (base + i) % 1000, state: 2, stamp: 0, current: false },
+                    })
+                    .collect();
+                let h = PageHeader { vcn, epoch: 1, page: p as u16, count: RECORDS_PER_PAGE as u16 };
+                buf.extend_from_slice(&encode_page(ulo, h, &recs));
+            }
+            if buf.len() >= per_write * chapter_bytes || slot + 1 == ring.chapters {
+                let mut a = AlignedBuf::new(buf.len()).expect("buffer");
+                a.as_mut_slice().get_mut(..buf.len()).expect("len").copy_from_slice(&buf);
+                let off = (ring.start_block + first_slot * ring.pages_per_chapter) * BLOCK_SIZE_U64;
+                file.write_at(a.as_mut_slice().get(..buf.len()).expect("len"), off).expect("write ring");
+                buf.clear();
+                first_slot = slot + 1;
+            }
+        }
+        file.sync().expect("sync");
+        let ring_bytes = ring.chapters * ring.pages_per_chapter * BLOCK_SIZE_U64;
+        println!(
+            "ring: {} chapters of {} pages ({} MiB), written in {:.1} s",
+            ring.chapters,
+            ring.pages_per_chapter,
+            ring_bytes >> 20,
+            t.elapsed().as_secs_f64()
+        );
+        // The device's own sequential read rate over the ring (direct I/O, READ_BYTES a read).
+        let mut rd = AlignedBuf::new(READ_BYTES as usize).expect("buffer");
+        let t = Instant::now();
+        let mut off = ring.start_block * BLOCK_SIZE_U64;
+        let end = off + ring_bytes;
+        while off < end {
+            let n = (end - off).min(READ_BYTES) as usize;
+            file.read_at(rd.as_mut_slice().get_mut(..n).expect("len"), off).expect("read");
+            off += n as u64;
+        }
+        let dev_rate = ring_bytes as f64 / t.elapsed().as_secs_f64() / 1e6;
+        println!("device sequential read over the ring: {dev_rate:.0} MB/s");
+        drop((file, dev));
+        // What the volume costs without its index: opened with the smallest volume index
+        // and no rebuild.
+        let rss_before = rss_bytes();
+        let control = OpenOptions {
+            index_rebuild: IndexRebuild::Manual,
+            index_memory_bytes: Some(64 << 10),
+            ..OpenOptions::default()
+        };
+        let v = Volume::open_path(&path, None, &control).expect("open");
+        v.wait_ready();
+        let rss_without_index = rss_bytes().saturating_sub(rss_before);
+        v.close().expect("close");
+        let rss0 = rss_bytes();
+        let opts = OpenOptions { index_rebuild: IndexRebuild::Background, ..OpenOptions::default() };
+        let t = Instant::now();
+        let vol = Volume::open_path(&path, None, &opts).expect("open");
+        let open_s = t.elapsed().as_secs_f64();
+        let data = crate::codec::test_random_bytes(9, 1 << 20);
+        vol.write(0, &data, false).expect("write");
+        vol.flush().expect("flush");
+        let first_write_s = t.elapsed().as_secs_f64();
+        let s0 = vol.stats().index;
+        vol.wait_index_rebuilt();
+        let total_s = t.elapsed().as_secs_f64();
+        let s = vol.stats();
+        let rss1 = rss_bytes();
+        let rate = s.index.rebuild_bytes as f64 / (s.index.rebuild_millis.max(1) as f64 / 1e3) / 1e6;
+        println!(
+            "open returned after {open_s:.3} s ({} probe reads, {} ms); first 1 MiB write + flush done at {first_write_s:.3} s, rebuild then {}/{} chapters",
+            s0.rebuild_probe_reads, s0.rebuild_probe_millis, s0.rebuild_chapters_done, s0.rebuild_chapters_total
+        );
+        println!(
+            "rebuild: {} records, {} MiB in {} ms = {rate:.0} MB/s ({:.0}% of the device's sequential rate); all done {total_s:.2} s after open began",
+            s.index.rebuild_records,
+            s.index.rebuild_bytes >> 20,
+            s.index.rebuild_millis,
+            rate * 100.0 / dev_rate
+        );
+        println!(
+            "volume index: {} entries, {} bytes ({:.2} B/entry); RSS {} MiB → {} MiB, of which {} MiB without the index: {:.2} bytes of RSS per indexed 4 KiB block ({} GiB of window)",
+            s.index_entries,
+            s.index_memory_bytes,
+            s.index.memory_bytes_per_entry,
+            rss0 >> 20,
+            rss1 >> 20,
+            rss_without_index >> 20,
+            (rss1.saturating_sub(rss0 + rss_without_index)) as f64 / (s.index.window_bytes / BLOCK_SIZE_U64) as f64,
+            s.index.window_bytes >> 30
+        );
+        vol.close().expect("close");
+        let _ = std::fs::remove_file(&path);
+    }
+}
