@@ -198,6 +198,8 @@ pub fn encode(r: &Report) -> String {
             ("superblock", "write", io.superblock_write),
             ("superblock", "read", io.superblock_read),
             ("tier_fill", "read", io.tier_fill_read),
+            ("scrub", "read", io.scrub_read),
+            ("scrub", "write", io.scrub_write),
         ];
         let per = |pick: fn(&dedupvol_core::IoFigure) -> u64| {
             figures

@@ -45,12 +45,13 @@ pub use config::{
 };
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
-pub use metadata::layout::Geometry;
+pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
+pub use volume::grow::{resize_closed, GrowReport};
 pub use volume::Volume;
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect

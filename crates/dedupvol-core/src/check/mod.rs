@@ -297,7 +297,7 @@ impl Volume {
         let mut counted = Counters::default();
         let mut referers: HashMap<u64, Vec<(u64, MapEntry)>> = HashMap::new();
         let mut st = self.state.lock();
-        for lba in 0..geo.logical_blocks {
+        for lba in 0..self.logical_blocks() {
             let e = match st.map.get(lba) {
                 Ok(e) => e,
                 Err(err) => {
@@ -525,7 +525,7 @@ impl Volume {
         let hit = |e: &MapEntry| lost.contains(&(e.pbn, None)) || lost.contains(&(e.pbn, e.slot()));
         let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
         let mut st = self.state.lock();
-        for lba in 0..self.geo.logical_blocks {
+        for lba in 0..self.logical_blocks() {
             // An unreadable map page was reported already; its blocks cannot be named.
             let Ok(e) = st.map.get(lba) else { continue };
             if lba % 65536 == 65535 {

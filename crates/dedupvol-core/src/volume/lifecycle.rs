@@ -23,7 +23,7 @@ use crate::dedup::Deduper;
 use crate::error::{Error, Result};
 use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, Storage};
 use crate::metadata::allocator::Allocator;
-use crate::metadata::layout::Geometry;
+use crate::metadata::layout::{Geometry, GrowthRoom};
 use crate::metadata::superblock::Superblock;
 use crate::obs::stats::{LifetimeCounters, ReductionCounters};
 use crate::pipeline::executor::CpuPool;
@@ -113,14 +113,31 @@ impl Volume {
             }
         }
         let window_blocks = window_blocks(opts, data.len() / BLOCK_SIZE_U64);
-        let geo = Geometry::compute(
-            opts.logical_size_bytes / BLOCK_SIZE_U64,
-            data.len(),
-            meta.as_ref().map(|m| m.len()),
-            opts.slab_size_bytes / BLOCK_SIZE_U64,
-            opts.journal_size_bytes,
-            RingLayout::blocks_for_window(window_blocks, opts.index_mode),
-        )?;
+        let logical_blocks = opts.logical_size_bytes / BLOCK_SIZE_U64;
+        let layout = |room| {
+            Geometry::compute_with_room(
+                logical_blocks,
+                data.len(),
+                meta.as_ref().map(|m| m.len()),
+                opts.slab_size_bytes / BLOCK_SIZE_U64,
+                opts.journal_size_bytes,
+                RingLayout::blocks_for_window(window_blocks, opts.index_mode),
+                room,
+            )
+        };
+        let default_room = GrowthRoom::default_for(
+            logical_blocks,
+            data.len() / BLOCK_SIZE_U64,
+            meta.as_ref().map(|m| m.len() / BLOCK_SIZE_U64),
+        );
+        let geo = match (opts.max_logical_size_bytes, opts.max_physical_size_bytes) {
+            // Room asked for must fit, or the format fails.
+            (None, None) => layout(default_room).or_else(|_| layout(GrowthRoom::NONE))?,
+            (l, p) => layout(GrowthRoom {
+                max_logical_blocks: l.map_or(default_room.max_logical_blocks, |b| b / BLOCK_SIZE_U64),
+                max_data_dev_blocks: p.map_or(default_room.max_data_dev_blocks, |b| b / BLOCK_SIZE_U64),
+            })?,
+        };
         let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode)
             .map_or(0, |r| Index::memory_wanted(opts.index_mode, &r));
         if memory > opts.index_memory_bytes {
@@ -272,6 +289,7 @@ impl Volume {
             data,
             meta,
             geo,
+            logical_blocks: std::sync::atomic::AtomicU64::new(geo.logical_blocks),
             policy: opts.write_policy.unwrap_or(sb.write_policy),
             dedup: sb.dedup,
             compression: sb.compression,
@@ -326,7 +344,7 @@ impl Volume {
     }
 
     /// The metadata device when it is not the data device.
-    fn separate_meta(&self) -> Option<&Dev> {
+    pub(crate) fn separate_meta(&self) -> Option<&Dev> {
         (self.geo.meta_dev_blocks > 0).then_some(&self.meta)
     }
 }
@@ -349,7 +367,7 @@ fn window_blocks(opts: &FormatOptions, data_dev_blocks: u64) -> u64 {
 
 /// Reads the superblocks of the data device and, when the volume has one, the metadata
 /// device, and checks that they belong together and are large enough.
-fn open_devices(
+pub(crate) fn open_devices(
     data: Arc<dyn Storage>,
     meta: Option<Arc<dyn Storage>>,
     io: &Arc<IoCounters>,

@@ -30,6 +30,7 @@
 
 pub(crate) mod block_status;
 mod commit;
+pub(crate) mod grow;
 mod lifecycle;
 pub(crate) use lifecycle::OpenNote;
 mod mapping;
@@ -56,7 +57,7 @@ use crate::read::cache::ContentCache;
 use crate::tier::Tier;
 use parking_lot::Mutex;
 use state::State;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Stripes of the read-modify-write lock (unaligned writes to one block are serialised).
@@ -66,7 +67,11 @@ const RMW_STRIPES: usize = 64;
 pub struct Volume {
     pub(crate) data: DataDevice,
     pub(crate) meta: Dev,
+    /// The geometry at open; the logical size may have grown since (`logical_blocks`).
     pub(crate) geo: Geometry,
+    /// Logical blocks exported now: `geo.logical_blocks` until a grow (`Volume::grow`)
+    /// raises it, after the superblock names the new size.
+    pub(crate) logical_blocks: AtomicU64,
     pub(crate) sb: Mutex<Superblock>,
     pub(crate) state: Mutex<State>,
     pub(crate) commit_lock: Mutex<()>,
@@ -189,9 +194,14 @@ impl Volume {
         self.data.dev().is_direct()
     }
 
-    /// Logical size in bytes.
+    /// Logical size in bytes (read per NBD connection: a grow shows at the next connect).
     pub fn logical_size(&self) -> u64 {
-        self.geo.logical_blocks * BLOCK_SIZE_U64
+        self.logical_blocks() * BLOCK_SIZE_U64
+    }
+
+    /// Logical blocks exported now.
+    pub(crate) fn logical_blocks(&self) -> u64 {
+        self.logical_blocks.load(Ordering::Acquire)
     }
 
     /// The write policy in effect.
@@ -204,9 +214,9 @@ impl Volume {
         self.sb.lock().meta_path.clone()
     }
 
-    /// The volume's geometry.
+    /// The volume's geometry now (a grow changes it).
     pub fn geometry(&self) -> Geometry {
-        self.geo
+        self.sb.lock().geometry
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {

@@ -45,7 +45,7 @@ impl Volume {
         st.alloc.audit(st.rc.counts(), &st.packer.open_pbns())?;
         // Every mapping's content, read from the device (or memory when unwritten), must
         // match its checksum: the cache must never hide a divergence.
-        for lba in 0..self.geo.logical_blocks {
+        for lba in 0..self.logical_blocks() {
             let e = st.map.get(lba).map_err(|e| e.to_string())?;
             if !e.is_data() {
                 continue;
