@@ -38,6 +38,7 @@ mod read;
 mod tier;
 mod volume;
 
+pub use check::scrub::{ScrubDamage, ScrubOptions, ScrubReport, ScrubStatus};
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{
     parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,

@@ -7,6 +7,8 @@
 //! - `repair` only changes what can be recomputed from the block map (reference counts,
 //!   counters, superblock copies); mappings to unreadable data are reported, not dropped.
 
+pub(crate) mod scrub;
+
 use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
 use crate::error::Result;
@@ -179,7 +181,7 @@ struct Damage {
 }
 
 /// A run of logical blocks whose data is lost, in bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct LostRange {
     /// First byte.
     pub offset: u64,

@@ -310,6 +310,7 @@ impl Volume {
             open_notes: notes,
             tier,
             tier_notes,
+            scrub: Mutex::new(None),
         })
     }
 

@@ -32,7 +32,7 @@ pub(crate) mod block_status;
 mod commit;
 pub(crate) mod grow;
 mod lifecycle;
-pub(crate) use lifecycle::OpenNote;
+pub(crate) use lifecycle::{uuid_lo, OpenNote};
 mod mapping;
 mod recovery;
 mod report;
@@ -105,6 +105,8 @@ pub struct Volume {
     pub(crate) tier: Option<Tier>,
     /// Why the tier is not used, or was re-initialised, at open.
     pub(crate) tier_notes: Vec<String>,
+    /// The current or last scrub's figures (innermost lock).
+    pub(crate) scrub: Mutex<Option<crate::check::scrub::ScrubStatus>>,
 }
 
 impl Volume {

@@ -122,7 +122,7 @@ impl Volume {
             data_blocks_total: self.geo.data_blocks,
             data_blocks_used: used,
             physical_data_bytes_used: physical_used,
-            metadata_bytes: self.geo.metadata_bytes(),
+            metadata_bytes: sb.geometry.metadata_bytes(),
             separate_metadata_device: self.geo.meta_dev_blocks > 0,
             reduction_ratio: if physical_used == 0 { 0.0 } else { logical_used as f64 / physical_used as f64 },
             savings: Savings {
@@ -165,6 +165,7 @@ impl Volume {
             write_policy: self.policy,
             io: self.io.snapshot(),
             tier: self.tier.as_ref().map(|t| t.stats()),
+            scrub: self.scrub_status(),
         }
     }
 
