@@ -85,11 +85,13 @@ macro_rules! usage_bail {
 
 mod admin;
 mod copy;
+mod grow_cmd;
 mod interrupt;
 mod memory;
 mod metrics;
 mod probe;
 mod replay;
+mod scrub_cmd;
 mod serve;
 mod service;
 mod stats_cmd;

@@ -28,6 +28,13 @@ pub enum VolumeCommand {
     Stats(crate::stats_cmd::StatsArgs),
     /// Audit a closed volume: reference counts, leaks, double use, checksums.
     Check(CheckArgs),
+    /// Grow a volume's logical size (also while served) or its data device (closed), or
+    /// shrink its logical size when nothing mapped is lost.
+    Grow(crate::grow_cmd::GrowArgs),
+    /// Read every stored block and metadata page and verify its checksum (a served volume
+    /// is scrubbed by its server, throttled, while it serves); --repair rewrites damaged
+    /// blocks from a good copy.
+    Scrub(crate::scrub_cmd::ScrubArgs),
 }
 
 #[derive(Args)]
@@ -75,6 +82,14 @@ pub struct FormatArgs {
     /// Journal size (default: 1/64 of the device, 256K..32M).
     #[arg(long, value_parser = size)]
     journal_size: Option<u64>,
+    /// Logical size the block map gets room for, so the volume can grow to it while served
+    /// (default: twice --logical-size, within about 1/64 of the metadata area).
+    #[arg(long, value_parser = size)]
+    max_logical_size: Option<u64>,
+    /// Data device size the reference counts get room for (default: four times the data
+    /// device, within the same room).
+    #[arg(long, value_parser = size)]
+    max_physical_size: Option<u64>,
     /// Overwrite an existing volume.
     #[arg(long)]
     force: bool,
@@ -253,6 +268,8 @@ impl VolumeCommand {
             VolumeCommand::Export(a) => crate::copy::export(a),
             VolumeCommand::Stats(a) => crate::stats_cmd::run(a),
             VolumeCommand::Check(a) => check(a),
+            VolumeCommand::Grow(a) => crate::grow_cmd::run(a),
+            VolumeCommand::Scrub(a) => crate::scrub_cmd::run(a),
         }
     }
 }
@@ -269,6 +286,8 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         slab_size_bytes: a.slab_size,
         verify: a.verify.parse::<DedupVerify>().map_err(crate::usage)?,
         journal_size_bytes: a.journal_size,
+        max_logical_size_bytes: a.max_logical_size,
+        max_physical_size_bytes: a.max_physical_size,
     };
     // Values wrong whatever the target: usage errors (exit 2), before the target is touched.
     opts.validate().map_err(crate::usage)?;

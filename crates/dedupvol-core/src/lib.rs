@@ -52,7 +52,7 @@ pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings,
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
-pub use volume::grow::{resize_closed, GrowReport};
+pub use volume::grow::{resize_closed, resize_path, GrowReport};
 pub use volume::Volume;
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect

@@ -38,7 +38,7 @@ use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::io::{IoCounters, IoKind, Storage};
 use crate::metadata::layout::Geometry;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -48,7 +48,7 @@ const COPY_BLOCKS_PER_IO: u64 = 256;
 const SHRINK_CHECK_BLOCKS_PER_LOCK: u64 = 16_384;
 
 /// What a grow changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GrowReport {
     /// Logical size before, in bytes.
     pub logical_size_before: u64,
@@ -179,6 +179,20 @@ impl Volume {
         }
         Ok((data, first, zeros))
     }
+}
+
+/// `resize_closed` of the volume at `path` (its metadata device: `meta_device`, else the
+/// path recorded at format).
+pub fn resize_path(
+    path: &std::path::Path,
+    meta_device: Option<&std::path::Path>,
+    logical_size: Option<u64>,
+    physical_size: Option<u64>,
+    opts: &OpenOptions,
+) -> Result<GrowReport> {
+    let opts = OpenOptions { read_only: false, ..opts.clone() };
+    let (data, meta) = Volume::devices_at(path, meta_device, &opts)?;
+    resize_closed(data, meta, logical_size, physical_size, &opts)
 }
 
 /// Resizes a closed volume (see the module header): the logical size to `logical_size`

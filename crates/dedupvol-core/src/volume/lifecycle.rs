@@ -199,6 +199,17 @@ impl Volume {
     /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
     /// `meta_device` overrides it.
     pub fn open_path(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Volume> {
+        let (data, meta) = Self::devices_at(path, meta_device, opts)?;
+        Self::open(data, meta, opts)
+    }
+
+    /// The data device at `path` and the metadata device (`meta_device`, else the path
+    /// recorded at format), opened as `opts` says.
+    pub(crate) fn devices_at(
+        path: &Path,
+        meta_device: Option<&Path>,
+        opts: &OpenOptions,
+    ) -> Result<(Arc<dyn Storage>, Option<Arc<dyn Storage>>)> {
         let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
         let sb = {
             let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
@@ -227,7 +238,7 @@ impl Volume {
             Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, mode)?)),
             None => None,
         };
-        Self::open(data, meta, opts)
+        Ok((data, meta))
     }
 
     /// Opens a volume, replaying the journal if it was not closed cleanly:
