@@ -333,15 +333,23 @@ impl Geometry {
         let mut copies = Vec::new();
         // The ring is left out while the two page regions find their place.
         let (old_rc, old_bm) = (self.regions()[1].clone(), self.regions()[2].clone());
-        let fits = |start: u64, len: u64, others: &[std::ops::Range<u64>]| {
+        let fits = |start: u64, len: u64, others: &[std::ops::Range<u64>]| -> bool {
             let r = start..start.saturating_add(len);
             r.end <= limit && others.iter().all(|o| !overlaps(&r, o))
         };
-        // Refcount region: in place if its extension meets nothing but the ring.
+        // The block map's extension in place, kept free for it when nothing but the ring
+        // (and the refcount region, which then moves) is in its way.
         let rc_len = 2 * g.refcount_pages;
         let bm_len = 2 * g.block_map_pages;
-        if !fits(g.refcount_start, rc_len, &[journal.clone(), old_bm.clone()]) {
-            let start = first_free(limit, rc_len, &[journal.clone(), old_bm.clone(), old_rc.clone()])
+        let bm_in_place = g.block_map_start..g.block_map_start.saturating_add(bm_len);
+        let bm_keep = if fits(g.block_map_start, bm_len, std::slice::from_ref(&journal)) {
+            bm_in_place
+        } else {
+            old_bm.clone()
+        };
+        // Refcount region: in place if its extension meets nothing but the ring.
+        if !fits(g.refcount_start, rc_len, &[journal.clone(), bm_keep.clone()]) {
+            let start = first_free(limit, rc_len, &[journal.clone(), old_bm.clone(), old_rc.clone(), bm_keep])
                 .ok_or_else(|| no_room("reference counts", rc_len, limit))?;
             copies.push(RegionCopy { from: old_rc.start, to: start, blocks: old_rc.end - old_rc.start });
             g.refcount_start = start;
