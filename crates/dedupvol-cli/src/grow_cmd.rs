@@ -21,7 +21,8 @@ pub struct GrowArgs {
     #[arg(long, value_parser = size, required_unless_present = "physical_size")]
     logical_size: Option<u64>,
     /// New size of the data device (K/M/G/T): a file is extended to it, a block device
-    /// must already be this large. Only on a closed volume; it never shrinks.
+    /// must already be this large; it never shrinks. On a served volume, within the room
+    /// its reference counts were formatted with; the new slabs are allocatable at once.
     #[arg(long, value_parser = size)]
     physical_size: Option<u64>,
     /// Machine-readable output.
@@ -58,10 +59,22 @@ pub fn run(a: GrowArgs) -> anyhow::Result<ExitCode> {
     if let Some(p) = a.physical_size {
         line.push_str(&format!(" physical={p}"));
     }
-    let report = match crate::admin::request(path, &line)? {
-        Some((answer, sock)) => serde_json::from_str::<GrowReport>(&answer)
-            .with_context(|| format!("decoding the answer of {}", sock.display()))?,
-        None => grow_closed(&a)?,
+    let restore = extend_file(path, a.physical_size)?;
+    let grown = match crate::admin::request(path, &line) {
+        Ok(Some((answer, sock))) => serde_json::from_str::<GrowReport>(&answer)
+            .with_context(|| format!("decoding the answer of {}", sock.display())),
+        Ok(None) => grow_closed(&a),
+        Err(e) => Err(e),
+    };
+    let report = match grown {
+        Ok(r) => r,
+        Err(e) => {
+            // Leave the file as it was: the volume did not take the new size.
+            if let Some((f, len)) = restore {
+                let _ = f.set_len(len);
+            }
+            return Err(e);
+        }
     };
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&report)?)?;
@@ -71,31 +84,26 @@ pub fn run(a: GrowArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Extends the data file when asked to (restoring its length if the grow fails), then
-/// resizes the closed volume.
+/// Extends a regular data file to `physical_size` when it is smaller; returns the file
+/// and its old length, to restore if the grow fails (a block device must be large enough
+/// already).
+fn extend_file(path: &Path, physical_size: Option<u64>) -> anyhow::Result<Option<(std::fs::File, u64)>> {
+    let Some(want) = physical_size else { return Ok(None) };
+    let md = std::fs::metadata(path).with_context(|| format!("finding {}", path.display()))?;
+    if !md.is_file() || md.len() >= want {
+        return Ok(None);
+    }
+    let f = std::fs::OpenOptions::new().write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+    f.set_len(want).with_context(|| format!("extending {} to {want} bytes", path.display()))?;
+    Ok(Some((f, md.len())))
+}
+
+/// Resizes the closed volume.
 fn grow_closed(a: &GrowArgs) -> anyhow::Result<GrowReport> {
     let path = &a.vol.path;
-    let mut restore = None;
-    if let Some(want) = a.physical_size {
-        let md = std::fs::metadata(path).with_context(|| format!("finding {}", path.display()))?;
-        if md.is_file() && md.len() < want {
-            let f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(path)
-                .with_context(|| format!("opening {}", path.display()))?;
-            f.set_len(want).with_context(|| format!("extending {} to {want} bytes", path.display()))?;
-            restore = Some((f, md.len()));
-        }
-    }
     let opts = OpenOptions { io_mode: a.vol.io, index_memory_bytes: a.vol.index_memory, ..OpenOptions::default() };
-    let r = dedupvol_core::resize_path(path, a.vol.meta_device.as_deref(), a.logical_size, a.physical_size, &opts)
-        .with_context(|| format!("growing {}", path.display()));
-    if r.is_err() {
-        if let Some((f, len)) = restore {
-            let _ = f.set_len(len);
-        }
-    }
-    r
+    dedupvol_core::resize_path(path, a.vol.meta_device.as_deref(), a.logical_size, a.physical_size, &opts)
+        .with_context(|| format!("growing {}", path.display()))
 }
 
 fn print(path: &Path, r: &GrowReport) -> std::io::Result<()> {
@@ -124,7 +132,7 @@ fn print(path: &Path, r: &GrowReport) -> std::io::Result<()> {
         outln!("  unmapped {} blocks of zeros beyond the new end", r.zero_blocks_unmapped)?;
     }
     outln!(
-        "  room to grow while served: logical up to {}, physical up to {}",
+        "  room to grow without moving metadata (also while served): logical up to {}, physical up to {}",
         human(r.logical_room_bytes),
         human(r.physical_room_bytes)
     )

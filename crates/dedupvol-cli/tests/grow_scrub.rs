@@ -113,9 +113,18 @@ fn a_served_volume_grows_and_is_scrubbed_while_a_client_writes() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("while served"), "{}", text(&o));
     assert_eq!(nbd_size(&srv.uri), 32 << 20, "a new connection sees the new size");
-    let o = cmd(dir.path(), &["grow", "--physical-size", "128M"], &vol);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("stop the server"), "{}", text(&o));
+    let before = cmd(dir.path(), &["stats", "--json"], &vol);
+    let before: serde_json::Value = serde_json::from_slice(&before.stdout).expect("stats json");
+    let o = cmd(dir.path(), &["grow", "--physical-size", "128M", "--json"], &vol);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::metadata(&vol).unwrap().len(), 128 << 20, "the file was extended");
+    let after = cmd(dir.path(), &["stats", "--json"], &vol);
+    let after: serde_json::Value = serde_json::from_slice(&after.stdout).expect("stats json");
+    let total = |j: &serde_json::Value| j["data_blocks_total"].as_u64().unwrap();
+    assert!(total(&after) > total(&before) + 15_000, "new slabs: {} -> {}", total(&before), total(&after));
+    let o = cmd(dir.path(), &["grow", "--logical-size", "1T"], &vol);
+    assert_eq!(o.status.code(), Some(1), "beyond the room: {}", text(&o));
+    assert!(text(&o).contains("room"), "{}", text(&o));
 
     // Data in the new space, then damage one block of it on the device.
     let data = make_data(8 << 20, 11);

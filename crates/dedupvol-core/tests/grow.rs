@@ -86,7 +86,7 @@ fn an_open_volume_grows_into_its_room_and_keeps_its_data() {
     assert!(e.to_string().contains("room"), "{e}");
     let e = v.grow(Some(8 << 20), None).expect_err("an open volume does not shrink");
     assert!(e.to_string().contains("only grows"), "{e}");
-    assert!(v.grow(None, Some(128 << 20)).is_err(), "the data device of an open volume is fixed");
+    assert!(v.grow(None, Some(128 << 20)).is_err(), "a data device not extended yet cannot grow");
     v.flush().expect("flush");
     // Dropped without close: recovery replays entries for blocks of the new space.
     drop(v);
@@ -161,6 +161,40 @@ fn a_shrink_refuses_to_lose_mapped_blocks_and_unmaps_zeros() {
     assert!(buf.iter().all(|&b| b == 0));
     v.read(3000 * B, &mut buf).expect("read");
     assert!(buf.iter().all(|&b| b == 0));
+    v.close().expect("close");
+}
+
+#[test]
+fn an_open_volume_grows_its_data_device_and_allocates_from_the_new_slabs() {
+    let dev = growable(16 << 20, 64 << 20);
+    let d: Arc<dyn Storage> = dev.clone();
+    format(d.clone(), 128 << 20, |o| o.compression = dedupvol_core::Compression::None);
+    let v = open(&d);
+    let total = v.stats().data_blocks_total;
+    let mut written = 0u64;
+    while v.write(written * B, &block(written, 1), false).is_ok() {
+        written += 1;
+        assert!(written < 2 * total, "the volume never filled");
+    }
+    dev.len.store(48 << 20, Ordering::Relaxed);
+    let r = v.grow(None, Some(48 << 20)).expect("grow the data device while open");
+    assert!(r.online && r.data_blocks_after > 2 * total, "{r:?}");
+    assert_eq!(v.stats().data_blocks_total, r.data_blocks_after);
+    for l in written..written + total {
+        v.write(l * B, &block(l, 1), false).expect("the new slabs take writes at once");
+    }
+    v.flush().expect("flush");
+    let rep = v.audit(false).expect("audit");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+    drop(v); // a crash: recovery replays entries that name blocks of the new slabs
+    let v = open(&d);
+    assert_eq!(v.stats().data_blocks_total, r.data_blocks_after);
+    let mut buf = vec![0u8; B as usize];
+    for l in (0..written + total).step_by(11) {
+        v.read(l * B, &mut buf).expect("read");
+        assert_eq!(buf, block(l, 1), "block {l}");
+    }
+    assert!(v.audit(false).expect("audit").is_clean());
     v.close().expect("close");
 }
 

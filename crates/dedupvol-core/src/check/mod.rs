@@ -289,7 +289,7 @@ impl Volume {
                 OpenNote::SuperblockCopy(m) => report.problem(Problem::Open { message: m.clone() }),
             }
         }
-        let geo = self.geo;
+        let geo = self.geometry();
         let nblocks = geo.data_blocks as usize;
         let mut refs = vec![0u32; nblocks];
         let mut raw_crc: HashMap<u64, u32> = HashMap::new();

@@ -231,6 +231,14 @@ impl Deduper {
         }
     }
 
+    /// A grow: the data region now holds `data_blocks` blocks (new ones at stamp 0).
+    pub(crate) fn grow(&mut self, data_blocks: u64) {
+        if let Some(s) = self.stamps.as_mut() {
+            assert!(s.len() as u64 <= data_blocks, "the data region never shrinks");
+            s.resize(data_blocks as usize, 0);
+        }
+    }
+
     /// Checks the index and the stamps against the volume's data region (the `verify`
     /// audit).
     #[cfg(any(test, feature = "verify"))]

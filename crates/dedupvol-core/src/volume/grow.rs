@@ -2,11 +2,14 @@
 //!
 //! Two ways in:
 //! - `Volume::grow`, on an open volume (a served one): the logical size grows into the
-//!   room the block map region has (`Geometry::grown_in_place`); nothing moves, no page
-//!   is copied, and one superblock write makes the new size durable. Under the commit
-//!   lock, the state lock and the superblock lock, so no write, commit or checkpoint sees
-//!   half of it; the size requests are checked against (`Volume::logical_size`) changes
-//!   last, so no client reaches a block before the superblock names it.
+//!   room the block map region has, the data device into the room the refcount region
+//!   has (`Geometry::grown_in_place`); nothing moves, no page is copied, and one
+//!   superblock write makes the new geometry durable. Under the commit lock, the state
+//!   lock and the superblock lock, so no write, commit or checkpoint sees half of it; the
+//!   in-memory structures (block map bounds, reference counts, allocator, reuse stamps,
+//!   the data region's bounds) grow after that write, and the size requests are checked
+//!   against (`Volume::logical_size`) changes last: no client reaches a block, and no
+//!   allocation hands out one, before the superblock names it.
 //! - `resize_closed`, on a closed volume: it opens the volume (replaying its journal),
 //!   refuses a logical shrink that would lose mapped blocks and unmaps blocks written
 //!   with zeros beyond the new end, closes it cleanly, then changes the layout
@@ -108,9 +111,11 @@ fn blocks_of(what: &str, bytes: u64) -> Result<u64> {
 
 impl Volume {
     /// Grows the open volume's logical size to `logical_size` bytes, into the room its
-    /// block map has (see `GrowReport::logical_room_bytes`). New NBD connections see the
-    /// new size (`logical_size`). A shrink, a size beyond the room, or a different data
-    /// device size is refused here: those need `resize_closed`.
+    /// block map has (see `GrowReport::logical_room_bytes`), and its data device to
+    /// `physical_size` bytes (the device must hold them already: a file extended by the
+    /// caller), into the room its reference counts have: the new slabs are allocatable at
+    /// once. New NBD connections see the new size (`logical_size`). A shrink, or a size
+    /// beyond the room, is refused here: those need `resize_closed`.
     pub fn grow(&self, logical_size: Option<u64>, physical_size: Option<u64>) -> Result<GrowReport> {
         self.check_writable()?;
         let _c = self.commit_lock.lock();
@@ -126,12 +131,22 @@ impl Volume {
                 logical * BLOCK_SIZE_U64
             )));
         }
-        if data_dev != old.data_dev_blocks {
+        if data_dev < old.data_dev_blocks {
             return Err(Error::InvalidArgument(format!(
-                "the physical size of an open volume cannot change ({} bytes, {} asked): stop the server and grow the closed volume",
+                "the physical size cannot shrink ({} bytes recorded, {} asked): data may live anywhere in it",
                 old.data_dev_blocks * BLOCK_SIZE_U64,
                 data_dev * BLOCK_SIZE_U64
             )));
+        }
+        if data_dev > old.data_dev_blocks {
+            let have = self.data.dev().refresh_len();
+            if have < data_dev * BLOCK_SIZE_U64 {
+                return Err(Error::InvalidArgument(format!(
+                    "the data device {} holds {have} bytes, less than the {} asked: extend it first",
+                    self.data.dev().name(),
+                    data_dev * BLOCK_SIZE_U64
+                )));
+            }
         }
         let new = old.grown_in_place(logical, data_dev).map_err(|m| {
             Error::InvalidArgument(format!(
@@ -149,6 +164,13 @@ impl Volume {
             return self.fail(e);
         }
         st.map.set_logical_blocks(new.logical_blocks, new.block_map_pages);
+        if new.data_blocks > old.data_blocks {
+            // After the superblock: no entry may name a new block before it is durable.
+            st.rc.grow(new);
+            st.alloc.grow(new.data_blocks);
+            st.dedup.grow(new.data_blocks);
+            self.data.grow(new.data_blocks);
+        }
         self.logical_blocks.store(new.logical_blocks, Ordering::Release);
         Ok(GrowReport::new(&old, &new, true))
     }

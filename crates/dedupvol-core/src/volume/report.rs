@@ -16,7 +16,7 @@ impl Volume {
     /// Memory held by the volume's structures now, in bytes, by structure.
     pub fn memory_usage(&self) -> Vec<(&'static str, u64)> {
         let st = self.state.lock();
-        let blocks = self.geo.data_blocks;
+        let blocks = self.data.blocks();
         let mut v = vec![
             ("reference + fragment counts", 2 * blocks),
             ("allocator bitmap", blocks.div_ceil(64) * 8),
@@ -87,7 +87,7 @@ impl Volume {
         st.alloc.audit(st.rc.counts(), &st.packer.open_pbns()).map_err(named("allocator"))?;
         st.packer.audit().map_err(named("packer"))?;
         st.staging.audit().map_err(named("staging"))?;
-        st.dedup.audit(self.geo.data_blocks).map_err(named("dedup index"))?;
+        st.dedup.audit(self.data.blocks()).map_err(named("dedup index"))?;
         // Innermost lock (volume lock order): taken alone under the state lock.
         self.cache.lock().audit().map_err(named("content cache"))?;
         if let Some(t) = &self.tier {
@@ -119,7 +119,7 @@ impl Volume {
             logical_size_bytes: self.logical_size(),
             logical_bytes_used: logical_used,
             physical_size_bytes: self.data.dev().len(),
-            data_blocks_total: self.geo.data_blocks,
+            data_blocks_total: self.data.blocks(),
             data_blocks_used: used,
             physical_data_bytes_used: physical_used,
             metadata_bytes: sb.geometry.metadata_bytes(),
