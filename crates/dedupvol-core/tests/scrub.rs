@@ -209,3 +209,26 @@ fn a_scrub_during_writes_reports_no_damage_and_honours_its_rate() {
     assert!(took >= floor * 0.9, "read {} bytes in {took:.2} s at 8 MiB/s", r.status.bytes_read);
     assert!(v.scrub(&ScrubOptions::default()).is_ok(), "a finished scrub lets the next one run");
 }
+
+#[test]
+fn repair_rewrites_a_damaged_block_from_the_hot_chunk_tier() {
+    let (dev, v) = mem_volume(32 << 20, 16 << 20, |o| o.compression = dedupvol_core::Compression::None);
+    v.close().expect("close");
+    let tier: Arc<dyn Storage> = Arc::new(MemStorage::new(4 << 20));
+    let t = dedupvol_core::TierOptions { fill_percent: 100, ..dedupvol_core::TierOptions::storage(tier) };
+    let opts = OpenOptions { content_cache_bytes: 0, tier: Some(t), ..small_open() };
+    let v = Volume::open(dev.clone() as Arc<dyn Storage>, None, &opts).expect("open with a tier");
+    let victim = block(21, 1);
+    v.write(9 * B, &victim, true).expect("write");
+    v.wait_tier_idle();
+    assert!(v.stats().tier.expect("tier").entries > 0, "the fill copied the block to the tier");
+    flip(&dev, find_block(&dev, &victim), 1234);
+    let r = v.scrub(&ScrubOptions { repair: true, ..ScrubOptions::default() }).expect("scrub");
+    assert_eq!((r.status.damaged, r.status.repaired), (1, 1), "{r:?}");
+    assert_eq!(r.damage[0].repaired_from.as_deref(), Some("tier"));
+    assert_eq!(r.damage[0].lbas, vec![9]);
+    v.close().expect("close");
+    let v = reopen(&dev, false);
+    assert!(v.scrub(&ScrubOptions::default()).expect("scrub").is_clean(), "the device holds good data again");
+    v.close().expect("close");
+}
