@@ -93,7 +93,8 @@ fn extend_file(path: &Path, physical_size: Option<u64>) -> anyhow::Result<Option
     if !md.is_file() || md.len() >= want {
         return Ok(None);
     }
-    let f = std::fs::OpenOptions::new().write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+    let f =
+        std::fs::OpenOptions::new().write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
     f.set_len(want).with_context(|| format!("extending {} to {want} bytes", path.display()))?;
     Ok(Some((f, md.len())))
 }

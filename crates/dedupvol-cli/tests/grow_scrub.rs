@@ -100,7 +100,10 @@ fn a_closed_volume_grows_shrinks_and_scrubs() {
 
 #[test]
 fn a_served_volume_grows_and_is_scrubbed_while_a_client_writes() {
-    if !require_engine("a_served_volume_grows_and_is_scrubbed_while_a_client_writes", &["nbdinfo", "nbdcopy", "qemu-io"]) {
+    if !require_engine(
+        "a_served_volume_grows_and_is_scrubbed_while_a_client_writes",
+        &["nbdinfo", "nbdcopy", "qemu-io"],
+    ) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

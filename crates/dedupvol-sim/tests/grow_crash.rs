@@ -53,7 +53,11 @@ fn content(lba: u64, version: u64) -> Vec<u8> {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if i % 4 == 0 { x as u8 } else { b"grow"[(i % 4) as usize] }
+            if i % 4 == 0 {
+                x as u8
+            } else {
+                b"grow"[(i % 4) as usize]
+            }
         })
         .collect()
 }

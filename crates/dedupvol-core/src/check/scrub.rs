@@ -297,7 +297,9 @@ impl Run<'_> {
                     let what = match (pick.slot, newer) {
                         (None, _) => "no valid copy (its entries read as empty)",
                         (Some(_), true) => "its newest copy is damaged; an older copy is in use",
-                        (Some(_), false) => "an older copy is damaged (a torn write; the next write of the page replaces it)",
+                        (Some(_), false) => {
+                            "an older copy is damaged (a torn write; the next write of the page replaces it)"
+                        }
                     };
                     self.metadata_finding(format!("{name} page {page}: {what}"));
                 }
@@ -323,10 +325,19 @@ impl Run<'_> {
             }
             let end = (lba + SCRUB_LBAS_PER_LOCK).min(vol.logical_blocks());
             let mut by_pbn: BTreeMap<u64, Vec<Ref>> = BTreeMap::new();
+            let mut map_errors: Vec<(u64, String)> = Vec::new();
             {
                 let mut st = vol.state.lock();
                 for l in lba..end {
-                    let e = st.map.get(l)?;
+                    let e = match st.map.get(l) {
+                        Ok(e) => e,
+                        // An unreadable page (or an undecodable entry): the blocks it maps
+                        // cannot be checked; the finding names the first, and the walk goes on.
+                        Err(err) => {
+                            map_errors.push((l, err.to_string()));
+                            continue;
+                        }
+                    };
                     if !e.is_data() || st.unwritten(&e, &mut scratch).is_some() {
                         continue;
                     }
@@ -336,6 +347,12 @@ impl Run<'_> {
                 st.map.evict(d)?;
             }
             self.report.status.logical_blocks_scanned += end - lba;
+            if let Some((first, err)) = map_errors.first() {
+                let n = map_errors.len();
+                self.metadata_finding(format!(
+                    "block map entries of {n} logical blocks from {first} unreadable: {err}"
+                ));
+            }
             self.check_chunk(&by_pbn)?;
             lba = end;
             self.publish();
@@ -368,7 +385,8 @@ impl Run<'_> {
                 #[expect(clippy::indexing_slicing, reason = "k < n, the blocks read into `buf`")]
                 let block = &buf[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE];
                 // A run that failed to read is confirmed block by block under the lock.
-                let bad: Vec<Ref> = refs.iter().filter(|r| !whole || !matches(block, &r.e, &mut out)).copied().collect();
+                let bad: Vec<Ref> =
+                    refs.iter().filter(|r| !whole || !matches(block, &r.e, &mut out)).copied().collect();
                 if !bad.is_empty() {
                     self.confirm(pbn, &bad)?;
                 }
@@ -486,11 +504,8 @@ impl Volume {
         if !self.data.contains(pbn) || content.len() != BLOCK_SIZE {
             return Err(Error::internal("scrub repair of a block outside the data region", format!("pbn {pbn}")));
         }
-        let r = self
-            .data
-            .dev()
-            .write(IoKind::Scrub, content, self.geo.data_offset(pbn))
-            .and_then(|()| self.data.sync());
+        let r =
+            self.data.dev().write(IoKind::Scrub, content, self.geo.data_offset(pbn)).and_then(|()| self.data.sync());
         // A failed write or sync leaves the device unknown: the failed-volume rule.
         self.guard(r)
     }

@@ -115,7 +115,14 @@ impl FileStorage {
             // SAFETY: plain syscall on an fd this function owns; no memory is passed. Advisory.
             unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_RANDOM) };
         }
-        Ok(FileStorage { file, direct, prealloc, cached_reads, len: AtomicU64::new(len), name: path.display().to_string() })
+        Ok(FileStorage {
+            file,
+            direct,
+            prealloc,
+            cached_reads,
+            len: AtomicU64::new(len),
+            name: path.display().to_string(),
+        })
     }
 
     /// Allocates (as unwritten extents, which read as zeros) the regions of a sparse

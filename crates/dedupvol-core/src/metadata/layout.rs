@@ -342,11 +342,8 @@ impl Geometry {
         let rc_len = 2 * g.refcount_pages;
         let bm_len = 2 * g.block_map_pages;
         let bm_in_place = g.block_map_start..g.block_map_start.saturating_add(bm_len);
-        let bm_keep = if fits(g.block_map_start, bm_len, std::slice::from_ref(&journal)) {
-            bm_in_place
-        } else {
-            old_bm.clone()
-        };
+        let bm_keep =
+            if fits(g.block_map_start, bm_len, std::slice::from_ref(&journal)) { bm_in_place } else { old_bm.clone() };
         // Refcount region: in place if its extension meets nothing but the ring.
         if !fits(g.refcount_start, rc_len, &[journal.clone(), bm_keep.clone()]) {
             let start = first_free(limit, rc_len, &[journal.clone(), old_bm.clone(), old_rc.clone(), bm_keep])

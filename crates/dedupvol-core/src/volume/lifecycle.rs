@@ -34,6 +34,9 @@ use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+/// A volume's data device and, when it has one, its metadata device.
+pub(crate) type Devices = (Arc<dyn Storage>, Option<Arc<dyn Storage>>);
+
 /// Something opening the volume noticed, for `check`.
 #[derive(Debug, Clone)]
 pub(crate) enum OpenNote {
@@ -209,7 +212,7 @@ impl Volume {
         path: &Path,
         meta_device: Option<&Path>,
         opts: &OpenOptions,
-    ) -> Result<(Arc<dyn Storage>, Option<Arc<dyn Storage>>)> {
+    ) -> Result<Devices> {
         let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
         let sb = {
             let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
