@@ -237,6 +237,24 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     if let Some(t) = &s.tier {
         outln!("{}", tier_summary(t))?;
     }
+    if let Some(sc) = &s.scrub {
+        outln!(
+            "scrub               {} {}: {} blocks and {} metadata pages read ({}), {} damaged, {} repaired, {} logical blocks lost{}",
+            if sc.running { "running since" } else { "last, started" },
+            sc.started_unix,
+            sc.blocks_read,
+            sc.metadata_pages_read,
+            human(sc.bytes_read),
+            sc.damaged,
+            sc.repaired,
+            sc.lost_blocks,
+            if sc.running {
+                format!(", {}/{} logical blocks", sc.logical_blocks_scanned, sc.logical_blocks_total)
+            } else {
+                format!(" in {:.1} s", sc.seconds)
+            }
+        )?;
+    }
     // Kept in the volume (updated at checkpoints and close), not counted by this process.
     let l = &s.lifetime;
     outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;
