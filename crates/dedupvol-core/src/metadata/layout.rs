@@ -368,8 +368,17 @@ impl Geometry {
         taken.extend(copies.iter().map(|c| c.from..c.from + c.blocks));
         let ring = g.index_start..g.index_start + g.index_blocks;
         if taken.iter().any(|t| overlaps(t, &ring)) || ring.end > limit {
-            // The largest free run, at most the ring's old size, at its end.
-            let (start, len) = largest_free(SUPERBLOCK_BLOCKS, limit, &taken);
+            // The largest free run, at most the ring's old size: outside the regions' room
+            // for growth, unless that costs the ring more than half of what it could have.
+            let rooms = [
+                g.refcount_start..g.refcount_start + 2 * g.refcount_pages.max(self.refcount_room_pages()),
+                g.block_map_start..g.block_map_start + 2 * g.block_map_pages.max(self.block_map_room_pages()),
+            ];
+            let with_rooms: Vec<std::ops::Range<u64>> = taken.iter().cloned().chain(rooms).collect();
+            let kept = largest_free(SUPERBLOCK_BLOCKS, limit, &with_rooms);
+            let any = largest_free(SUPERBLOCK_BLOCKS, limit, &taken);
+            let (start, len) =
+                if 2 * kept.1.min(self.index_blocks) >= any.1.min(self.index_blocks) { kept } else { any };
             let len = len.min(self.index_blocks);
             g.index_start = start;
             g.index_blocks = len;
