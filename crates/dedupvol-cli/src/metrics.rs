@@ -209,6 +209,21 @@ pub fn encode(r: &Report) -> String {
         f.add("device_io_bytes", "Device bytes moved since open, by category", c, per(|x| x.bytes).collect());
         f.add("device_io_ops", "Device operations since open, by category", c, per(|x| x.ops).collect());
         f.counter("device_syncs", "Durability barriers (fdatasync) since open", io.syncs);
+        let sc = v.scrub.clone().unwrap_or_default();
+        f.gauge("scrub_running", "1 while a scrub runs", f64::from(u8::from(sc.running)));
+        f.gauge(
+            "scrub_started_timestamp_seconds",
+            "Start of the current or last scrub (0: none)",
+            sc.started_unix as f64,
+        );
+        f.gauge("scrub_blocks_read", "Data blocks the current or last scrub read", sc.blocks_read as f64);
+        f.gauge("scrub_damaged", "Damaged locations the current or last scrub found", sc.damaged as f64);
+        f.gauge("scrub_repaired", "Damaged locations the current or last scrub repaired", sc.repaired as f64);
+        f.gauge(
+            "scrub_lost_blocks",
+            "Logical blocks lost to damage the current or last scrub left",
+            sc.lost_blocks as f64,
+        );
         let t = v.tier.clone().unwrap_or_default();
         f.gauge(
             "tier_enabled",

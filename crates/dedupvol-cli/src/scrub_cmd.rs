@@ -225,8 +225,9 @@ fn served(a: &ScrubArgs, rate: Option<u64>) -> anyhow::Result<Option<ScrubReport
 }
 
 fn local(a: &ScrubArgs, rate: Option<u64>) -> anyhow::Result<ScrubReport> {
-    // The scrub must see the device: no content cache serves its reads anyway, and a
-    // small one is enough for the repairs it could offer.
+    // The scrub reads the device directly. A closed volume has no good copy to repair
+    // from: its content cache starts empty, and a tier's entries are validated against
+    // the data device at open (a damaged block's copy fails that), so none is opened.
     let opts = OpenOptions {
         read_only: !a.repair,
         io_mode: a.vol.io,

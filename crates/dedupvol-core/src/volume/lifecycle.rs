@@ -208,11 +208,7 @@ impl Volume {
 
     /// The data device at `path` and the metadata device (`meta_device`, else the path
     /// recorded at format), opened as `opts` says.
-    pub(crate) fn devices_at(
-        path: &Path,
-        meta_device: Option<&Path>,
-        opts: &OpenOptions,
-    ) -> Result<Devices> {
+    pub(crate) fn devices_at(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Devices> {
         let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
         let sb = {
             let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
