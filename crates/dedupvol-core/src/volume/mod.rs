@@ -67,7 +67,8 @@ const RMW_STRIPES: usize = 64;
 pub struct Volume {
     pub(crate) data: DataDevice,
     pub(crate) meta: Dev,
-    /// The geometry at open; the logical size may have grown since (`logical_blocks`).
+    /// The geometry at open: its region starts and slab size hold for the volume's life; the
+    /// sizes a grow changes are read from `logical_blocks`, `DataDevice::blocks` and `sb`.
     pub(crate) geo: Geometry,
     /// Logical blocks exported now: `geo.logical_blocks` until a grow (`Volume::grow`)
     /// raises it, after the superblock names the new size.
