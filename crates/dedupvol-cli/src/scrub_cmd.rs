@@ -5,7 +5,8 @@
 //! writing; this command follows it until it ends.
 //!
 //! Exit codes, as `check`'s: 0 clean; 1 damage found and all of it repaired; 4 damage
-//! left; 8 the scrub could not run.
+//! left; 8 the scrub could not run, or was cancelled before the end without finding
+//! damage (`--cancel` from another shell).
 
 use crate::volume_cmds::{human, OpenArgs};
 use anyhow::Context;
@@ -41,6 +42,9 @@ pub struct ScrubArgs {
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// Stop the scrub a server of the volume is running (it reports what it found so far).
+    #[arg(long, conflicts_with_all = ["repair", "rate"])]
+    cancel: bool,
 }
 
 /// A lock that a panicked holder does not poison for good (the guarded values stay
@@ -146,6 +150,13 @@ impl Drop for Jobs {
 }
 
 pub fn run(a: ScrubArgs) -> anyhow::Result<ExitCode> {
+    if a.cancel {
+        if crate::admin::request(&a.vol.path, "scrub-cancel")?.is_none() {
+            anyhow::bail!("nobody serves {}: no scrub to cancel", a.vol.path.display());
+        }
+        outln!("asked the server of {} to stop its scrub", a.vol.path.display())?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let rate = match a.rate {
         None => None,
         Some(r) if r.is_finite() && r > 0.0 => Some((r * 1e6) as u64),
@@ -173,6 +184,8 @@ pub fn run(a: ScrubArgs) -> anyhow::Result<ExitCode> {
         SCRUB_OPERATION_ERROR
     } else if !report.is_clean() {
         SCRUB_DAMAGE_LEFT
+    } else if s.cancelled {
+        SCRUB_OPERATION_ERROR
     } else if s.damaged > 0 {
         SCRUB_REPAIRED
     } else {

@@ -382,6 +382,11 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     outln!("  journal       {} blocks", g.journal_blocks)?;
     outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
     outln!("  refcounts     {} pages x 2 slots", g.refcount_pages)?;
+    outln!(
+        "  growth room   logical up to {}, data device up to {} (without moving metadata; also while served)",
+        human(g.max_logical_blocks() * 4096),
+        human(g.max_data_dev_blocks() * 4096)
+    )?;
     outln!("compression     {}", s.compression)?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;

@@ -158,12 +158,33 @@ fn a_served_volume_grows_and_is_scrubbed_while_a_client_writes() {
     assert_eq!(o.status.code(), Some(1), "damage found and repaired: {}", text(&o));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     assert_eq!(j["status"]["damaged"], 1, "{j}");
-    eprintln!("served scrub: {}", j["status"]);
     assert_eq!(j["damage"][0]["repaired_from"], "content cache", "{j}");
     let stats = cmd(dir.path(), &["stats", "--json"], &vol);
     let s: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats json");
     assert_eq!(s["scrub"]["repaired"], 1, "the last scrub in the server's stats: {s}");
     assert!(s["scrub"]["finished_unix"].as_u64().is_some());
+
+    // A slow scrub, cancelled from another command: it stops early and says so.
+    let slow = {
+        let (dir, vol) = (dir.path().to_path_buf(), vol.clone());
+        std::thread::spawn(move || cmd(&dir, &["scrub", "--rate", "1", "--json"], &vol))
+    };
+    let mut cancelled = None;
+    for _ in 0..100 {
+        let s = cmd(dir.path(), &["stats", "--json"], &vol);
+        let s: serde_json::Value = serde_json::from_slice(&s.stdout).expect("stats json");
+        if s["scrub"]["running"] == true {
+            cancelled = Some(cmd(dir.path(), &["scrub", "--cancel"], &vol));
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let c = cancelled.expect("the slow scrub was seen running");
+    assert!(c.status.success(), "{}", text(&c));
+    let o = slow.join().expect("slow scrub");
+    assert_eq!(o.status.code(), Some(8), "a cancelled scrub is not a clean one: {}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(j["status"]["cancelled"], true, "{j}");
 
     assert!(srv.stop().success());
     // Served no more: the scrub opens the volume; the repair reached the device.
