@@ -18,7 +18,7 @@ pub enum VolumeCommand {
     /// Format a file or block device as a new volume.
     Format(FormatArgs),
     /// Show a volume's geometry and settings.
-    Info(OpenArgs),
+    Info(InfoArgs),
     /// Copy a file, block device or stdin (-) into the volume.
     Import(crate::copy::ImportArgs),
     /// Copy the volume's logical contents out to a file, block device, pipe or stdout (-).
@@ -37,10 +37,23 @@ pub enum VolumeCommand {
     Scrub(crate::scrub_cmd::ScrubArgs),
 }
 
+/// `info`'s arguments.
+#[derive(Args)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    vol: OpenArgs,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Args)]
 pub struct FormatArgs {
     /// File or block device.
     path: PathBuf,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
     /// Client-visible size (K/M/G/T suffixes); may exceed the physical size (thin provisioning).
     #[arg(long, value_parser = size)]
     logical_size: u64,
@@ -231,6 +244,39 @@ pub(crate) fn open_with_tier(a: &OpenArgs, read_only: bool, tier: Option<TierOpt
     v.with_context(|| format!("opening volume {}", a.path.display()))
 }
 
+/// Write-once journaling in a few lines: the journal ranges found and what sharing did.
+pub(crate) fn woj_summary(w: &dedupvol_core::WojStats) -> Vec<String> {
+    let mut out = Vec::new();
+    if w.ranges.is_empty() {
+        out.push(format!("woj ({}): no file-system journal found", w.mode));
+    }
+    for r in &w.ranges {
+        out.push(format!("woj ({}): journal at bytes {}..{} ({})", w.mode, r.offset, r.offset + r.len, human(r.len)));
+    }
+    for n in &w.notes {
+        out.push(format!("woj: {n}"));
+    }
+    out.push(format!(
+        "woj: pool {} entries of {} journal blocks ({}), {} inserted, {} jbd2 blocks skipped, {} invalidated",
+        w.pool_entries,
+        w.journal_blocks,
+        human(w.pool_bytes),
+        w.inserts,
+        w.journal_meta_blocks,
+        w.invalidations
+    ));
+    out.push(format!(
+        "woj: {} checkpoint writes shared ({} confirmed in memory, {} by a read), {} collisions, {} stale, {} not written",
+        w.hits,
+        w.confirmed_in_memory,
+        w.confirmed_by_read,
+        w.collisions,
+        w.stale,
+        human(w.bytes_not_written)
+    ));
+    out
+}
+
 pub(crate) fn human(b: u64) -> String {
     const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = b as f64;
@@ -347,6 +393,19 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         true,
     )?;
     let s = vol.stats();
+    if a.json {
+        let j = serde_json::json!({
+            "path": a.path,
+            "uuid": s.uuid,
+            "logical_size_bytes": s.logical_size_bytes,
+            "data_blocks": s.data_blocks_total,
+            "data_bytes": s.data_blocks_total * BLOCK_SIZE as u64,
+            "metadata_bytes": s.metadata_bytes,
+            "separate_metadata_device": s.separate_metadata_device,
+        });
+        outln!("{}", serde_json::to_string_pretty(&j)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     outln!(
         "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",
         a.path.display(),
@@ -360,10 +419,51 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
-    let vol = open(&a, true)?;
+fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
+    let a = &args.vol;
+    // Read-only journal discovery too: `info` says where a file system's journal is.
+    let opts = OpenOptions {
+        read_only: true,
+        io_mode: a.io,
+        index_memory_bytes: a.index_memory,
+        woj: dedupvol_core::WojMode::Auto,
+        ..OpenOptions::default()
+    };
+    let vol = Volume::open_path(&a.path, a.meta_device.as_deref(), &opts)
+        .with_context(|| format!("opening volume {}", a.path.display()))?;
     let g = vol.geometry();
     let s = vol.stats();
+    if args.json {
+        let mem = vol.memory_usage();
+        let j = serde_json::json!({
+            "path": a.path,
+            "uuid": s.uuid,
+            "logical_size_bytes": s.logical_size_bytes,
+            "logical_blocks": g.logical_blocks,
+            "data_blocks": g.data_blocks,
+            "slab_blocks": g.slab_blocks,
+            "slabs": g.slab_count(),
+            "metadata_bytes": s.metadata_bytes,
+            "separate_metadata_device": s.separate_metadata_device,
+            "journal_blocks": g.journal_blocks,
+            "block_map_pages": g.block_map_pages,
+            "refcount_pages": g.refcount_pages,
+            "compression": s.compression,
+            "dedup": s.dedup,
+            "verify": s.verify,
+            "direct_io": vol.direct_io(),
+            "write_policy": s.write_policy,
+            "index": s.index,
+            "index_capacity": s.index_capacity,
+            "index_bytes_per_entry": s.index_bytes_per_entry,
+            "index_memory_bytes": s.index_memory_bytes,
+            "woj": s.woj,
+            "memory": mem.iter().map(|(what, b)| serde_json::json!({"what": what, "bytes": b})).collect::<Vec<_>>(),
+            "rss_bytes": rss_bytes(),
+        });
+        outln!("{}", serde_json::to_string_pretty(&j)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     outln!("volume          {}", a.path.display())?;
     outln!("uuid            {}", s.uuid)?;
     outln!("logical size    {} ({} blocks)", human(s.logical_size_bytes), g.logical_blocks)?;
@@ -401,6 +501,11 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
         s.index.records_per_chapter
     )?;
     outln!("write policy    {}", s.write_policy)?;
+    if let Some(w) = &s.woj {
+        for l in woj_summary(w) {
+            outln!("{l}")?;
+        }
+    }
     let mem = vol.memory_usage();
     outln!(
         "memory          {} in engine structures (measured process RSS {})",

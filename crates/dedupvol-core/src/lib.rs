@@ -22,7 +22,8 @@
 //! - `metadata`: geometry, superblock, block map, reference counts, allocator, journal;
 //! - `io`: the storage trait and its implementations; `obs`: statistics and counters;
 //! - `tier`: the hot-chunk tier (copies of hot physical blocks on a fast device);
-//! - `check`: the offline audit and repair.
+//! - `check`: the offline audit and repair;
+//! - `woj`: write-once journaling (journal discovery, the weak-hash pool).
 
 mod check;
 mod codec;
@@ -37,6 +38,7 @@ mod pipeline;
 mod read;
 mod tier;
 mod volume;
+mod woj;
 
 pub use check::scrub::{ScrubDamage, ScrubOptions, ScrubReport, ScrubStatus};
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
@@ -54,6 +56,7 @@ pub use volume::block_status::{
 };
 pub use volume::grow::{resize_closed, resize_path, GrowReport};
 pub use volume::Volume;
+pub use woj::{JournalRange, WojMode, WojStats};
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.

@@ -118,6 +118,9 @@ pub struct Stats {
     /// The current or last scrub of this process (None: none ran).
     #[serde(default)]
     pub scrub: Option<crate::check::scrub::ScrubStatus>,
+    /// Write-once journaling of this session (None: off).
+    #[serde(default)]
+    pub woj: Option<crate::woj::WojStats>,
 }
 
 /// Figures of the fingerprint index (counters since open).

@@ -37,6 +37,7 @@ mod mapping;
 mod recovery;
 mod report;
 pub(crate) mod state;
+mod woj;
 mod write;
 
 #[cfg(test)]
@@ -82,7 +83,7 @@ pub struct Volume {
     /// Writes full staging batches in the background (None: read-only, or inline writes).
     pub(crate) writer: Option<DataWriter>,
     /// Runs the pipeline's parallel stages.
-    pub(crate) exec: CpuPool,
+    pub(crate) exec: std::sync::Arc<CpuPool>,
     pub(crate) cache: Mutex<ContentCache>,
     pub(crate) rmw: [Mutex<()>; RMW_STRIPES],
     pub(crate) io: Arc<IoCounters>,
@@ -108,6 +109,9 @@ pub struct Volume {
     pub(crate) tier_notes: Vec<String>,
     /// The current or last scrub's figures (innermost lock).
     pub(crate) scrub: Mutex<Option<crate::check::scrub::ScrubStatus>>,
+    /// Write-once journaling (None: off). Taken after the state lock, or alone; never
+    /// held across I/O.
+    pub(crate) woj: Option<Mutex<crate::woj::Woj>>,
 }
 
 impl Volume {
@@ -116,6 +120,7 @@ impl Volume {
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, data.len() as u64)?;
+        let watched = self.woj_watched(offset, data.len() as u64);
         let mut last_seq = 0u64;
         for seg in segments(offset, data.len() as u64, crate::pipeline::WRITE_BLOCKS_PER_BATCH) {
             #[expect(clippy::indexing_slicing, reason = "`segments` cuts `data.len()` bytes into segments inside it")]
@@ -123,7 +128,10 @@ impl Volume {
             let seq = if seg.whole { self.write_blocks(seg.lba, src)? } else { self.rmw(seg.lba, seg.within, src)? };
             last_seq = last_seq.max(seq);
         }
-        self.after_write(fua, last_seq)
+        self.after_write(fua, last_seq)?;
+        // A superblock or partition table was rewritten: the journal may have moved.
+        self.woj_after_write(watched);
+        Ok(())
     }
 
     /// Reads `buf.len()` bytes at byte `offset`.
