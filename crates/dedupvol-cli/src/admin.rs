@@ -7,6 +7,10 @@
 //! | request | answer |
 //! |---------|--------|
 //! | `stats` | a [`Report`]: the volume's statistics, the server's counters, the refcount histogram |
+//! | `grow [logical=BYTES] [physical=BYTES]` | a `GrowReport` (the volume grew; new connections see the size) |
+//! | `scrub [repair] [rate=BYTES_PER_SECOND]` | `{"started": true}`: a scrub runs in the background |
+//! | `scrub-status` | `{"status": ScrubStatus or null, "report": ScrubReport or null, "error": ...}`: `report` once the scrub this server ran last has finished |
+//! | `scrub-cancel` | `{"cancelled": true}` (the running scrub stops at its next chunk) |
 //! | anything else | `{"error": "..."}` |
 //!
 //! Invariants:
@@ -17,6 +21,8 @@
 //!   volume then runs without one, and says so).
 //! - Requests are bounded ([`REQUEST_BYTES_MAX`]) and answered one at a time with timeouts
 //!   (see `service`); answers read by the client are bounded ([`ANSWER_BYTES_MAX`]).
+//! - At most one scrub runs (`scrub_cmd::Jobs`); stopping the socket cancels and joins it
+//!   before the volume is closed.
 
 use crate::service::{read_line, Service};
 use anyhow::Context;
@@ -163,9 +169,18 @@ pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Servic
     };
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("restricting {}", path.display()))?;
+    let jobs = crate::scrub_cmd::Jobs::default();
     let service = Service::spawn("admin", listener, move |s| {
         let answer = match read_line(s, REQUEST_BYTES_MAX)? {
             Some(r) if r == "stats" => serde_json::to_string(&source.report()),
+            Some(r) if r.starts_with("grow") || r.starts_with("scrub") => {
+                let v = match &source.volume {
+                    None => serde_json::json!({ "error": "this server serves no volume" }),
+                    Some(vol) if r.starts_with("grow") => crate::grow_cmd::answer(vol, &r),
+                    Some(vol) => jobs.answer(vol, &r),
+                };
+                serde_json::to_string(&v)
+            }
             Some(r) => serde_json::to_string(&serde_json::json!({ "error": format!("unknown request {r:?}") })),
             None => serde_json::to_string(&serde_json::json!({ "error": "no request line" })),
         };
@@ -180,6 +195,14 @@ pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Servic
 /// Asks the server of `volume` for its report. `Ok(None)` when no server answers (no
 /// socket, or a stale one): the volume is not being served.
 pub fn query(volume: &Path) -> anyhow::Result<Option<Report>> {
+    let Some((answer, path)) = request(volume, "stats")? else { return Ok(None) };
+    let report = serde_json::from_str(&answer).with_context(|| format!("decoding the answer of {}", path.display()))?;
+    Ok(Some(report))
+}
+
+/// Sends one request line to the server of `volume` and returns its answer (and the
+/// socket's path). `Ok(None)` when no server answers; an `{"error": ...}` answer is an error.
+pub fn request(volume: &Path, line: &str) -> anyhow::Result<Option<(String, PathBuf)>> {
     // A path that cannot be looked at is nobody's volume; opening it says why.
     let Ok(path) = socket_path(volume) else { return Ok(None) };
     let mut s = match std::os::unix::net::UnixStream::connect(&path) {
@@ -190,7 +213,7 @@ pub fn query(volume: &Path) -> anyhow::Result<Option<Report>> {
     let timeout = Some(crate::service::CLIENT_TIMEOUT * 2);
     s.set_read_timeout(timeout)?;
     s.set_write_timeout(timeout)?;
-    s.write_all(b"stats\n").with_context(|| format!("asking {}", path.display()))?;
+    s.write_all(format!("{line}\n").as_bytes()).with_context(|| format!("asking {}", path.display()))?;
     let mut answer = String::new();
     (&mut s)
         .take(ANSWER_BYTES_MAX)
@@ -198,11 +221,13 @@ pub fn query(volume: &Path) -> anyhow::Result<Option<Report>> {
         .with_context(|| format!("reading {}", path.display()))?;
     if let Ok(serde_json::Value::Object(m)) = serde_json::from_str::<serde_json::Value>(&answer) {
         if let Some(e) = m.get("error") {
-            anyhow::bail!("the server at {} answered: {e}", path.display());
+            match e.as_str() {
+                Some(text) => anyhow::bail!("the server at {} answered: {text}", path.display()),
+                None => anyhow::bail!("the server at {} answered: {e}", path.display()),
+            }
         }
     }
-    let report = serde_json::from_str(&answer).with_context(|| format!("decoding the answer of {}", path.display()))?;
-    Ok(Some(report))
+    Ok(Some((answer, path)))
 }
 
 #[cfg(test)]

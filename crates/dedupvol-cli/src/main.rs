@@ -85,12 +85,14 @@ macro_rules! usage_bail {
 
 mod admin;
 mod copy;
+mod grow_cmd;
 mod interrupt;
 mod logging;
 mod memory;
 mod metrics;
 mod probe;
 mod replay;
+mod scrub_cmd;
 mod serve;
 mod serve_config;
 mod service;

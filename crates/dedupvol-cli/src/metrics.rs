@@ -265,6 +265,8 @@ fn encode_into(f: &mut Families, r: &Report) {
             ("superblock", "write", io.superblock_write),
             ("superblock", "read", io.superblock_read),
             ("tier_fill", "read", io.tier_fill_read),
+            ("scrub", "read", io.scrub_read),
+            ("scrub", "write", io.scrub_write),
         ];
         let per = |pick: fn(&dedupvol_core::IoFigure) -> u64| {
             figures
@@ -274,6 +276,21 @@ fn encode_into(f: &mut Families, r: &Report) {
         f.add("device_io_bytes", "Device bytes moved since open, by category", c, per(|x| x.bytes).collect());
         f.add("device_io_ops", "Device operations since open, by category", c, per(|x| x.ops).collect());
         f.counter("device_syncs", "Durability barriers (fdatasync) since open", io.syncs);
+        let sc = v.scrub.clone().unwrap_or_default();
+        f.gauge("scrub_running", "1 while a scrub runs", f64::from(u8::from(sc.running)));
+        f.gauge(
+            "scrub_started_timestamp_seconds",
+            "Start of the current or last scrub (0: none)",
+            sc.started_unix as f64,
+        );
+        f.gauge("scrub_blocks_read", "Data blocks the current or last scrub read", sc.blocks_read as f64);
+        f.gauge("scrub_damaged", "Damaged locations the current or last scrub found", sc.damaged as f64);
+        f.gauge("scrub_repaired", "Damaged locations the current or last scrub repaired", sc.repaired as f64);
+        f.gauge(
+            "scrub_lost_blocks",
+            "Logical blocks lost to damage the current or last scrub left",
+            sc.lost_blocks as f64,
+        );
         let t = v.tier.clone().unwrap_or_default();
         f.gauge(
             "tier_enabled",

@@ -242,6 +242,24 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     if let Some(t) = &s.tier {
         outln!("{}", tier_summary(t))?;
     }
+    if let Some(sc) = &s.scrub {
+        outln!(
+            "scrub               {} {}: {} blocks and {} metadata pages read ({}), {} damaged, {} repaired, {} logical blocks lost{}",
+            if sc.running { "running since" } else { "last, started" },
+            sc.started_unix,
+            sc.blocks_read,
+            sc.metadata_pages_read,
+            human(sc.bytes_read),
+            sc.damaged,
+            sc.repaired,
+            sc.lost_blocks,
+            if sc.running {
+                format!(", {}/{} logical blocks", sc.logical_blocks_scanned, sc.logical_blocks_total)
+            } else {
+                format!(" in {:.1} s", sc.seconds)
+            }
+        )?;
+    }
     if let Some(w) = &s.woj {
         for l in crate::volume_cmds::woj_summary(w) {
             outln!("{l}")?;

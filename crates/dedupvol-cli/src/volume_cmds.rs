@@ -28,6 +28,13 @@ pub enum VolumeCommand {
     Stats(crate::stats_cmd::StatsArgs),
     /// Audit a closed volume: reference counts, leaks, double use, checksums.
     Check(CheckArgs),
+    /// Grow a volume's logical size (also while served) or its data device (closed), or
+    /// shrink its logical size when nothing mapped is lost.
+    Grow(crate::grow_cmd::GrowArgs),
+    /// Read every stored block and metadata page and verify its checksum (a served volume
+    /// is scrubbed by its server, throttled, while it serves); --repair rewrites damaged
+    /// blocks from a good copy.
+    Scrub(crate::scrub_cmd::ScrubArgs),
 }
 
 /// `info`'s arguments.
@@ -88,6 +95,14 @@ pub struct FormatArgs {
     /// Journal size (default: 1/64 of the device, 256K..32M).
     #[arg(long, value_parser = size)]
     journal_size: Option<u64>,
+    /// Logical size the block map gets room for, so the volume can grow to it while served
+    /// (default: twice --logical-size, within about 1/64 of the metadata area).
+    #[arg(long, value_parser = size)]
+    max_logical_size: Option<u64>,
+    /// Data device size the reference counts get room for (default: four times the data
+    /// device, within the same room).
+    #[arg(long, value_parser = size)]
+    max_physical_size: Option<u64>,
     /// Overwrite an existing volume.
     #[arg(long)]
     force: bool,
@@ -299,6 +314,8 @@ impl VolumeCommand {
             VolumeCommand::Export(a) => crate::copy::export(a),
             VolumeCommand::Stats(a) => crate::stats_cmd::run(a),
             VolumeCommand::Check(a) => check(a),
+            VolumeCommand::Grow(a) => crate::grow_cmd::run(a),
+            VolumeCommand::Scrub(a) => crate::scrub_cmd::run(a),
         }
     }
 }
@@ -315,6 +332,8 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         slab_size_bytes: a.slab_size,
         verify: a.verify.parse::<DedupVerify>().map_err(crate::usage)?,
         journal_size_bytes: a.journal_size,
+        max_logical_size_bytes: a.max_logical_size,
+        max_physical_size_bytes: a.max_physical_size,
     };
     // Values wrong whatever the target: usage errors (exit 2), before the target is touched.
     opts.validate().map_err(crate::usage)?;
@@ -463,6 +482,11 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     outln!("  journal       {} blocks", g.journal_blocks)?;
     outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
     outln!("  refcounts     {} pages x 2 slots", g.refcount_pages)?;
+    outln!(
+        "  growth room   logical up to {}, data device up to {} (without moving metadata; also while served)",
+        human(g.max_logical_blocks() * 4096),
+        human(g.max_data_dev_blocks() * 4096)
+    )?;
     outln!("compression     {}", s.compression)?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;

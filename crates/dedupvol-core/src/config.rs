@@ -209,6 +209,13 @@ pub struct FormatOptions {
     pub verify: DedupVerify,
     /// Journal size; `None` picks one from the physical size.
     pub journal_size_bytes: Option<u64>,
+    /// Largest logical size the block map gets room for, so that the volume can grow to it
+    /// while served. `None`: twice the logical size, within the default room (about 1/64
+    /// of the metadata area; `GrowthRoom::default_for`).
+    pub max_logical_size_bytes: Option<u64>,
+    /// Largest data device the reference counts get room for. `None`: four times the data
+    /// device, within the default room.
+    pub max_physical_size_bytes: Option<u64>,
 }
 
 impl Default for FormatOptions {
@@ -224,6 +231,8 @@ impl Default for FormatOptions {
             slab_size_bytes: 32 << 20,
             verify: DedupVerify::Hash,
             journal_size_bytes: None,
+            max_logical_size_bytes: None,
+            max_physical_size_bytes: None,
         }
     }
 }
@@ -270,6 +279,21 @@ impl FormatOptions {
             return Err(Error::InvalidArgument(format!(
                 "slab size {slab} must be a power of two between 1 MiB and 32 GiB"
             )));
+        }
+        if let Some(m) = self.max_logical_size_bytes {
+            if m < self.logical_size_bytes || m > LOGICAL_SIZE_BYTES_MAX || !m.is_multiple_of(BLOCK_SIZE_U64) {
+                return Err(Error::InvalidArgument(format!(
+                    "maximum logical size {m} must be a multiple of 4096 between the logical size {} and {LOGICAL_SIZE_BYTES_MAX}",
+                    self.logical_size_bytes
+                )));
+            }
+        }
+        if let Some(m) = self.max_physical_size_bytes {
+            if m > LOGICAL_SIZE_BYTES_MAX {
+                return Err(Error::InvalidArgument(format!(
+                    "maximum physical size {m} exceeds {LOGICAL_SIZE_BYTES_MAX}"
+                )));
+            }
         }
         if let Some(j) = self.journal_size_bytes {
             if !((256 << 10)..=(4 << 30)).contains(&j) || j % BLOCK_SIZE_U64 != 0 {

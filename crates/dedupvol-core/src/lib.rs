@@ -40,6 +40,7 @@ mod tier;
 mod volume;
 mod woj;
 
+pub use check::scrub::{ScrubDamage, ScrubOptions, ScrubReport, ScrubStatus};
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, IndexAudit, LostRange, Problem};
 pub use config::{
     parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,
@@ -48,12 +49,13 @@ pub use config::{
 pub use dedup::index::IndexRebuild;
 pub use error::{Corruption, Error, Result};
 pub use io::{FileStorage, IoMode, MemStorage, Storage};
-pub use metadata::layout::Geometry;
+pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
+pub use volume::grow::{resize_closed, resize_path, GrowReport};
 pub use volume::Volume;
 pub use woj::{JournalRange, WojMode, WojStats};
 

@@ -311,6 +311,7 @@ impl RunConfig {
             journal_size_bytes: Some(pick(&mut r, &[256u64, 256, 512, 1024]) << 10),
             dedup_window_bytes: None,
             index_mode: if r.gen_bool(0.3) { IndexMode::Sparse } else { IndexMode::Dense },
+            ..FormatOptions::default()
         };
         let open = OpenOptions {
             read_only: false,

@@ -7,6 +7,8 @@
 //! - `repair` only changes what can be recomputed from the block map (reference counts,
 //!   counters, superblock copies); mappings to unreadable data are reported, not dropped.
 
+pub(crate) mod scrub;
+
 use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
 use crate::error::Result;
@@ -182,7 +184,7 @@ struct Damage {
 }
 
 /// A run of logical blocks whose data is lost, in bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct LostRange {
     /// First byte.
     pub offset: u64,
@@ -319,7 +321,7 @@ impl Volume {
                 OpenNote::SuperblockCopy(m) => report.problem(Problem::Open { message: m.clone() }),
             }
         }
-        let geo = self.geo;
+        let geo = self.geometry();
         let nblocks = geo.data_blocks as usize;
         let mut refs = vec![0u32; nblocks];
         let mut raw_crc: HashMap<u64, u32> = HashMap::new();
@@ -329,7 +331,7 @@ impl Volume {
         let mut counted = Counters::default();
         let mut referers: HashMap<u64, Vec<(u64, MapEntry)>> = HashMap::new();
         let mut st = self.state.lock();
-        for lba in 0..geo.logical_blocks {
+        for lba in 0..self.logical_blocks() {
             let e = match st.map.get(lba) {
                 Ok(e) => e,
                 Err(err) => {
@@ -584,7 +586,7 @@ impl Volume {
         let hit = |e: &MapEntry| lost.contains(&(e.pbn, None)) || lost.contains(&(e.pbn, e.slot()));
         let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
         let mut st = self.state.lock();
-        for lba in 0..self.geo.logical_blocks {
+        for lba in 0..self.logical_blocks() {
             // An unreadable map page was reported already; its blocks cannot be named.
             let Ok(e) = st.map.get(lba) else { continue };
             if lba % 65536 == 65535 {

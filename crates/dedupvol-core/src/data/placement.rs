@@ -13,6 +13,8 @@ use crate::config::BLOCK_SIZE_U64;
 use crate::error::{Error, Result};
 use crate::io::{Dev, IoKind};
 use crate::metadata::layout::Geometry;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// The data region: one device today, addressed by pbn.
 #[derive(Clone)]
@@ -20,24 +22,36 @@ pub(crate) struct DataDevice {
     dev: Dev,
     /// First block of the data region on `dev`.
     start: u64,
-    /// Physical blocks in the data region.
-    blocks: u64,
+    /// Physical blocks in the data region (shared by every clone; only grows).
+    blocks: Arc<AtomicU64>,
 }
 
 impl DataDevice {
     pub(crate) fn new(dev: Dev, geo: &Geometry) -> Self {
-        DataDevice { dev, start: geo.data_start, blocks: geo.data_blocks }
+        DataDevice { dev, start: geo.data_start, blocks: Arc::new(AtomicU64::new(geo.data_blocks)) }
+    }
+
+    /// Physical blocks in the data region now.
+    pub(crate) fn blocks(&self) -> u64 {
+        self.blocks.load(Ordering::Acquire)
+    }
+
+    /// A grow: the data region now holds `blocks` blocks (never fewer).
+    pub(crate) fn grow(&self, blocks: u64) {
+        let before = self.blocks.fetch_max(blocks, Ordering::AcqRel);
+        assert!(before <= blocks, "the data region never shrinks ({before} -> {blocks})");
     }
 
     /// Byte offset of the run `pbn..pbn + n` on its device, after checking that the
     /// whole run lies in the data region.
     fn locate(&self, pbn: u64, n: u64, what: &'static str) -> Result<u64> {
+        let blocks = self.blocks();
         match pbn.checked_add(n) {
-            Some(end) if end <= self.blocks => Ok((self.start + pbn) * BLOCK_SIZE_U64),
+            Some(end) if end <= blocks => Ok((self.start + pbn) * BLOCK_SIZE_U64),
             _ => Err(Error::corruption(
                 what,
                 pbn,
-                format!("a physical block below {}", self.blocks),
+                format!("a physical block below {blocks}"),
                 format!("blocks {pbn}..{}", pbn.saturating_add(n)),
             )),
         }
@@ -45,7 +59,7 @@ impl DataDevice {
 
     /// True when `pbn` is a data block.
     pub(crate) fn contains(&self, pbn: u64) -> bool {
-        pbn < self.blocks
+        pbn < self.blocks()
     }
 
     /// Reads whole blocks starting at `pbn` into `buf` (a multiple of the block size).

@@ -235,6 +235,14 @@ impl Deduper {
         }
     }
 
+    /// A grow: the data region now holds `data_blocks` blocks (new ones at stamp 0).
+    pub(crate) fn grow(&mut self, data_blocks: u64) {
+        if let Some(s) = self.stamps.as_mut() {
+            assert!(s.len() as u64 <= data_blocks, "the data region never shrinks");
+            s.resize(data_blocks as usize, 0);
+        }
+    }
+
     /// True when `pbn` was found damaged and not freed since: nothing may be shared onto
     /// it (write-once journaling asks too).
     pub(crate) fn is_damaged(&self, pbn: u64) -> bool {

@@ -69,6 +69,10 @@ impl Dev {
     pub fn len(&self) -> u64 {
         self.inner.len()
     }
+    /// Looks the device's size up again (see `Storage::refresh_len`).
+    pub fn refresh_len(&self) -> u64 {
+        self.inner.refresh_len()
+    }
     /// True when data bypasses the kernel page cache.
     pub fn is_direct(&self) -> bool {
         self.inner.is_direct()

@@ -32,7 +32,8 @@ pub struct FileStorage {
     prealloc: Option<Vec<AtomicU64>>,
     /// `IoMode::ReadCached`: `read_cached_at` reads through `file` (the page cache).
     cached_reads: bool,
-    len: u64,
+    /// Size in bytes; only grows (`refresh_len`).
+    len: AtomicU64,
     name: String,
 }
 
@@ -114,7 +115,14 @@ impl FileStorage {
             // SAFETY: plain syscall on an fd this function owns; no memory is passed. Advisory.
             unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_RANDOM) };
         }
-        Ok(FileStorage { file, direct, prealloc, cached_reads, len, name: path.display().to_string() })
+        Ok(FileStorage {
+            file,
+            direct,
+            prealloc,
+            cached_reads,
+            len: AtomicU64::new(len),
+            name: path.display().to_string(),
+        })
     }
 
     /// Allocates (as unwritten extents, which read as zeros) the regions of a sparse
@@ -134,7 +142,7 @@ impl FileStorage {
                 continue;
             }
             let start = r * PREALLOC_REGION_BYTES;
-            let n = PREALLOC_REGION_BYTES.min(self.len.saturating_sub(start));
+            let n = PREALLOC_REGION_BYTES.min(self.len.load(Ordering::Relaxed).saturating_sub(start));
             if let (Ok(o), Ok(n)) = (i64::try_from(start), i64::try_from(n)) {
                 use std::os::fd::AsRawFd;
                 // SAFETY: plain syscall on an fd this struct owns; no memory is passed. Mode
@@ -443,7 +451,13 @@ impl Storage for FileStorage {
         }
     }
     fn len(&self) -> u64 {
-        self.len
+        self.len.load(Ordering::Relaxed)
+    }
+    fn refresh_len(&self) -> u64 {
+        if let Ok(now) = device_len(&self.file, Path::new(&self.name)) {
+            self.len.fetch_max(now, Ordering::Relaxed);
+        }
+        self.len()
     }
     fn name(&self) -> String {
         self.name.clone()

@@ -60,6 +60,11 @@ pub trait Storage: Send + Sync {
     fn drop_cached(&self, _offset: u64, _len: u64) {}
     /// Size of the device in bytes.
     fn len(&self) -> u64;
+    /// Looks the size up again (a file extended while open, as a grow does) and returns
+    /// it; `len` reports it from then on. Devices whose size is fixed return `len`.
+    fn refresh_len(&self) -> u64 {
+        self.len()
+    }
     /// True when the device has no bytes.
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -159,6 +164,9 @@ impl<T: Storage + ?Sized> Storage for Arc<T> {
     }
     fn len(&self) -> u64 {
         (**self).len()
+    }
+    fn refresh_len(&self) -> u64 {
+        (**self).refresh_len()
     }
     fn name(&self) -> String {
         (**self).name()

@@ -57,6 +57,26 @@ impl Allocator {
         a
     }
 
+    /// A grow: blocks `data_blocks..new_blocks` join the data region, free (the last
+    /// slab, if it was short, fills up; new slabs follow).
+    pub fn grow(&mut self, new_blocks: u64) {
+        assert!(new_blocks >= self.data_blocks, "the data region never shrinks");
+        let old = self.data_blocks;
+        self.busy.resize(new_blocks.div_ceil(64) as usize, 0);
+        self.slab_free.resize(new_blocks.div_ceil(self.slab_blocks) as usize, 0);
+        let mut pbn = old;
+        while pbn < new_blocks {
+            let slab = pbn / self.slab_blocks;
+            let end = ((slab + 1) * self.slab_blocks).min(new_blocks);
+            if let Some(f) = self.slab_free.get_mut(slab as usize) {
+                *f += end - pbn;
+            }
+            self.free_total += end - pbn;
+            pbn = end;
+        }
+        self.data_blocks = new_blocks;
+    }
+
     fn is_busy(&self, pbn: u64) -> bool {
         self.busy.get((pbn / 64) as usize).is_some_and(|w| w & (1 << (pbn % 64)) != 0)
     }

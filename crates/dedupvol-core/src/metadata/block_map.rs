@@ -298,6 +298,14 @@ impl BlockMap {
         Ok(p)
     }
 
+    /// A grow: the block map now covers `logical_blocks` in `pages` pages (never fewer).
+    pub fn set_logical_blocks(&mut self, logical_blocks: u64, pages: u64) {
+        assert!(pages >= self.geo.block_map_pages, "block map pages never decrease");
+        assert!(pages * BM_ENTRIES_PER_PAGE >= logical_blocks, "block map pages must cover the logical size");
+        self.geo.logical_blocks = logical_blocks;
+        self.geo.block_map_pages = pages;
+    }
+
     /// The mapping of `lba`.
     pub fn get(&mut self, lba: u64) -> Result<MapEntry> {
         let (page, off) = self.locate(lba)?;

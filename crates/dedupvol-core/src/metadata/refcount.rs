@@ -48,6 +48,21 @@ pub struct Refcounts {
 }
 
 impl Refcounts {
+    /// A grow: the data region is now `geo.data_blocks` blocks in `geo.refcount_pages`
+    /// pages (never fewer). The new blocks have no references; the new pages were never
+    /// written (their slots read as empty), so they are clean.
+    pub fn grow(&mut self, geo: Geometry) {
+        assert!(geo.data_blocks >= self.geo.data_blocks && geo.refcount_pages >= self.geo.refcount_pages);
+        assert!(geo.refcount_pages * RC_ENTRIES_PER_PAGE >= geo.data_blocks);
+        self.count.resize(geo.data_blocks as usize, 0);
+        self.frags.resize(geo.data_blocks as usize, 0);
+        let pages = geo.refcount_pages as usize;
+        self.page_seq.resize(pages, 0);
+        self.page_dirty.resize(pages, false);
+        self.latest_slot.resize(pages, None);
+        self.geo = geo;
+    }
+
     /// Loads every refcount page from `meta`.
     pub fn load(geo: Geometry, uuid_lo: u64, meta: Dev) -> Result<Self> {
         let n = geo.data_blocks as usize;

@@ -22,6 +22,8 @@ pub enum IoKind {
     Superblock,
     /// Data blocks read to fill or validate the hot-chunk tier.
     TierFill,
+    /// Data blocks and metadata pages read by a scrub, and blocks its repair rewrote.
+    Scrub,
 }
 
 /// Bytes and operations for one category and direction.
@@ -69,6 +71,8 @@ pub struct IoCounters {
     superblock_write: IoCounter,
     superblock_read: IoCounter,
     tier_fill_read: IoCounter,
+    scrub_read: IoCounter,
+    scrub_write: IoCounter,
     pub(crate) syncs: AtomicU64,
 }
 
@@ -89,6 +93,8 @@ impl IoCounters {
             (IoKind::Superblock, true) => &self.superblock_write,
             (IoKind::Superblock, false) => &self.superblock_read,
             (IoKind::TierFill, _) => &self.tier_fill_read,
+            (IoKind::Scrub, false) => &self.scrub_read,
+            (IoKind::Scrub, true) => &self.scrub_write,
         }
     }
 
@@ -109,6 +115,8 @@ impl IoCounters {
             superblock_write: self.superblock_write.snapshot(),
             superblock_read: self.superblock_read.snapshot(),
             tier_fill_read: self.tier_fill_read.snapshot(),
+            scrub_read: self.scrub_read.snapshot(),
+            scrub_write: self.scrub_write.snapshot(),
             syncs: self.syncs.load(Ordering::Relaxed),
         }
     }
@@ -145,6 +153,12 @@ pub struct IoStats {
     pub superblock_read: IoFigure,
     /// Data blocks read from the data device to fill or validate the hot-chunk tier.
     pub tier_fill_read: IoFigure,
+    /// Data blocks and metadata pages read by scrubs.
+    #[serde(default)]
+    pub scrub_read: IoFigure,
+    /// Data blocks rewritten by scrub repairs.
+    #[serde(default)]
+    pub scrub_write: IoFigure,
     /// Durability barriers (fdatasync) issued, all devices.
     pub syncs: u64,
 }

@@ -115,6 +115,9 @@ pub struct Stats {
     /// The hot-chunk tier of this session (None: no tier configured or it could not be
     /// opened).
     pub tier: Option<TierStats>,
+    /// The current or last scrub of this process (None: none ran).
+    #[serde(default)]
+    pub scrub: Option<crate::check::scrub::ScrubStatus>,
     /// Write-once journaling of this session (None: off).
     #[serde(default)]
     pub woj: Option<crate::woj::WojStats>,

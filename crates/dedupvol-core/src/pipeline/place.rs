@@ -172,7 +172,7 @@ impl Volume {
         }
         Err(Error::NoSpace(format!(
             "all {} data blocks are in use ({} await a flush to be reused)",
-            self.geo.data_blocks,
+            self.data.blocks(),
             st.alloc.pending_len()
         )))
     }

@@ -198,7 +198,7 @@ impl Volume {
                 return Err(Error::corruption(
                     "block map entry of logical block",
                     lba0 + i as u64,
-                    format!("a physical block below {}", self.geo.data_blocks),
+                    format!("a physical block below {}", self.data.blocks()),
                     format!("physical block {}", e.pbn),
                 ));
             }

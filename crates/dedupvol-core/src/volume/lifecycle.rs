@@ -23,7 +23,7 @@ use crate::dedup::Deduper;
 use crate::error::{Error, Result};
 use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, Storage};
 use crate::metadata::allocator::Allocator;
-use crate::metadata::layout::Geometry;
+use crate::metadata::layout::{Geometry, GrowthRoom};
 use crate::metadata::superblock::Superblock;
 use crate::obs::stats::{LifetimeCounters, ReductionCounters};
 use crate::pipeline::executor::CpuPool;
@@ -33,6 +33,9 @@ use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+
+/// A volume's data device and, when it has one, its metadata device.
+pub(crate) type Devices = (Arc<dyn Storage>, Option<Arc<dyn Storage>>);
 
 /// Something opening the volume noticed, for `check`.
 #[derive(Debug, Clone)]
@@ -113,14 +116,31 @@ impl Volume {
             }
         }
         let window_blocks = window_blocks(opts, data.len() / BLOCK_SIZE_U64);
-        let geo = Geometry::compute(
-            opts.logical_size_bytes / BLOCK_SIZE_U64,
-            data.len(),
-            meta.as_ref().map(|m| m.len()),
-            opts.slab_size_bytes / BLOCK_SIZE_U64,
-            opts.journal_size_bytes,
-            RingLayout::blocks_for_window(window_blocks, opts.index_mode),
-        )?;
+        let logical_blocks = opts.logical_size_bytes / BLOCK_SIZE_U64;
+        let layout = |room| {
+            Geometry::compute_with_room(
+                logical_blocks,
+                data.len(),
+                meta.as_ref().map(|m| m.len()),
+                opts.slab_size_bytes / BLOCK_SIZE_U64,
+                opts.journal_size_bytes,
+                RingLayout::blocks_for_window(window_blocks, opts.index_mode),
+                room,
+            )
+        };
+        let default_room = GrowthRoom::default_for(
+            logical_blocks,
+            data.len() / BLOCK_SIZE_U64,
+            meta.as_ref().map(|m| m.len() / BLOCK_SIZE_U64),
+        );
+        let geo = match (opts.max_logical_size_bytes, opts.max_physical_size_bytes) {
+            // Room asked for must fit, or the format fails.
+            (None, None) => layout(default_room).or_else(|_| layout(GrowthRoom::NONE))?,
+            (l, p) => layout(GrowthRoom {
+                max_logical_blocks: l.map_or(default_room.max_logical_blocks, |b| b / BLOCK_SIZE_U64),
+                max_data_dev_blocks: p.map_or(default_room.max_data_dev_blocks, |b| b / BLOCK_SIZE_U64),
+            })?,
+        };
         let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode)
             .map_or(0, |r| Index::memory_wanted(opts.index_mode, &r));
         if memory > opts.index_memory_bytes {
@@ -182,6 +202,13 @@ impl Volume {
     /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
     /// `meta_device` overrides it.
     pub fn open_path(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Volume> {
+        let (data, meta) = Self::devices_at(path, meta_device, opts)?;
+        Self::open(data, meta, opts)
+    }
+
+    /// The data device at `path` and the metadata device (`meta_device`, else the path
+    /// recorded at format), opened as `opts` says.
+    pub(crate) fn devices_at(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Devices> {
         let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
         let sb = {
             let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
@@ -210,7 +237,7 @@ impl Volume {
             Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, mode)?)),
             None => None,
         };
-        Self::open(data, meta, opts)
+        Ok((data, meta))
     }
 
     /// Opens a volume, replaying the journal if it was not closed cleanly:
@@ -274,6 +301,7 @@ impl Volume {
             data,
             meta,
             geo,
+            logical_blocks: std::sync::atomic::AtomicU64::new(geo.logical_blocks),
             policy: opts.write_policy.unwrap_or(sb.write_policy),
             dedup: sb.dedup,
             compression: sb.compression,
@@ -294,6 +322,7 @@ impl Volume {
             open_notes: notes,
             tier,
             tier_notes,
+            scrub: Mutex::new(None),
         };
         // After recovery, before any write: the journal of a file system already there.
         v.woj_discover();
@@ -334,7 +363,7 @@ impl Volume {
     }
 
     /// The metadata device when it is not the data device.
-    fn separate_meta(&self) -> Option<&Dev> {
+    pub(crate) fn separate_meta(&self) -> Option<&Dev> {
         (self.geo.meta_dev_blocks > 0).then_some(&self.meta)
     }
 }
@@ -357,7 +386,7 @@ fn window_blocks(opts: &FormatOptions, data_dev_blocks: u64) -> u64 {
 
 /// Reads the superblocks of the data device and, when the volume has one, the metadata
 /// device, and checks that they belong together and are large enough.
-fn open_devices(
+pub(crate) fn open_devices(
     data: Arc<dyn Storage>,
     meta: Option<Arc<dyn Storage>>,
     io: &Arc<IoCounters>,

@@ -30,8 +30,9 @@
 
 pub(crate) mod block_status;
 mod commit;
+pub(crate) mod grow;
 mod lifecycle;
-pub(crate) use lifecycle::OpenNote;
+pub(crate) use lifecycle::{uuid_lo, OpenNote};
 mod mapping;
 mod recovery;
 mod report;
@@ -57,7 +58,7 @@ use crate::read::cache::ContentCache;
 use crate::tier::Tier;
 use parking_lot::Mutex;
 use state::State;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Stripes of the read-modify-write lock (unaligned writes to one block are serialised).
@@ -67,7 +68,12 @@ const RMW_STRIPES: usize = 64;
 pub struct Volume {
     pub(crate) data: DataDevice,
     pub(crate) meta: Dev,
+    /// The geometry at open: its region starts and slab size hold for the volume's life; the
+    /// sizes a grow changes are read from `logical_blocks`, `DataDevice::blocks` and `sb`.
     pub(crate) geo: Geometry,
+    /// Logical blocks exported now: `geo.logical_blocks` until a grow (`Volume::grow`)
+    /// raises it, after the superblock names the new size.
+    pub(crate) logical_blocks: AtomicU64,
     pub(crate) sb: Mutex<Superblock>,
     pub(crate) state: Mutex<State>,
     pub(crate) commit_lock: Mutex<()>,
@@ -101,6 +107,8 @@ pub struct Volume {
     pub(crate) tier: Option<Tier>,
     /// Why the tier is not used, or was re-initialised, at open.
     pub(crate) tier_notes: Vec<String>,
+    /// The current or last scrub's figures (innermost lock).
+    pub(crate) scrub: Mutex<Option<crate::check::scrub::ScrubStatus>>,
     /// Write-once journaling (None: off). Taken after the state lock, or alone; never
     /// held across I/O.
     pub(crate) woj: Option<Mutex<crate::woj::Woj>>,
@@ -217,9 +225,14 @@ impl Volume {
         self.data.dev().is_direct()
     }
 
-    /// Logical size in bytes.
+    /// Logical size in bytes (read per NBD connection: a grow shows at the next connect).
     pub fn logical_size(&self) -> u64 {
-        self.geo.logical_blocks * BLOCK_SIZE_U64
+        self.logical_blocks() * BLOCK_SIZE_U64
+    }
+
+    /// Logical blocks exported now.
+    pub(crate) fn logical_blocks(&self) -> u64 {
+        self.logical_blocks.load(Ordering::Acquire)
     }
 
     /// The write policy in effect.
@@ -232,9 +245,9 @@ impl Volume {
         self.sb.lock().meta_path.clone()
     }
 
-    /// The volume's geometry.
+    /// The volume's geometry now (a grow changes it).
     pub fn geometry(&self) -> Geometry {
-        self.geo
+        self.sb.lock().geometry
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {

@@ -16,7 +16,7 @@ impl Volume {
     /// Memory held by the volume's structures now, in bytes, by structure.
     pub fn memory_usage(&self) -> Vec<(&'static str, u64)> {
         let st = self.state.lock();
-        let blocks = self.geo.data_blocks;
+        let blocks = self.data.blocks();
         let mut v = vec![
             ("reference + fragment counts", 2 * blocks),
             ("allocator bitmap", blocks.div_ceil(64) * 8),
@@ -48,7 +48,7 @@ impl Volume {
         st.alloc.audit(st.rc.counts(), &st.packer.open_pbns())?;
         // Every mapping's content, read from the device (or memory when unwritten), must
         // match its checksum: the cache must never hide a divergence.
-        for lba in 0..self.geo.logical_blocks {
+        for lba in 0..self.logical_blocks() {
             let e = st.map.get(lba).map_err(|e| e.to_string())?;
             if !e.is_data() {
                 continue;
@@ -90,7 +90,7 @@ impl Volume {
         st.alloc.audit(st.rc.counts(), &st.packer.open_pbns()).map_err(named("allocator"))?;
         st.packer.audit().map_err(named("packer"))?;
         st.staging.audit().map_err(named("staging"))?;
-        st.dedup.audit(self.geo.data_blocks).map_err(named("dedup index"))?;
+        st.dedup.audit(self.data.blocks()).map_err(named("dedup index"))?;
         // Innermost lock (volume lock order): taken alone under the state lock.
         self.cache.lock().audit().map_err(named("content cache"))?;
         if let Some(t) = &self.tier {
@@ -125,10 +125,10 @@ impl Volume {
             logical_size_bytes: self.logical_size(),
             logical_bytes_used: logical_used,
             physical_size_bytes: self.data.dev().len(),
-            data_blocks_total: self.geo.data_blocks,
+            data_blocks_total: self.data.blocks(),
             data_blocks_used: used,
             physical_data_bytes_used: physical_used,
-            metadata_bytes: self.geo.metadata_bytes(),
+            metadata_bytes: sb.geometry.metadata_bytes(),
             separate_metadata_device: self.geo.meta_dev_blocks > 0,
             reduction_ratio: if physical_used == 0 { 0.0 } else { logical_used as f64 / physical_used as f64 },
             savings: Savings {
@@ -150,6 +150,7 @@ impl Volume {
             write_policy: self.policy,
             io: self.io.snapshot(),
             tier: self.tier.as_ref().map(|t| t.stats()),
+            scrub: self.scrub_status(),
             woj: self.woj.as_ref().map(|w| w.lock().snapshot()),
         }
     }
