@@ -3,8 +3,8 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use dedupvol_core::{
-    parse_size, Compression, DedupVerify, FormatOptions, IoMode, OpenOptions, TierOptions, TierStats, Volume,
-    WritePolicy, BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
+    parse_size, DedupVerify, FormatOptions, IoMode, OpenOptions, TierOptions, TierStats, Volume, WritePolicy,
+    BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
@@ -43,8 +43,9 @@ pub struct FormatArgs {
     /// Put the journal, block map and reference counts on this (fast) device.
     #[arg(long)]
     meta_device: Option<PathBuf>,
-    /// Compressor: lz4, zstd or none.
-    #[arg(long, default_value = "lz4")]
+    /// Compressor: zstd (level 1), zstd:LEVEL (-7..=19; higher is smaller and slower),
+    /// lz4 (the fast option) or none.
+    #[arg(long, default_value = "zstd")]
     compression: String,
     /// Deduplicate: on or off.
     #[arg(long, default_value = "on")]
@@ -258,9 +259,11 @@ impl VolumeCommand {
 }
 
 fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
+    let (compression, compression_level) = dedupvol_core::parse_compression(&a.compression).map_err(crate::usage)?;
     let opts = FormatOptions {
         logical_size_bytes: a.logical_size,
-        compression: a.compression.parse::<Compression>().map_err(crate::usage)?,
+        compression,
+        compression_level,
         dedup: on_off(&a.dedup)?,
         index_memory_bytes: a.index_memory,
         dedup_window_bytes: a.dedup_window,
@@ -363,7 +366,7 @@ fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
     outln!("  journal       {} blocks", g.journal_blocks)?;
     outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
     outln!("  refcounts     {} pages x 2 slots", g.refcount_pages)?;
-    outln!("compression     {}", s.compression)?;
+    outln!("compression     {}", dedupvol_core::compression_name(s.compression, s.compression_level))?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;
     outln!(

@@ -42,6 +42,7 @@ pub(crate) fn verify_and_compress(
     data: &DataDevice,
     cache: &Mutex<ContentCache>,
     compression: Compression,
+    level: i8,
     buf: &[u8],
     plans: &mut [Plan],
 ) {
@@ -52,7 +53,7 @@ pub(crate) fn verify_and_compress(
             d.cand.verified = verify::by_read(data, cache, loc, c);
         }
         if !d.cand.verified {
-            d.frag = packer::compress(compression, c);
+            d.frag = packer::compress(compression, level, c);
             if d.frag.is_none() {
                 d.raw = Some(Block::from(c));
             }

@@ -81,7 +81,15 @@ impl Volume {
             st.dedup.generation()
         };
         // 3. Verification reads and compression (no lock; parallel).
-        reduce::verify_and_compress(&self.exec, &self.data, &self.cache, self.compression, buf, &mut plans);
+        reduce::verify_and_compress(
+            &self.exec,
+            &self.data,
+            &self.cache,
+            self.compression,
+            self.compression_level,
+            buf,
+            &mut plans,
+        );
         // 4. Claim or place, stage, journal and apply (state lock).
         let mut st = self.state.lock();
         match self.place_batch(&mut st, lba0, buf, &mut plans, looked_up_at) {
