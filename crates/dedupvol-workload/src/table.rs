@@ -117,7 +117,7 @@ pub fn render_bench(r: &BenchReport) -> String {
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
         "volume: {} compression, {} write policy, {} duplicate verification, {} I/O, {} MiB content cache ({}), {} writers, final flush inside the clock, index memory populated before it\n\n",
-        r.options.compression,
+        dedupvol_core::compression_name(r.options.compression, r.options.compression_level),
         r.options.write_policy,
         r.options.verify,
         r.options.io_mode,
