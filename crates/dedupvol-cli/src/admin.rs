@@ -62,8 +62,11 @@ pub struct Report {
 pub struct Source {
     /// The volume (None for a RAM disk).
     pub volume: Option<Arc<Volume>>,
-    /// The server's counters.
+    /// The export's counters (requests, its connections).
     pub metrics: Arc<ServerMetrics>,
+    /// The server's own counters (connections refused at the limit); the same as
+    /// `metrics` for a server of one export.
+    pub server_metrics: Arc<ServerMetrics>,
     /// Export name.
     pub export: String,
     /// Client address.
@@ -73,12 +76,21 @@ pub struct Source {
 }
 
 impl Source {
+    /// The export's NBD figures, with the server's refusals (not any export's).
+    pub fn server_snapshot(&self) -> ServerMetricsSnapshot {
+        let mut snap = self.metrics.snapshot();
+        if !Arc::ptr_eq(&self.metrics, &self.server_metrics) {
+            snap.connections_refused = self.server_metrics.snapshot().connections_refused;
+        }
+        snap
+    }
+
     /// A report as of now.
     pub fn report(&self) -> Report {
         Report {
             volume: self.volume.as_ref().map(|v| v.stats()),
             refcount_histogram: self.volume.as_ref().map(|v| v.refcount_histogram()).unwrap_or_default(),
-            server: self.metrics.snapshot(),
+            server: self.server_snapshot(),
             export: self.export.clone(),
             address: self.address.clone(),
             pid: std::process::id(),
@@ -140,9 +152,8 @@ pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Servic
     let listener = match Listener::bind(&ListenAddr::Unix(path.clone())) {
         Ok(l) => l,
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-            let _ = writeln!(
-                io::stderr(),
-                "dedupvol: warning: another server of {} answers on its admin socket {}; this one has none",
+            tracing::warn!(
+                "another server of {} answers on its admin socket {}; this one has none",
                 volume_path.display(),
                 path.display()
             );

@@ -52,6 +52,9 @@ pub struct ImportArgs {
     input_offset: u64,
     #[command(flatten)]
     tier: crate::volume_cmds::TierArgs,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -68,6 +71,9 @@ pub struct ExportArgs {
     /// logical byte ranges at the end (exit status 1 when any were lost).
     #[arg(long)]
     skip_bad: bool,
+    /// Print the result as JSON (on stderr when the data goes to stdout).
+    #[arg(long)]
+    json: bool,
 }
 
 /// What identifies a file for "is it the volume itself": a device node names the device
@@ -230,6 +236,18 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
             a.file.display()
         );
         return Ok(ExitCode::from(u8::try_from(128 + sig).unwrap_or(1)));
+    }
+    if a.json {
+        let j = serde_json::json!({
+            "bytes": copied,
+            "seconds": secs,
+            "mb_per_s": copied as f64 / secs.max(1e-9) / 1e6,
+            "logical_bytes_used": s.logical_bytes_used,
+            "physical_data_bytes_used": s.physical_data_bytes_used,
+            "reduction_ratio": s.reduction_ratio,
+        });
+        outln!("{}", serde_json::to_string_pretty(&j)?)?;
+        return Ok(ExitCode::SUCCESS);
     }
     outln!(
         "imported {} in {:.2}s ({:.1} MB/s); volume now {} logical in {} physical (ratio {})",
@@ -429,6 +447,29 @@ pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
     }
     pb.finish_and_clear();
     let mut lost = lost.into_inner().unwrap_or_else(|e| e.into_inner());
+    lost.sort_unstable();
+    if a.json {
+        let ranges: Vec<serde_json::Value> = merge_runs(&lost)
+            .into_iter()
+            .map(|(first, count)| {
+                serde_json::json!({"offset": first * BLOCK_SIZE as u64, "len": count * BLOCK_SIZE as u64})
+            })
+            .collect();
+        let j = serde_json::json!({
+            "bytes": size,
+            "destination": out_name,
+            "lost_blocks": lost.len(),
+            "lost_ranges": ranges,
+        });
+        let text = serde_json::to_string_pretty(&j)?;
+        // The data itself may be on stdout.
+        if to_stdout {
+            eprintln!("{text}");
+        } else {
+            outln!("{text}")?;
+        }
+        return Ok(if lost.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) });
+    }
     let summary = format!("exported {} to {out_name}", human(size));
     // The data itself may be on stdout.
     if to_stdout {
@@ -439,7 +480,6 @@ pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
     if lost.is_empty() {
         return Ok(ExitCode::SUCCESS);
     }
-    lost.sort_unstable();
     let ranges = merge_runs(&lost);
     eprintln!(
         "dedupvol: export: {} unreadable blocks ({}) were written as zeros; lost logical byte ranges:",

@@ -86,11 +86,13 @@ macro_rules! usage_bail {
 mod admin;
 mod copy;
 mod interrupt;
+mod logging;
 mod memory;
 mod metrics;
 mod probe;
 mod replay;
 mod serve;
+mod serve_config;
 mod service;
 mod stats_cmd;
 mod trace_cmds;
@@ -114,6 +116,57 @@ enum Command {
     Workload(workload_cmds::WorkloadCommand),
     #[command(flatten)]
     Trace(trace_cmds::TraceCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages: dedupvol(1) and one per subcommand (dedupvol-serve(1), ...) into
+    /// DIR, or dedupvol(1) alone on stdout.
+    Man {
+        /// Directory to write the pages into (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<std::path::PathBuf>,
+    },
+}
+
+/// `dedupvol completions SHELL`.
+fn completions(shell: clap_complete::Shell) -> anyhow::Result<ExitCode> {
+    use clap::CommandFactory;
+    let mut cmd = Cli::command();
+    let mut out = Vec::new();
+    clap_complete::generate(shell, &mut cmd, "dedupvol", &mut out);
+    out!("{}", String::from_utf8_lossy(&out))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `dedupvol man [--out-dir DIR]`.
+fn man_pages(out_dir: Option<std::path::PathBuf>) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+    use clap::CommandFactory;
+    let cmd = Cli::command();
+    let Some(dir) = out_dir else {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(cmd).render(&mut page)?;
+        out!("{}", String::from_utf8_lossy(&page))?;
+        return Ok(ExitCode::SUCCESS);
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut written = Vec::new();
+    let mut pages = vec![(String::from("dedupvol"), cmd.clone())];
+    for sub in cmd.get_subcommands() {
+        let name = format!("dedupvol-{}", sub.get_name());
+        pages.push((name.clone(), sub.clone().name(name)));
+    }
+    for (name, c) in pages {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(c).render(&mut page)?;
+        let path = dir.join(format!("{name}.1"));
+        std::fs::write(&path, page).with_context(|| format!("writing {}", path.display()))?;
+        written.push(path);
+    }
+    outln!("wrote {} man pages to {}", written.len(), dir.display())?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The error and its causes on one line, each cause once: many errors (the engine's I/O
@@ -151,6 +204,8 @@ fn main() -> ExitCode {
         Command::Serve(c) => c.run(),
         Command::Workload(c) => c.run(),
         Command::Trace(c) => c.run(),
+        Command::Completions { shell } => completions(shell),
+        Command::Man { out_dir } => man_pages(out_dir),
     };
     match result {
         Ok(code) => code,

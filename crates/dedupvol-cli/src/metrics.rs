@@ -1,9 +1,10 @@
 //! `serve --metrics ADDR`: the server's and the volume's figures as OpenMetrics text (the
 //! format Prometheus scrapes) at `http://ADDR/metrics`, encoded with `prometheus-client`.
 //!
-//! Each scrape takes one [`Report`] (the same the admin socket gives `dedupvol stats`) and
-//! encodes it: the engine keeps its own counters, so nothing here counts anything, and a
-//! scrape costs one statistics snapshot and one pass over the reference counts.
+//! Each scrape takes one [`Report`] per export (the same the admin socket gives `dedupvol
+//! stats`) and encodes them (with several exports, every series labelled `export="NAME"`): the engine keeps its
+//! own counters, so nothing here counts anything, and a scrape costs one statistics
+//! snapshot and one pass over the reference counts per volume.
 //!
 //! Series (all prefixed `dedupvol_`; docs/nbd.md lists them with their labels):
 //! space (`logical_size_bytes`, `logical_used_bytes`, `physical_size_bytes`,
@@ -100,12 +101,40 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect()
 }
 
-/// Collects families and registers them under the `dedupvol` prefix.
-struct Families(Registry);
+/// A counter or gauge family being collected: name, help, type, samples.
+type SampledFamily = (String, String, MetricType, Vec<(Labels, f64)>);
+
+/// Collects families, each series labelled with its export, and registers them under
+/// the `dedupvol` prefix at the end (a family several exports report is registered once,
+/// with every export's samples).
+#[derive(Default)]
+struct Families {
+    sampled: Vec<SampledFamily>,
+    histograms: Vec<(String, String, Vec<HistogramSample>)>,
+    /// The export whose figures are being added (None: server-wide figures, unlabelled).
+    export: Option<String>,
+}
 
 impl Families {
+    fn label(&self, mut l: Labels) -> Labels {
+        if let Some(e) = &self.export {
+            l.insert(0, ("export".to_string(), e.clone()));
+        }
+        l
+    }
     fn add(&mut self, name: &str, help: &str, kind: MetricType, samples: Vec<(Labels, f64)>) {
-        self.0.register(name, help, Sampled { kind, samples });
+        let samples: Vec<(Labels, f64)> = samples.into_iter().map(|(l, v)| (self.label(l), v)).collect();
+        match self.sampled.iter_mut().find(|f| f.0 == name) {
+            Some(f) => f.3.extend(samples),
+            None => self.sampled.push((name.to_string(), help.to_string(), kind, samples)),
+        }
+    }
+    fn histogram(&mut self, name: &str, help: &str, samples: Vec<HistogramSample>) {
+        let samples: Vec<HistogramSample> = samples.into_iter().map(|(l, s, b)| (self.label(l), s, b)).collect();
+        match self.histograms.iter_mut().find(|f| f.0 == name) {
+            Some(f) => f.2.extend(samples),
+            None => self.histograms.push((name.to_string(), help.to_string(), samples)),
+        }
     }
     fn gauge(&mut self, name: &str, help: &str, v: f64) {
         self.add(name, help, MetricType::Gauge, vec![(Vec::new(), v)]);
@@ -113,13 +142,46 @@ impl Families {
     fn counter(&mut self, name: &str, help: &str, v: u64) {
         self.add(name, help, MetricType::Counter, vec![(Vec::new(), v as f64)]);
     }
+    fn text(self) -> String {
+        let mut registry = Registry::with_prefix("dedupvol");
+        for (name, help, kind, samples) in self.sampled {
+            registry.register(name, help, Sampled { kind, samples });
+        }
+        for (name, help, samples) in self.histograms {
+            registry.register(name, help, Histograms { samples });
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+        out
+    }
 }
 
-/// The report as OpenMetrics text.
-pub fn encode(r: &Report) -> String {
-    let mut f = Families(Registry::with_prefix("dedupvol"));
+/// Every export's report as OpenMetrics text. With several exports every series carries an
+/// `export` label, except the server-wide uptime and refused connections (taken from the
+/// first report); a server of one export writes its series without it, as a single-volume
+/// scrape configuration expects.
+pub fn encode_all(reports: &[Report]) -> String {
+    let mut f = Families::default();
+    if let Some(first) = reports.first() {
+        f.gauge("uptime_seconds", "Seconds since the server started", first.uptime_seconds);
+        f.counter(
+            "nbd_connections_refused",
+            "NBD connections refused at the connection limit",
+            first.server.connections_refused,
+        );
+    }
+    let several = reports.len() > 1;
+    for r in reports {
+        f.export = several.then(|| r.export.clone());
+        encode_into(&mut f, r);
+    }
+    f.text()
+}
+
+/// One report's series.
+fn encode_into(f: &mut Families, r: &Report) {
     let (g, c) = (MetricType::Gauge, MetricType::Counter);
-    f.gauge("uptime_seconds", "Seconds since the server started", r.uptime_seconds);
     if let Some(v) = &r.volume {
         let free = v.data_blocks_total.saturating_sub(v.data_blocks_used) * 4096;
         let saving = if v.logical_bytes_used == 0 {
@@ -282,28 +344,23 @@ pub fn encode(r: &Report) -> String {
             (labels(&[("command", &k.command)]), l.sum_us as f64 / 1e6, bounds.zip(l.counts.iter().copied()).collect())
         })
         .collect();
-    f.0.register(
+    f.histogram(
         "nbd_request_duration_seconds",
         "Time from an NBD request read to its reply written, by command",
-        Histograms { samples: histograms },
+        histograms,
     );
     f.counter("nbd_connections", "NBD connections served since start", s.connections_accepted);
-    f.counter("nbd_connections_refused", "NBD connections refused at the connection limit", s.connections_refused);
     f.gauge("nbd_connections_open", "NBD connections open now", s.connections_open as f64);
-    let mut out = String::new();
-    // Writing into a String cannot fail.
-    let _ = prometheus_client::encoding::text::encode(&mut out, &f.0);
-    out
 }
 
-/// Starts the endpoint on `addr` (HOST:PORT).
-pub fn start(addr: &str, source: Source) -> anyhow::Result<Service> {
+/// Starts the endpoint on `addr` (HOST:PORT) for every export in `sources`.
+pub fn start(addr: &str, sources: Vec<Source>) -> anyhow::Result<Service> {
     let listener = Listener::bind(&ListenAddr::Tcp(addr.to_string()))?;
-    Ok(Service::spawn("metrics", listener, move |s| answer(s, &source))?)
+    Ok(Service::spawn("metrics", listener, move |s| answer(s, &sources))?)
 }
 
 /// Reads one HTTP request head and answers it.
-fn answer(s: &mut dedupvol_nbd::stream::Stream, source: &Source) -> io::Result<()> {
+fn answer(s: &mut dedupvol_nbd::stream::Stream, sources: &[Source]) -> io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -325,7 +382,8 @@ fn answer(s: &mut dedupvol_nbd::stream::Stream, source: &Source) -> io::Result<(
     let mut words = line.split_whitespace();
     match (words.next(), words.next()) {
         (Some("GET"), Some(path)) if path == "/metrics" || path.starts_with("/metrics?") => {
-            respond(s, "200 OK", CONTENT_TYPE, &encode(&source.report()))
+            let reports: Vec<Report> = sources.iter().map(Source::report).collect();
+            respond(s, "200 OK", CONTENT_TYPE, &encode_all(&reports))
         }
         (Some("GET"), Some("/")) => respond(s, "200 OK", "text/plain", "dedupvol metrics: see /metrics\n"),
         (Some("GET"), _) => respond(s, "404 Not Found", "text/plain", "not found; try /metrics\n"),

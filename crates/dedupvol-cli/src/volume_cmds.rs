@@ -18,7 +18,7 @@ pub enum VolumeCommand {
     /// Format a file or block device as a new volume.
     Format(FormatArgs),
     /// Show a volume's geometry and settings.
-    Info(OpenArgs),
+    Info(InfoArgs),
     /// Copy a file, block device or stdin (-) into the volume.
     Import(crate::copy::ImportArgs),
     /// Copy the volume's logical contents out to a file, block device, pipe or stdout (-).
@@ -30,10 +30,23 @@ pub enum VolumeCommand {
     Check(CheckArgs),
 }
 
+/// `info`'s arguments.
+#[derive(Args)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    vol: OpenArgs,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Args)]
 pub struct FormatArgs {
     /// File or block device.
     path: PathBuf,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
     /// Client-visible size (K/M/G/T suffixes); may exceed the physical size (thin provisioning).
     #[arg(long, value_parser = size)]
     logical_size: u64,
@@ -331,6 +344,19 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         true,
     )?;
     let s = vol.stats();
+    if a.json {
+        let j = serde_json::json!({
+            "path": a.path,
+            "uuid": s.uuid,
+            "logical_size_bytes": s.logical_size_bytes,
+            "data_blocks": s.data_blocks_total,
+            "data_bytes": s.data_blocks_total * BLOCK_SIZE as u64,
+            "metadata_bytes": s.metadata_bytes,
+            "separate_metadata_device": s.separate_metadata_device,
+        });
+        outln!("{}", serde_json::to_string_pretty(&j)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     outln!(
         "formatted {}: logical {} on {} of data blocks ({}), metadata {}{}, uuid {}",
         a.path.display(),
@@ -344,10 +370,42 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn info(a: OpenArgs) -> anyhow::Result<ExitCode> {
-    let vol = open(&a, true)?;
+fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
+    let a = &args.vol;
+    let vol = open(a, true)?;
     let g = vol.geometry();
     let s = vol.stats();
+    if args.json {
+        let mem = vol.memory_usage();
+        let j = serde_json::json!({
+            "path": a.path,
+            "uuid": s.uuid,
+            "logical_size_bytes": s.logical_size_bytes,
+            "logical_blocks": g.logical_blocks,
+            "data_blocks": g.data_blocks,
+            "slab_blocks": g.slab_blocks,
+            "slabs": g.slab_count(),
+            "metadata_bytes": s.metadata_bytes,
+            "separate_metadata_device": s.separate_metadata_device,
+            "journal_blocks": g.journal_blocks,
+            "block_map_pages": g.block_map_pages,
+            "refcount_pages": g.refcount_pages,
+            "compression": s.compression,
+            "compression_level": s.compression_level,
+            "dedup": s.dedup,
+            "verify": s.verify,
+            "direct_io": vol.direct_io(),
+            "write_policy": s.write_policy,
+            "index": s.index,
+            "index_capacity": s.index_capacity,
+            "index_bytes_per_entry": s.index_bytes_per_entry,
+            "index_memory_bytes": s.index_memory_bytes,
+            "memory": mem.iter().map(|(what, b)| serde_json::json!({"what": what, "bytes": b})).collect::<Vec<_>>(),
+            "rss_bytes": rss_bytes(),
+        });
+        outln!("{}", serde_json::to_string_pretty(&j)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     outln!("volume          {}", a.path.display())?;
     outln!("uuid            {}", s.uuid)?;
     outln!("logical size    {} ({} blocks)", human(s.logical_size_bytes), g.logical_blocks)?;

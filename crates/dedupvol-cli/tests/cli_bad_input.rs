@@ -282,6 +282,16 @@ fn serve_bad_input() {
     s.run(&["serve", "vol.img", "--socket", "junk.bin"]).expect(FAIL, "not a socket");
     s.run(&["serve", "vol.img", "--socket", "s.sock", "--listen", "127.0.0.1:0"]).expect(USAGE, "--listen");
     s.run(&["serve", "vol.img", "--bogus"]).expect(USAGE, "--bogus");
+    s.run(&["serve"]).expect(USAGE, "no volume to serve");
+    s.run(&["serve", "vol.img", "vol.img"]).expect(USAGE, "two exports are named");
+    s.run(&["serve", "a=vol.img", "b=vol.img", "--export-name", "x"]).expect(USAGE, "--export-name");
+    s.run(&["serve", "vol.img", "--read-only-export", "nope"]).expect(USAGE, "no export of that name");
+    s.run(&["serve", "--config", "no/such.toml"]).expect(FAIL, "no/such.toml");
+    s.run(&["serve", "--config", "junk.bin"]).expect(FAIL, "--config junk.bin");
+    s.run(&["serve", "vol.img", "--tls-cert", "c.pem", "--tls-key", "k.pem"]).expect(USAGE, "c.pem");
+    s.run(&["serve", "vol.img", "--tls-cert", "c.pem"]).expect(USAGE, "--tls-key");
+    s.run(&["serve", "vol.img", "--tls", "require"]).expect(USAGE, "--tls-cert");
+    s.run(&["serve", "vol.img", "--listen", "0.0.0.0:0"]).expect(USAGE, "needs TLS");
     assert_eq!(std::fs::read(s.p("junk.bin")).unwrap().len(), 1 << 20, "serve replaced a regular file");
     // None of the failures left the volume unclosed.
     s.run(&["check", "vol.img"]).expect_ok("clean");

@@ -96,10 +96,10 @@ impl ConnectionLimits {
     }
 }
 
-/// What a connection serves: the export and its policy.
+/// How an export is advertised: its name and policy.
 #[derive(Debug, Clone)]
 pub struct ExportConfig {
-    /// The export's name; the empty (default) name also selects it.
+    /// The export's name. The empty (default) name selects a server's first export.
     pub name: String,
     /// Optional human description (NBD_INFO_DESCRIPTION).
     pub description: Option<String>,
@@ -108,10 +108,6 @@ pub struct ExportConfig {
 }
 
 impl ExportConfig {
-    fn matches(&self, requested: &str) -> bool {
-        requested.is_empty() || requested == self.name
-    }
-
     /// Transmission flags advertised for this export.
     pub fn transmission_flags(&self) -> u16 {
         let mut f = proto::TFLAG_HAS_FLAGS
@@ -126,6 +122,50 @@ impl ExportConfig {
         }
         f
     }
+}
+
+/// One export of a server: how it is advertised, the disk behind it, and its own request
+/// counters (so each volume's figures are its own when one server serves several).
+#[derive(Clone)]
+pub struct Export {
+    /// Name and policy.
+    pub config: ExportConfig,
+    /// The disk.
+    pub backend: Arc<dyn Backend>,
+    /// Requests, bytes, errors and latency of this export's connections.
+    pub metrics: Arc<ServerMetrics>,
+}
+
+impl Export {
+    /// An export with fresh counters.
+    pub fn new(config: ExportConfig, backend: Arc<dyn Backend>) -> Export {
+        Export { config, backend, metrics: Arc::new(ServerMetrics::default()) }
+    }
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Export").field("config", &self.config).field("size", &self.backend.size()).finish()
+    }
+}
+
+/// The export a client's name selects: the one of that name, or the first for the empty
+/// (default) name.
+pub fn select<'a>(exports: &'a [Export], requested: &str) -> Option<(usize, &'a Export)> {
+    if requested.is_empty() {
+        return exports.first().map(|e| (0, e));
+    }
+    exports.iter().enumerate().find(|(_, e)| e.config.name == requested)
+}
+
+/// Where a connection's TLS stands.
+enum Tls<'a> {
+    /// The server has no TLS.
+    Off,
+    /// Offered (or required) and not yet started.
+    Offered(&'a crate::tls::TlsPolicy),
+    /// The session runs inside TLS; the pump is joined when the connection ends.
+    Active,
 }
 
 /// How a connection ended.
@@ -147,33 +187,66 @@ fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
 
 /// Runs one connection to completion. `stopping` makes negotiation refuse new sessions and
 /// shortens the patience of reply writes (see [`ConnectionLimits::shutdown_reply_timeout`]).
+///
+/// With `tls`, the client may (or, when the policy requires it, must) upgrade with
+/// `NBD_OPT_STARTTLS`; see [`crate::tls`].
 pub fn serve_connection(
     stream: Stream,
-    backend: Arc<dyn Backend>,
-    export: &ExportConfig,
+    exports: &[Export],
+    tls: Option<&crate::tls::TlsPolicy>,
     limits: &ConnectionLimits,
     stopping: &Arc<AtomicBool>,
-    metrics: &Arc<ServerMetrics>,
 ) -> Outcome {
     let mut s = stream;
     if let Err(e) = s.set_read_timeout(Some(limits.handshake_timeout)) {
         return Outcome::Dropped(format!("setting the handshake timeout: {e}"));
     }
     let send = Sender { limits: limits.clone(), stopping: stopping.clone() };
-    let session = match handshake(&mut s, &send, backend.size(), export, stopping) {
-        Ok(Some(session)) => session,
-        Ok(None) => return Outcome::Closed,
+    let mut pump = None;
+    let negotiated = handshake(&mut s, &send, exports, tls, limits, stopping, &mut pump);
+    let session = match negotiated {
+        Ok(Some((session, i))) => match (s.set_read_timeout(None), exports.get(i)) {
+            (Ok(()), Some(export)) => Ok((session, export)),
+            (Err(e), _) => Err(Outcome::Dropped(format!("clearing the handshake timeout: {e}"))),
+            (_, None) => Err(Outcome::Dropped("the negotiated export vanished".into())),
+        },
+        Ok(None) => Err(Outcome::Closed),
         // A client that hangs up mid-handshake (a probe such as a second server checking
         // whether the socket is live) is not worth a log line.
         Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => {
-            return Outcome::Closed
+            Err(Outcome::Closed)
         }
-        Err(e) => return Outcome::Dropped(format!("handshake: {e}")),
+        Err(e) => Err(Outcome::Dropped(format!("handshake: {e}"))),
     };
-    if let Err(e) = s.set_read_timeout(None) {
-        return Outcome::Dropped(format!("clearing the handshake timeout: {e}"));
+    let outcome = match session {
+        Ok((session, export)) => {
+            tracing::info!(
+                "{} export {:?}{}",
+                if matches!(pump, Some(_)) { "TLS session on" } else { "serving" },
+                export.config.name,
+                if session.structured { " (structured replies)" } else { "" }
+            );
+            export.metrics.connection_accepted();
+            // Transmission shuts the stream down when it ends.
+            let o = transmission(s, session, export, limits, send);
+            export.metrics.connection_closed();
+            o
+        }
+        Err(o) => {
+            // Closed before the pump is joined: it ends when its end of the pair sees ours close.
+            let _ = s.shutdown(Shutdown::Both);
+            drop(s);
+            o
+        }
+    };
+    if let Some(p) = pump {
+        // The connection's end of the pair is shut down by now, so the pump sees
+        // end-of-file, sends its close_notify and ends.
+        if p.join().is_err() {
+            log!("a TLS pump thread panicked");
+        }
     }
-    transmission(s, session, backend, export, limits, send, metrics.clone())
+    outcome
 }
 
 /// Writes to a client within the stall limits of [`ConnectionLimits`].
@@ -248,14 +321,18 @@ struct Session {
     allocation: bool,
 }
 
-/// Option haggling. Ok(Some): enter transmission; Ok(None): the client left politely.
+/// Option haggling. Ok(Some((session, export index))): enter transmission; Ok(None): the
+/// client left politely. A TLS upgrade replaces `s` with the plain end of the pump's
+/// socket pair and puts the pump in `pump`.
 fn handshake(
     s: &mut Stream,
     send: &Sender,
-    size: u64,
-    export: &ExportConfig,
+    exports: &[Export],
+    tls: Option<&crate::tls::TlsPolicy>,
+    limits: &ConnectionLimits,
     stopping: &AtomicBool,
-) -> io::Result<Option<Session>> {
+    pump: &mut Option<std::thread::JoinHandle<()>>,
+) -> io::Result<Option<(Session, usize)>> {
     let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
     let send_option_reply =
         |s: &mut Stream, option: u32, reply: u32, data: &[u8]| send.option_reply(s, option, reply, data);
@@ -265,7 +342,10 @@ fn handshake(
         return Ok(None);
     }
     let client = proto::parse_client_flags(&flags).map_err(|e| invalid(e.to_string()))?;
-    let tflags = export.transmission_flags();
+    let mut tls_state = match tls {
+        Some(p) => Tls::Offered(p),
+        None => Tls::Off,
+    };
     let mut session = Session { structured: false, allocation: false };
     for _ in 0..OPTIONS_PER_CONNECTION_MAX {
         let mut hdr = [0u8; proto::OPTION_HEADER_BYTES];
@@ -276,15 +356,53 @@ fn handshake(
         // Bounded by OPTION_DATA_BYTES_MAX in parse_option_header.
         let mut data = vec![0u8; h.len as usize];
         s.read_exact(&mut data)?;
+        // A server that requires TLS answers every option but STARTTLS and ABORT with
+        // TLS_REQD until the client upgrades (EXPORT_NAME, which cannot carry an error, by
+        // closing).
+        if matches!(tls_state, Tls::Offered(p) if p.required)
+            && !matches!(h.option, proto::OPT_STARTTLS | proto::OPT_ABORT)
+        {
+            if h.option == proto::OPT_EXPORT_NAME {
+                return Err(invalid("EXPORT_NAME before STARTTLS on a server that requires TLS".into()));
+            }
+            send_option_reply(s, h.option, proto::REP_ERR_TLS_REQD, b"this server requires TLS (STARTTLS)")?;
+            continue;
+        }
         match h.option {
+            proto::OPT_STARTTLS => {
+                let policy = match tls_state {
+                    Tls::Off => {
+                        send_option_reply(s, h.option, proto::REP_ERR_UNSUP, b"this server has no TLS configured")?;
+                        continue;
+                    }
+                    Tls::Active => {
+                        send_option_reply(s, h.option, proto::REP_ERR_INVALID, b"TLS is already active")?;
+                        continue;
+                    }
+                    Tls::Offered(p) => p,
+                };
+                if !data.is_empty() {
+                    send_option_reply(s, h.option, proto::REP_ERR_INVALID, b"STARTTLS takes no data")?;
+                    continue;
+                }
+                send_option_reply(s, h.option, proto::REP_ACK, &[])?;
+                let up = crate::tls::upgrade(s.try_clone()?, policy, limits.handshake_timeout)?;
+                *pump = Some(up.pump);
+                *s = up.stream;
+                s.set_read_timeout(Some(limits.handshake_timeout))?;
+                // Per the spec, what was negotiated before the upgrade is forgotten.
+                session = Session { structured: false, allocation: false };
+                tls_state = Tls::Active;
+            }
             proto::OPT_EXPORT_NAME => {
                 let name = proto::parse_name(&data).map_err(|e| invalid(e.to_string()))?;
-                if !export.matches(&name) || stopping.load(Ordering::Relaxed) {
+                let Some((i, export)) = select(exports, &name).filter(|_| !stopping.load(Ordering::Relaxed)) else {
                     // EXPORT_NAME cannot carry an error: the spec says to close.
                     return Err(invalid(format!("unknown export {name:?} requested by EXPORT_NAME")));
-                }
+                };
+                let (size, tflags) = (export.backend.size(), export.config.transmission_flags());
                 send.send(s, &[&proto::encode_export_name_reply(size, tflags, client.no_zeroes)])?;
-                return Ok(Some(session));
+                return Ok(Some((session, i)));
             }
             proto::OPT_ABORT => {
                 // The client may already have closed; a failed ACK is not an error.
@@ -296,7 +414,9 @@ fn handshake(
                     send_option_reply(s, h.option, proto::REP_ERR_INVALID, b"LIST takes no data")?;
                     continue;
                 }
-                send_option_reply(s, h.option, proto::REP_SERVER, &proto::encode_rep_server(&export.name))?;
+                for e in exports {
+                    send_option_reply(s, h.option, proto::REP_SERVER, &proto::encode_rep_server(&e.config.name))?;
+                }
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
             }
             proto::OPT_INFO | proto::OPT_GO => {
@@ -307,11 +427,13 @@ fn handshake(
                         continue;
                     }
                 };
-                if !export.matches(&req.name) {
-                    let msg = format!("no export named {:?}; this server exports {:?}", req.name, export.name);
+                let Some((i, export)) = select(exports, &req.name) else {
+                    let names: Vec<&str> = exports.iter().map(|e| e.config.name.as_str()).collect();
+                    let msg = format!("no export named {:?}; this server exports {names:?}", req.name);
                     send_option_reply(s, h.option, proto::REP_ERR_UNKNOWN, msg.as_bytes())?;
                     continue;
-                }
+                };
+                let (size, tflags) = (export.backend.size(), export.config.transmission_flags());
                 if stopping.load(Ordering::Relaxed) {
                     send_option_reply(s, h.option, proto::REP_ERR_SHUTDOWN, b"server is shutting down")?;
                     continue;
@@ -321,16 +443,18 @@ fn handshake(
                 // so a client that ignores it loses nothing.
                 send_option_reply(s, h.option, proto::REP_INFO, &proto::encode_info_block_size())?;
                 if req.requests.contains(&proto::INFO_NAME) {
-                    let d = proto::encode_info_string(proto::INFO_NAME, &export.name);
+                    let d = proto::encode_info_string(proto::INFO_NAME, &export.config.name);
                     send_option_reply(s, h.option, proto::REP_INFO, &d)?;
                 }
-                if let (true, Some(desc)) = (req.requests.contains(&proto::INFO_DESCRIPTION), &export.description) {
+                if let (true, Some(desc)) =
+                    (req.requests.contains(&proto::INFO_DESCRIPTION), &export.config.description)
+                {
                     let d = proto::encode_info_string(proto::INFO_DESCRIPTION, desc);
                     send_option_reply(s, h.option, proto::REP_INFO, &d)?;
                 }
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
                 if h.option == proto::OPT_GO {
-                    return Ok(Some(session));
+                    return Ok(Some((session, i)));
                 }
             }
             proto::OPT_STRUCTURED_REPLY => {
@@ -342,8 +466,9 @@ fn handshake(
                 send_option_reply(s, h.option, proto::REP_ACK, &[])?;
             }
             crate::block_status::OPT_LIST_META_CONTEXT | crate::block_status::OPT_SET_META_CONTEXT => {
-                let n =
-                    crate::block_status::negotiate(h.option, &data, session.structured, |name| export.matches(name));
+                let n = crate::block_status::negotiate(h.option, &data, session.structured, |name| {
+                    select(exports, name).is_some()
+                });
                 if let Some(selected) = n.allocation {
                     session.allocation = selected;
                 }
@@ -352,7 +477,7 @@ fn handshake(
                 }
             }
             other => {
-                // STARTTLS, EXTENDED_HEADERS, ...: clients go on without them.
+                // EXTENDED_HEADERS, ...: clients go on without them.
                 let msg = format!("option {other} is not supported");
                 send_option_reply(s, other, proto::REP_ERR_UNSUP, msg.as_bytes())?;
             }
@@ -372,15 +497,15 @@ impl ErrorLog {
     fn log(&self, what: std::fmt::Arguments<'_>) {
         let n = self.count.fetch_add(1, Ordering::Relaxed);
         if n < ERROR_LOG_LINES_MAX {
-            log!("dedupvol-nbd: {what}");
+            log!("{what}");
         } else if n == ERROR_LOG_LINES_MAX {
-            log!("dedupvol-nbd: further request errors on this connection are counted, not logged");
+            log!("further request errors on this connection are counted, not logged");
         }
     }
     fn finish(&self) {
         let n = self.count.load(Ordering::Relaxed);
         if n > ERROR_LOG_LINES_MAX {
-            log!("dedupvol-nbd: {n} request errors on this connection in all");
+            log!("{n} request errors on this connection in all");
         }
     }
 }
@@ -689,15 +814,9 @@ fn next_request(
 /// reader thread and a worker, so a request costs no thread wake-up (with a reader thread
 /// and a queue, two context switches per 4 KiB read were most of the server's time). Up
 /// to `workers` requests are in flight per connection, within the byte budget.
-fn transmission(
-    stream: Stream,
-    session: Session,
-    backend: Arc<dyn Backend>,
-    export: &ExportConfig,
-    limits: &ConnectionLimits,
-    send: Sender,
-    metrics: Arc<ServerMetrics>,
-) -> Outcome {
+fn transmission(stream: Stream, session: Session, export: &Export, limits: &ConnectionLimits, send: Sender) -> Outcome {
+    let backend = export.backend.clone();
+    let metrics = export.metrics.clone();
     let write_half = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => return Outcome::Dropped(format!("cannot clone socket: {e}")),
@@ -713,7 +832,7 @@ fn transmission(
     let log = Arc::new(ErrorLog { count: std::sync::atomic::AtomicU64::new(0), metrics });
     let lim = ExportLimits {
         size: backend.size(),
-        read_only: export.read_only,
+        read_only: export.config.read_only,
         block_status: session.structured && session.allocation,
     };
     let requests = Arc::new(Mutex::new(RequestReader {
@@ -768,7 +887,7 @@ fn transmission(
             Ok(h) => workers.push(h),
             // Fewer workers only means fewer requests in flight.
             Err(e) => {
-                log!("dedupvol-nbd: cannot start worker thread {i}: {e}");
+                log!("cannot start worker thread {i}: {e}");
                 break;
             }
         }
@@ -778,7 +897,7 @@ fn transmission(
     work();
     for w in workers {
         if w.join().is_err() {
-            log!("dedupvol-nbd: a worker thread panicked");
+            log!("a worker thread panicked");
         }
     }
     let _ = writer.stream.lock().shutdown(Shutdown::Both);

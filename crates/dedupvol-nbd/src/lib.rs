@@ -2,7 +2,7 @@
 //!
 //! Written from the protocol specification (NetworkBlockDevice/nbd `doc/proto.md`). It
 //! speaks the fixed-newstyle handshake (options GO, INFO, LIST, ABORT, STRUCTURED_REPLY,
-//! LIST/SET_META_CONTEXT and the EXPORT_NAME fallback; NO_ZEROES honoured), simple or
+//! LIST/SET_META_CONTEXT, STARTTLS and the EXPORT_NAME fallback; NO_ZEROES honoured), simple or
 //! structured replies, and serves READ, WRITE (+FUA), FLUSH, TRIM, WRITE_ZEROES (+FUA,
 //! NO_HOLE), BLOCK_STATUS (`base:allocation`) and DISC over TCP or a Unix-domain socket.
 //!
@@ -13,17 +13,17 @@
 //! small synchronous client (the trace replayer's); [`block_status`] holds metadata
 //! context negotiation and block status replies; [`metrics`] counts what the server does.
 //!
-//! One server serves one export, backed by one volume shared by every connection, which
-//! is what makes `NBD_FLAG_CAN_MULTI_CONN` truthful (a flush on any connection covers the
-//! writes completed on all of them).
+//! One server serves one or more exports, chosen by name; each is backed by one volume
+//! shared by every connection that selects it, which is what makes
+//! `NBD_FLAG_CAN_MULTI_CONN` truthful (a flush on any connection covers the writes
+//! completed on all of them). [`tls`] adds `NBD_OPT_STARTTLS` with rustls.
 
-/// Logs a line on stderr. Unlike `eprintln!`, never panics: a server whose stderr is a
-/// pipe nobody reads any more (`dedupvol serve 2>&1 | head`) must keep serving, and its
-/// connection threads must not die between taking a slot and giving it back.
+/// Logs a warning through `tracing` (the binary installs the subscriber that writes it,
+/// with a timestamp and level, on stderr). Never panics: tracing's writer drops a line
+/// it cannot write, so a server whose stderr is a pipe nobody reads any more keeps serving.
 macro_rules! log {
     ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
+        tracing::warn!("{}", format_args!($($t)*));
     }};
 }
 
@@ -35,10 +35,12 @@ pub mod metrics;
 pub mod proto;
 pub mod server;
 pub mod stream;
+pub mod tls;
 
 pub use backend::{Backend, BackendError, ErrorKind, MemBackend};
 pub use client::{ClientError, NbdClient, NbdUri};
-pub use connection::{ConnectionLimits, ExportConfig};
+pub use connection::{ConnectionLimits, Export, ExportConfig};
 pub use metrics::{ServerMetrics, ServerMetricsSnapshot};
-pub use server::{RunSummary, Server, ServerConfig, StopHandle};
+pub use server::{validate_exports, RunSummary, Server, ServerConfig, StopHandle, EXPORTS_MAX};
 pub use stream::{ListenAddr, Listener};
+pub use tls::{TlsFiles, TlsPolicy};

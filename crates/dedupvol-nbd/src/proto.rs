@@ -72,6 +72,8 @@ pub const OPT_EXPORT_NAME: u32 = 1;
 pub const OPT_ABORT: u32 = 2;
 /// List exports.
 pub const OPT_LIST: u32 = 3;
+/// Upgrade the connection to TLS before going on negotiating.
+pub const OPT_STARTTLS: u32 = 5;
 /// Export details without entering transmission.
 pub const OPT_INFO: u32 = 6;
 /// Export details, then enter transmission.
@@ -93,6 +95,8 @@ pub const REP_ERR_UNSUP: u32 = REP_FLAG_ERROR | 1;
 pub const REP_ERR_POLICY: u32 = REP_FLAG_ERROR | 2;
 /// The option is syntactically or semantically invalid.
 pub const REP_ERR_INVALID: u32 = REP_FLAG_ERROR | 3;
+/// The server requires TLS before this option (`NBD_REP_ERR_TLS_REQD`).
+pub const REP_ERR_TLS_REQD: u32 = REP_FLAG_ERROR | 5;
 /// The export does not exist.
 pub const REP_ERR_UNKNOWN: u32 = REP_FLAG_ERROR | 6;
 /// The server is shutting down.

@@ -16,7 +16,7 @@
 //!   at once, beyond that extra clients are closed at accept.
 
 use crate::backend::Backend;
-use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, ExportConfig, Outcome};
+use crate::connection::{refuse_connection, serve_connection, ConnectionLimits, Export, Outcome};
 use crate::metrics::ServerMetrics;
 use crate::stream::{ListenAddr, Listener, Stream};
 use parking_lot::Mutex;
@@ -32,16 +32,41 @@ use std::thread::JoinHandle;
 /// Clients over the connection limit being told so at once; more are closed without a word
 /// (a flood of connections must not become a flood of threads).
 const REFUSALS_IN_FLIGHT_MAX: usize = 4;
+/// Most exports one server serves (each is one volume held open).
+pub const EXPORTS_MAX: usize = 256;
 
-/// Everything the server needs besides the backend.
+/// Everything the server needs besides its exports.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// The export.
-    pub export: ExportConfig,
     /// Most clients served at once.
     pub connections_max: usize,
     /// Per-connection bounds.
     pub limits: ConnectionLimits,
+    /// TLS offered (or required) to clients; `None`: plain connections only.
+    pub tls: Option<crate::tls::TlsPolicy>,
+}
+
+/// Checks a server's export list: at least one export, at most [`EXPORTS_MAX`], names
+/// unique and within the protocol's bound.
+pub fn validate_exports(exports: &[Export]) -> io::Result<()> {
+    let bad = |m: String| Err(io::Error::new(io::ErrorKind::InvalidInput, m));
+    if exports.is_empty() {
+        return bad("a server needs at least one export".into());
+    }
+    if exports.len() > EXPORTS_MAX {
+        return bad(format!("{} exports; a server serves at most {EXPORTS_MAX}", exports.len()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for e in exports {
+        let name = &e.config.name;
+        if name.len() > crate::proto::NAME_BYTES_MAX {
+            return bad(format!("export name {name:?} is longer than {} bytes", crate::proto::NAME_BYTES_MAX));
+        }
+        if !seen.insert(name.as_str()) {
+            return bad(format!("two exports are named {name:?}"));
+        }
+    }
+    Ok(())
 }
 
 /// Stops a running server from another thread (or a test).
@@ -89,8 +114,10 @@ impl Server {
         self.listener.display_addr()
     }
 
-    /// The server's live counters (requests, latency, errors, connections), for an admin
-    /// socket or a metrics endpoint; they keep counting until [`Server::run`] returns.
+    /// The server's live counters, for an admin socket or a metrics endpoint; they keep
+    /// counting until the server stops. Refused connections are counted here; requests and
+    /// connections by export, in each [`Export`]'s own counters ([`Server::run`] gives its
+    /// single export these).
     pub fn metrics(&self) -> Arc<ServerMetrics> {
         self.metrics.clone()
     }
@@ -118,8 +145,16 @@ impl Server {
         Ok(())
     }
 
-    /// Serves until stopped. See the module docs for the shutdown sequence.
-    pub fn run(self, backend: Arc<dyn Backend>) -> io::Result<RunSummary> {
+    /// Serves one export until stopped (see [`Server::run_exports`]).
+    pub fn run(self, export: crate::connection::ExportConfig, backend: Arc<dyn Backend>) -> io::Result<RunSummary> {
+        let export = Export { config: export, backend, metrics: self.metrics.clone() };
+        self.run_exports(vec![export])
+    }
+
+    /// Serves `exports` until stopped. See the module docs for the shutdown sequence.
+    pub fn run_exports(self, exports: Vec<Export>) -> io::Result<RunSummary> {
+        validate_exports(&exports)?;
+        let exports: Arc<[Export]> = exports.into();
         let stopping = Arc::new(AtomicBool::new(false));
         let live: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
         let refusing: Arc<Mutex<HashMap<u64, Stream>>> = Arc::new(Mutex::new(HashMap::new()));
@@ -137,7 +172,7 @@ impl Server {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => continue,
                 // ECONNABORTED and friends concern one client, not the server.
                 Err(e) => {
-                    log!("dedupvol-nbd: accept failed: {e}");
+                    log!("accept failed: {e}");
                     continue;
                 }
             };
@@ -146,7 +181,7 @@ impl Server {
             next_id += 1;
             if live.lock().len() >= self.config.connections_max {
                 log!(
-                    "dedupvol-nbd: refusing {}: {} connections already open (--connections-max)",
+                    "refusing {}: {} connections already open (--connections-max)",
                     stream.peer(),
                     self.config.connections_max
                 );
@@ -160,27 +195,22 @@ impl Server {
             let shutdown_handle = match stream.try_clone() {
                 Ok(h) => h,
                 Err(e) => {
-                    log!("dedupvol-nbd: cannot track connection: {e}");
+                    log!("cannot track connection: {e}");
                     continue;
                 }
             };
             live.lock().insert(id, shutdown_handle);
-            let (backend, export, limits, stopping, live2, metrics) = (
-                backend.clone(),
-                self.config.export.clone(),
-                self.config.limits.clone(),
-                stopping.clone(),
-                live.clone(),
-                self.metrics.clone(),
-            );
+            // Connections are counted by the export they select (see `serve_connection`).
+            let (exports, tls, limits, stopping, live2) =
+                (exports.clone(), self.config.tls.clone(), self.config.limits.clone(), stopping.clone(), live.clone());
             let peer = stream.peer();
+            tracing::info!("connection {id} from {peer} accepted");
             let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
-                metrics.connection_accepted();
-                let outcome = serve_connection(stream, backend, &export, &limits, &stopping, &metrics);
-                if let Outcome::Dropped(why) = outcome {
-                    log!("dedupvol-nbd: connection {id} from {peer} closed: {why}");
+                let outcome = serve_connection(stream, &exports, tls.as_ref(), &limits, &stopping);
+                match outcome {
+                    Outcome::Dropped(why) => log!("connection {id} from {peer} closed: {why}"),
+                    Outcome::Closed => tracing::info!("connection {id} from {peer} closed"),
                 }
-                metrics.connection_closed();
                 live2.lock().remove(&id);
             });
             match spawned {
@@ -189,7 +219,7 @@ impl Server {
                     summary.connections_served += 1;
                 }
                 Err(e) => {
-                    log!("dedupvol-nbd: cannot start a connection thread: {e}");
+                    log!("cannot start a connection thread: {e}");
                     live.lock().remove(&id);
                 }
             }
@@ -201,7 +231,7 @@ impl Server {
         }
         for t in threads {
             if t.join().is_err() {
-                log!("dedupvol-nbd: a connection thread panicked");
+                log!("a connection thread panicked");
             }
         }
         let mut drain = [0u8; 64];

@@ -49,6 +49,13 @@ impl Stream {
             Stream::Unix(s) => s.shutdown(how),
         }
     }
+    /// Switches between blocking and non-blocking I/O.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_nonblocking(on),
+            Stream::Unix(s) => s.set_nonblocking(on),
+        }
+    }
     /// Bounds how long one read may wait (`None`: forever).
     pub fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
         match self {
@@ -334,7 +341,7 @@ const SEND_BUFFER_BYTES: libc::c_int = 4 << 20;
 /// (about 208 KiB) a 1 MiB reply blocks the worker several times while the client drains
 /// the socket, and each block is a sleep and a wake-up on both sides. Best effort: a
 /// refusal leaves the default.
-fn widen_send_buffer(fd: RawFd) {
+pub(crate) fn widen_send_buffer(fd: RawFd) {
     let v: libc::c_int = SEND_BUFFER_BYTES;
     // SAFETY: `fd` is an open socket owned by the caller; the option value is a c_int
     // that lives across the call, and its size is passed with it.

@@ -13,15 +13,12 @@ fn serve(
     dir: &std::path::Path,
 ) -> (std::path::PathBuf, dedupvol_nbd::StopHandle, std::thread::JoinHandle<()>) {
     let socket = dir.join("engine.sock");
-    let config = ServerConfig {
-        export: ExportConfig { name: "vol".into(), description: None, read_only: false },
-        connections_max: 4,
-        limits: ConnectionLimits::default(),
-    };
+    let config = ServerConfig { connections_max: 4, limits: ConnectionLimits::default(), tls: None };
+    let export = ExportConfig { name: "vol".into(), description: None, read_only: false };
     let server = Server::bind(&ListenAddr::Unix(socket.clone()), config).expect("bind");
     let stop = server.stop_handle().expect("stop");
     let t = std::thread::spawn(move || {
-        server.run(vol).expect("run");
+        server.run(export, vol).expect("run");
     });
     (socket, stop, t)
 }

@@ -47,7 +47,9 @@ pub(crate) fn for_each<T: Send>(exec: &dyn Executor, items: &mut [T], f: impl Fn
     exec.run_all(jobs);
 }
 
-/// A pool of CPU threads kept for the volume's lifetime.
+/// A pool of CPU threads, one per process: every volume a process opens (a server of
+/// several exports) shares it, so the reduction work of all of them is spread over the
+/// cores once, not once per volume.
 pub(crate) struct CpuPool {
     /// None when the machine has one core or the pool could not be built: jobs then run
     /// on the caller's thread.
@@ -56,6 +58,12 @@ pub(crate) struct CpuPool {
 }
 
 impl CpuPool {
+    /// The process's pool, built at first use.
+    pub(crate) fn shared() -> std::sync::Arc<CpuPool> {
+        static POOL: std::sync::OnceLock<std::sync::Arc<CpuPool>> = std::sync::OnceLock::new();
+        POOL.get_or_init(|| std::sync::Arc::new(CpuPool::new())).clone()
+    }
+
     /// A pool as wide as the cores this process may use (at most `POOL_THREADS_MAX`).
     pub(crate) fn new() -> Self {
         let width = std::thread::available_parallelism().map_or(1, |n| n.get()).min(POOL_THREADS_MAX);

@@ -284,7 +284,7 @@ impl Volume {
             commit_lock: Mutex::new(()),
             tickets,
             writer,
-            exec: CpuPool::new(),
+            exec: CpuPool::shared(),
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: std::array::from_fn(|_| Mutex::new(())),
             io,

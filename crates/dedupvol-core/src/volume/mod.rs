@@ -76,7 +76,7 @@ pub struct Volume {
     /// Writes full staging batches in the background (None: read-only, or inline writes).
     pub(crate) writer: Option<DataWriter>,
     /// Runs the pipeline's parallel stages.
-    pub(crate) exec: CpuPool,
+    pub(crate) exec: std::sync::Arc<CpuPool>,
     pub(crate) cache: Mutex<ContentCache>,
     pub(crate) rmw: [Mutex<()>; RMW_STRIPES],
     pub(crate) io: Arc<IoCounters>,

@@ -71,7 +71,7 @@ impl Volume {
     /// One batch through the pipeline (see the module docs of `volume` for the steps).
     fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
         // 1. Fingerprints (no lock; large requests use every core).
-        let mut plans = fingerprint(&self.exec, buf, self.dedup);
+        let mut plans = fingerprint(&*self.exec, buf, self.dedup);
         // 2. Dedup candidates (state lock).
         let looked_up_at = {
             let st = self.state.lock();
@@ -82,7 +82,7 @@ impl Volume {
         };
         // 3. Verification reads and compression (no lock; parallel).
         reduce::verify_and_compress(
-            &self.exec,
+            &*self.exec,
             &self.data,
             &self.cache,
             self.compression,

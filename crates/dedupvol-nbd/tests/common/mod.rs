@@ -36,15 +36,12 @@ impl TestServer {
     pub fn start_limits(size: u64, read_only: bool, connections_max: usize, limits: ConnectionLimits) -> TestServer {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("nbd.sock");
-        let config = ServerConfig {
-            export: ExportConfig { name: "vol".into(), description: None, read_only },
-            connections_max,
-            limits,
-        };
+        let config = ServerConfig { connections_max, limits, tls: None };
+        let export = ExportConfig { name: "vol".into(), description: None, read_only };
         let server = Server::bind(&ListenAddr::Unix(socket.clone()), config).expect("bind");
         let stop = server.stop_handle().expect("stop handle");
         let backend = Arc::new(MemBackend::new(size, false).expect("mem backend"));
-        let thread = std::thread::spawn(move || server.run(backend));
+        let thread = std::thread::spawn(move || server.run(export, backend));
         TestServer { socket, stop, thread: Some(thread), _dir: dir }
     }
 
