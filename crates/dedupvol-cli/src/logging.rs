@@ -34,6 +34,22 @@ where
     }
 }
 
+/// Stderr that reports every write as done. Why: tracing-subscriber reports a failed
+/// write with `eprintln!`, which panics on a closed stderr (`dedupvol serve 2>&1 | head
+/// -1`) and would kill the server; a log line nobody can read is simply dropped.
+struct Lossy(std::io::Stderr);
+
+impl std::io::Write for Lossy {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.0.write_all(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = self.0.flush();
+        Ok(())
+    }
+}
+
 /// The level `DEDUPVOL_LOG` asks for (info when unset); an unknown value is a usage error.
 fn level() -> anyhow::Result<Level> {
     match std::env::var(LOG_LEVEL_ENV) {
@@ -46,8 +62,11 @@ fn level() -> anyhow::Result<Level> {
 
 /// Installs the log writer for this process (once; a second call changes nothing).
 pub fn init() -> anyhow::Result<()> {
-    let subscriber =
-        tracing_subscriber::fmt().with_max_level(level()?).with_writer(std::io::stderr).event_format(Line).finish();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level()?)
+        .with_writer(|| Lossy(std::io::stderr()))
+        .event_format(Line)
+        .finish();
     // Already installed (a second server in one test process): keep the first.
     let _ = tracing::subscriber::set_global_default(subscriber);
     Ok(())

@@ -97,6 +97,7 @@ mod service;
 mod stats_cmd;
 mod trace_cmds;
 mod volume_cmds;
+mod woj_bench;
 mod workload_cmds;
 
 #[derive(Parser)]

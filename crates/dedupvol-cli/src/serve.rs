@@ -98,6 +98,14 @@ pub enum ServeCommand {
         cache_writes: String,
         #[command(flatten)]
         tier: crate::volume_cmds::TierArgs,
+        /// Write-once journaling: auto finds the journal of an ext3/ext4 file system on the
+        /// volume (whole disk, or inside MBR/GPT partitions; looked for again whenever a
+        /// superblock is rewritten) and shares each checkpoint write with its journal copy
+        /// after comparing the bytes (no data written, no BLAKE3, no index: see
+        /// docs/design.md); OFFSET:LENGTH names the journal's byte range (an external
+        /// journal); off turns it off.
+        #[arg(long, default_value = "off", value_name = "auto|off|OFFSET:LENGTH")]
+        woj: dedupvol_core::WojMode,
         /// Worker threads per connection (requests executed concurrently per client; each
         /// reads its own request, so none is handed between threads). On a 2-core machine
         /// 16 workers served random 4 KiB reads slower than 4 and doubled the server's
@@ -163,6 +171,7 @@ impl ServeCommand {
             index_memory,
             cache_writes,
             tier,
+            woj,
             workers_per_connection,
             metrics,
             tls_cert,
@@ -272,6 +281,7 @@ impl ServeCommand {
                             cache_writes,
                             index_memory_bytes,
                             tier: tier.options(),
+                            woj,
                             ..Default::default()
                         };
                         // The engine's FileStorage holds an flock (exclusive read-write, shared
@@ -301,12 +311,17 @@ impl ServeCommand {
         });
         let mut closed: anyhow::Result<()> = Ok(());
         let mut tier_stats = None;
+        let mut woj_lines = Vec::new();
         for s in served {
             drop(s.export);
             if let Some(v) = s.volume {
                 let r = match Arc::try_unwrap(v) {
                     Ok(v) => {
-                        tier_stats = tier_stats.or(v.stats().tier);
+                        let st = v.stats();
+                        tier_stats = tier_stats.or(st.tier);
+                        for l in st.woj.as_ref().map(crate::volume_cmds::woj_summary).unwrap_or_default() {
+                            woj_lines.push(format!("{}: {l}", s.spec.name));
+                        }
                         v.close().with_context(|| format!("closing volume {}", s.spec.path.display()))
                     }
                     Err(_) => Err(anyhow::anyhow!(
@@ -326,6 +341,9 @@ impl ServeCommand {
             summary.connections_served,
             summary.connections_refused
         );
+        for l in woj_lines {
+            tracing::info!("{l}");
+        }
         if let Some(t) = tier_stats {
             tracing::info!("{}", crate::volume_cmds::tier_summary(&t));
         }

@@ -237,6 +237,11 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     if let Some(t) = &s.tier {
         outln!("{}", tier_summary(t))?;
     }
+    if let Some(w) = &s.woj {
+        for l in crate::volume_cmds::woj_summary(w) {
+            outln!("{l}")?;
+        }
+    }
     // Kept in the volume (updated at checkpoints and close), not counted by this process.
     let l = &s.lifetime;
     outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;

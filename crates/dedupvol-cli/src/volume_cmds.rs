@@ -230,6 +230,39 @@ pub(crate) fn open_with_tier(a: &OpenArgs, read_only: bool, tier: Option<TierOpt
     v.with_context(|| format!("opening volume {}", a.path.display()))
 }
 
+/// Write-once journaling in a few lines: the journal ranges found and what sharing did.
+pub(crate) fn woj_summary(w: &dedupvol_core::WojStats) -> Vec<String> {
+    let mut out = Vec::new();
+    if w.ranges.is_empty() {
+        out.push(format!("woj ({}): no file-system journal found", w.mode));
+    }
+    for r in &w.ranges {
+        out.push(format!("woj ({}): journal at bytes {}..{} ({})", w.mode, r.offset, r.offset + r.len, human(r.len)));
+    }
+    for n in &w.notes {
+        out.push(format!("woj: {n}"));
+    }
+    out.push(format!(
+        "woj: pool {} entries of {} journal blocks ({}), {} inserted, {} jbd2 blocks skipped, {} invalidated",
+        w.pool_entries,
+        w.journal_blocks,
+        human(w.pool_bytes),
+        w.inserts,
+        w.journal_meta_blocks,
+        w.invalidations
+    ));
+    out.push(format!(
+        "woj: {} checkpoint writes shared ({} confirmed in memory, {} by a read), {} collisions, {} stale, {} not written",
+        w.hits,
+        w.confirmed_in_memory,
+        w.confirmed_by_read,
+        w.collisions,
+        w.stale,
+        human(w.bytes_not_written)
+    ));
+    out
+}
+
 pub(crate) fn human(b: u64) -> String {
     const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = b as f64;
@@ -372,7 +405,16 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
 
 fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     let a = &args.vol;
-    let vol = open(a, true)?;
+    // Read-only journal discovery too: `info` says where a file system's journal is.
+    let opts = OpenOptions {
+        read_only: true,
+        io_mode: a.io,
+        index_memory_bytes: a.index_memory,
+        woj: dedupvol_core::WojMode::Auto,
+        ..OpenOptions::default()
+    };
+    let vol = Volume::open_path(&a.path, a.meta_device.as_deref(), &opts)
+        .with_context(|| format!("opening volume {}", a.path.display()))?;
     let g = vol.geometry();
     let s = vol.stats();
     if args.json {
@@ -400,6 +442,7 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
             "index_capacity": s.index_capacity,
             "index_bytes_per_entry": s.index_bytes_per_entry,
             "index_memory_bytes": s.index_memory_bytes,
+            "woj": s.woj,
             "memory": mem.iter().map(|(what, b)| serde_json::json!({"what": what, "bytes": b})).collect::<Vec<_>>(),
             "rss_bytes": rss_bytes(),
         });
@@ -438,6 +481,11 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
         s.index.records_per_chapter
     )?;
     outln!("write policy    {}", s.write_policy)?;
+    if let Some(w) = &s.woj {
+        for l in woj_summary(w) {
+            outln!("{l}")?;
+        }
+    }
     let mem = vol.memory_usage();
     outln!(
         "memory          {} in engine structures (measured process RSS {})",

@@ -43,6 +43,9 @@ pub enum BenchMode {
     /// unique incompressible, --file (if given, e.g. a kernel source tar), random 4 KiB
     /// overwrites.
     Targets,
+    /// Write-once journaling against BLAKE3 dedup: CPU per GB and blocks saved on a
+    /// replayed ext4 data=journal stream (in memory; see --woj-mib, --woj-txn-blocks).
+    Woj,
 }
 
 #[derive(Args)]
@@ -50,6 +53,16 @@ pub struct BenchArgs {
     /// What to run.
     #[arg(long, value_enum, default_value = "seq")]
     mode: BenchMode,
+    /// --mode woj: MiB of application data written (each block journaled, then
+    /// checkpointed).
+    #[arg(long, default_value_t = 256)]
+    woj_mib: u64,
+    /// --mode woj: blocks per transaction (an fsync every this many writes).
+    #[arg(long, default_value_t = 10)]
+    woj_txn_blocks: usize,
+    /// --mode woj: configurations to run (none, blake3, woj, both).
+    #[arg(long, default_value = "none,blake3,woj,both")]
+    woj_configs: String,
     /// Percent of 4 KiB blocks that duplicate an earlier block (drawn from the working set).
     #[arg(long, default_value_t = 75.0)]
     dup: f64,
@@ -216,6 +229,13 @@ fn size_arg(name: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
+    if a.mode == BenchMode::Woj {
+        if a.woj_mib == 0 || a.woj_mib > 8192 || !(1..=1000).contains(&a.woj_txn_blocks) {
+            usage_bail!("--woj-mib must be 1..8192 and --woj-txn-blocks 1..1000");
+        }
+        crate::woj_bench::run(a.woj_mib, a.woj_txn_blocks, &a.woj_configs)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if let (Some(p), false) = (&a.volume, a.force) {
         refuse_if_holding_data(p)?;
     }
@@ -248,7 +268,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         BenchMode::Seq => size,
         BenchMode::Targets => size.max(a.writes.saturating_mul(4096)),
         BenchMode::Overwrite => a.writes.saturating_mul(4096),
-        BenchMode::Ingest | BenchMode::Primitives => 0,
+        BenchMode::Ingest | BenchMode::Primitives | BenchMode::Woj => 0,
     };
     if let Some(avail) = crate::memory::mem_available_bytes() {
         if held_bytes > avail {
@@ -293,7 +313,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             Scenario::Seq { data: spec.clone(), size_bytes: size },
             None,
         )),
-        BenchMode::Primitives => {}
+        BenchMode::Primitives | BenchMode::Woj => {}
         BenchMode::Overwrite => scenarios.push(("overwrite-4k".into(), overwrite(spec.clone()), None)),
         BenchMode::Ingest => {
             if a.file.is_empty() {

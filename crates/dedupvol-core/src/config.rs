@@ -382,6 +382,15 @@ pub struct OpenOptions {
     /// read physical blocks (None: no tier). Never needed for correctness: a tier that
     /// cannot be opened is left out with a warning (`Volume::tier_notes`).
     pub tier: Option<TierOptions>,
+    /// Write-once journaling: find the journal of a file system on the volume and share
+    /// its checkpoint writes with the journal copies (docs/design.md, "Write-once
+    /// journaling"). Default off.
+    pub woj: crate::woj::WojMode,
+    /// Bits of the weak hash WOJ keeps (`u64::MAX`: all 64). Tests cut it to force
+    /// collisions, which must never lead to a wrong share; it also turns off the crc32c
+    /// pre-check, so that the byte comparison alone has to catch them.
+    #[doc(hidden)]
+    pub woj_weak_hash_mask: u64,
 }
 
 impl OpenOptions {
@@ -404,6 +413,8 @@ impl Default for OpenOptions {
             background_writes: true,
             cache_writes: None,
             tier: None,
+            woj: crate::woj::WojMode::Off,
+            woj_weak_hash_mask: u64::MAX,
         }
     }
 }

@@ -22,7 +22,8 @@
 //! - `metadata`: geometry, superblock, block map, reference counts, allocator, journal;
 //! - `io`: the storage trait and its implementations; `obs`: statistics and counters;
 //! - `tier`: the hot-chunk tier (copies of hot physical blocks on a fast device);
-//! - `check`: the offline audit and repair.
+//! - `check`: the offline audit and repair;
+//! - `woj`: write-once journaling (journal discovery, the weak-hash pool).
 
 mod check;
 mod codec;
@@ -37,6 +38,7 @@ mod pipeline;
 mod read;
 mod tier;
 mod volume;
+mod woj;
 
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, LostRange, Problem};
 pub use config::{
@@ -53,6 +55,7 @@ pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
 pub use volume::Volume;
+pub use woj::{JournalRange, WojMode, WojStats};
 
 /// The size of the fragment the engine would store for the 4 KiB `block` under `codec`
 /// at `level` (0: the codec's default), or None when it would store the block raw: the

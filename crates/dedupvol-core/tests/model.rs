@@ -60,13 +60,48 @@ impl Model {
 }
 
 fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Compression) -> Result<(), TestCaseError> {
+    run_with(ops, policy, verify, compression, true, None)
+}
+
+/// Write-once journaling's journal in the model tests: the first 32 logical blocks. Writes
+/// draw from a few contents, so a block written there is often written elsewhere later.
+const WOJ_JOURNAL_BLOCKS: u64 = 32;
+
+/// `run`, with dedup on or off and, when `woj_mask` is given, write-once journaling on
+/// with the weak hash cut to that mask.
+fn run_with(
+    ops: Vec<Op>,
+    policy: WritePolicy,
+    verify: DedupVerify,
+    compression: Compression,
+    dedup: bool,
+    woj_mask: Option<u64>,
+) -> Result<(), TestCaseError> {
     let (dev, vol) = mem_volume(12 << 20, LOGICAL_BLOCKS * 4096, |o| {
         o.write_policy = policy;
         o.verify = verify;
         o.compression = compression;
         o.journal_size_bytes = Some(256 << 10);
         o.index_memory_bytes = 64 << 10;
+        o.dedup = dedup;
     });
+    let open_opts = match woj_mask {
+        Some(mask) => dedupvol_core::OpenOptions {
+            woj: dedupvol_core::WojMode::Range { offset: 0, len: WOJ_JOURNAL_BLOCKS * 4096 },
+            woj_weak_hash_mask: mask,
+            ..small_open()
+        },
+        None => small_open(),
+    };
+    // The volume `mem_volume` opened has no WOJ: reopen it with these options.
+    let vol = match woj_mask {
+        Some(_) => {
+            vol.close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
+            Volume::open(dev.clone() as Arc<dyn Storage>, None, &open_opts)
+                .map_err(|e| TestCaseError::fail(format!("open: {e}")))?
+        }
+        None => vol,
+    };
     let mut vol = Some(vol);
     let mut m = Model { allowed: HashMap::new() };
     let sync = policy == WritePolicy::Sync;
@@ -138,13 +173,13 @@ fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Comp
                 vol.take().expect("vol").close().map_err(|e| TestCaseError::fail(format!("close: {e}")))?;
                 m.flush();
                 vol = Some(
-                    Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open())
+                    Volume::open(dev.clone() as Arc<dyn Storage>, None, &open_opts)
                         .map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?,
                 );
             }
             Op::Crash => {
                 drop(vol.take());
-                let v2 = Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open())
+                let v2 = Volume::open(dev.clone() as Arc<dyn Storage>, None, &open_opts)
                     .map_err(|e| TestCaseError::fail(format!("recover: {e}")))?;
                 // Each block must read back one allowed content; that content is now durable.
                 for lba in 0..LOGICAL_BLOCKS {
@@ -160,7 +195,7 @@ fn run(ops: Vec<Op>, policy: WritePolicy, verify: DedupVerify, compression: Comp
                     .map_err(|e| TestCaseError::fail(format!("check: {e}")))?;
                 prop_assert!(rep.is_clean(), "check after crash: {:?}", rep.problems);
                 vol = Some(
-                    Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open())
+                    Volume::open(dev.clone() as Arc<dyn Storage>, None, &open_opts)
                         .map_err(|e| TestCaseError::fail(format!("reopen: {e}")))?,
                 );
             }
@@ -195,5 +230,24 @@ proptest! {
     #[test]
     fn async_uncompressed(ops in prop::collection::vec(op(), 1..120)) {
         run(ops, WritePolicy::Async, DedupVerify::Bytes, Compression::None)?;
+    }
+
+    /// The paper's configuration: write-once journaling without the fingerprint index.
+    #[test]
+    fn woj_without_dedup(ops in prop::collection::vec(op(), 1..120)) {
+        run_with(ops, WritePolicy::Async, DedupVerify::Hash, Compression::Lz4, false, Some(u64::MAX))?;
+    }
+
+    /// Write-once journaling first, BLAKE3 dedup behind it, with a 2-bit weak hash: every
+    /// lookup of a write outside the journal collides, and a wrong share would fail the
+    /// model.
+    #[test]
+    fn woj_forced_collisions_with_dedup(ops in prop::collection::vec(op(), 1..120)) {
+        run_with(ops, WritePolicy::Async, DedupVerify::Bytes, Compression::None, true, Some(0x3))?;
+    }
+
+    #[test]
+    fn woj_forced_collisions_sync_zstd(ops in prop::collection::vec(op(), 1..80)) {
+        run_with(ops, WritePolicy::Sync, DedupVerify::Hash, Compression::Zstd, false, Some(0x3))?;
     }
 }

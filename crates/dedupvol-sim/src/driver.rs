@@ -44,6 +44,12 @@ const HOT_RUN_PCT: u32 = 3;
 pub const ZERO_BLOCKS_MAX: u64 = 16;
 /// Recent operations kept for a failure report.
 pub const OP_LOG_MAX: usize = 48;
+/// Percent of seeds with write-once journaling, by default.
+pub const WOJ_PCT_DEFAULT: u32 = 40;
+/// Journal blocks remembered for later checkpoint writes (WOJ seeds).
+const WOJ_RECENT_MAX: usize = 64;
+/// Percent of operations that are journal or checkpoint writes (WOJ seeds).
+const WOJ_OP_PCT: u32 = 30;
 /// Logical writers, at most.
 pub const WRITERS_MAX: usize = 4;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
@@ -86,6 +92,9 @@ pub struct SimOptions {
     /// faults paused, and require it to read back: the engine must store a fresh copy, not
     /// share the damaged one.
     pub heal_rewrites: bool,
+    /// Percent of seeds that run with write-once journaling on a random journal range
+    /// (the workload then writes journal blocks and, later, their checkpoint copies).
+    pub woj_pct: u32,
 }
 
 impl Default for SimOptions {
@@ -99,6 +108,7 @@ impl Default for SimOptions {
             background_writes: false,
             compressible_duplicates: false,
             heal_rewrites: false,
+            woj_pct: WOJ_PCT_DEFAULT,
         }
     }
 }
@@ -262,6 +272,9 @@ pub struct RunConfig {
     pub ops: u64,
     /// Logical writers.
     pub writers: usize,
+    /// Write-once journaling: the journal's logical blocks (first, count), given to the
+    /// engine as a range; None: WOJ off.
+    pub woj_journal: Option<(u64, u64)>,
 }
 
 fn pick<T: Copy>(r: &mut ChaCha8Rng, v: &[T]) -> T {
@@ -313,6 +326,22 @@ impl RunConfig {
             cache_writes: pick(&mut ChaCha8Rng::seed_from_u64(seed ^ 0xCAC4_E000), &[None, Some(true), Some(false)]),
             ..OpenOptions::default()
         };
+        // Write-once journaling, from its own stream so the seeds' other choices stay as
+        // they were: a random journal range, and for half of those seeds a weak hash cut to
+        // 4 bits, so that nearly every lookup collides and only the byte comparison stands
+        // between a collision and a wrong share.
+        let mut wr = ChaCha8Rng::seed_from_u64(seed ^ 0x3001_0000);
+        let woj_journal = wr.gen_bool(opts.woj_pct as f64 / 100.0).then(|| {
+            let len = wr.gen_range(8..=(logical_blocks / 4).max(8));
+            (wr.gen_range(0..=logical_blocks - len), len)
+        });
+        let mut open = open;
+        if let Some((start, len)) = woj_journal {
+            open.woj = dedupvol_core::WojMode::Range { offset: start * B, len: len * B };
+            if wr.gen_bool(0.5) {
+                open.woj_weak_hash_mask = 0xF;
+            }
+        }
         let mut f = FaultConfig::none();
         f.crash_loss = k.cache_loss;
         f.torn_writes = k.torn;
@@ -348,13 +377,14 @@ impl RunConfig {
             sb_copy_pct: pick(&mut r, &[0, 30]) * u32::from(k.sb_copy),
             ops: opts.ops,
             writers: r.gen_range(1..=WRITERS_MAX),
+            woj_journal,
         }
     }
 
     /// One line describing the configuration.
     pub fn summary(&self) -> String {
         format!(
-            "{} data={}MiB meta={} logical={}KiB policy={:?}/{:?} comp={:?} dedup={} verify={:?} journal={}KiB bm_cache={}KiB writers={} crash_ppm={} faults={:?}",
+            "{} data={}MiB meta={} logical={}KiB policy={:?}/{:?} comp={:?} dedup={} verify={:?} journal={}KiB bm_cache={}KiB writers={} crash_ppm={} woj={:?} woj_mask={:#x} faults={:?}",
             if self.meta_dev { "two-device" } else { "one-device" },
             self.data_bytes >> 20,
             if self.meta_dev { format!("{}MiB", self.meta_bytes >> 20) } else { "shared".into() },
@@ -368,6 +398,8 @@ impl RunConfig {
             self.open.block_map_cache_bytes >> 10,
             self.writers,
             self.crash_ppm,
+            self.woj_journal,
+            self.open.woj_weak_hash_mask,
             self.faults
         )
     }
@@ -496,6 +528,9 @@ pub fn replay_command(seed: u64, opts: &SimOptions, engine: &str) -> String {
     if opts.heal_rewrites {
         s += " --heal-rewrites";
     }
+    if opts.woj_pct != WOJ_PCT_DEFAULT {
+        s += &format!(" --woj-pct {}", opts.woj_pct);
+    }
     if engine != "dedupvol" {
         s += &format!(" --engine {engine}");
     }
@@ -573,6 +608,10 @@ struct Run<'a, E: SimEngine> {
     /// Contents a read-only open of the same media saw; the next read-write recovery
     /// must show exactly these (recovery is a function of the media).
     read_only_seen: std::collections::BTreeMap<u64, Version>,
+    /// WOJ seeds: the next journal block to write (relative), and the contents written to
+    /// the journal lately, which checkpoint writes copy to home locations.
+    woj_cursor: u64,
+    woj_recent: VecDeque<u64>,
 }
 
 /// Runs one seed against engine `E`.
@@ -629,6 +668,8 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         data_region_start_block: 0,
         open_io_calls: 64,
         read_only_seen: std::collections::BTreeMap::new(),
+        woj_cursor: 0,
+        woj_recent: VecDeque::new(),
         cfg,
     };
     let r = run.run();
@@ -784,6 +825,9 @@ impl<E: SimEngine> Run<'_, E> {
     }
 
     fn step(&mut self) -> Result<(), String> {
+        if self.cfg.woj_journal.is_some() && self.rng.gen_range(0..100) < WOJ_OP_PCT {
+            return if self.rng.gen_bool(0.5) { self.op_journal() } else { self.op_checkpoint() };
+        }
         let pressure = self.cfg.data_bytes <= SPACE_PRESSURE_DATA_BYTES;
         if pressure && self.rng.gen_bool(0.4) {
             return self.op_write(self.writers.len() - 1);
@@ -867,6 +911,65 @@ impl<E: SimEngine> Run<'_, E> {
         }
         let what = format!("write {}+{} (lba {lba}) fua={fua} ids=[{}]", offset, len, names.join(", "));
         self.submit_write(what, offset, &buf, &blocks, fua)
+    }
+
+    /// WOJ seeds: a run of fresh blocks written into the journal range, in order, wrapping
+    /// (what jbd2 does); now and then one looks like a jbd2 descriptor or commit block.
+    fn op_journal(&mut self) -> Result<(), String> {
+        let Some((start, len)) = self.cfg.woj_journal else { return Ok(()) };
+        let n = self.rng.gen_range(1..=WRITE_BLOCKS_MAX).min(len - self.woj_cursor);
+        let lba = start + self.woj_cursor;
+        self.woj_cursor = (self.woj_cursor + n) % len;
+        let mut buf = Vec::with_capacity((n * B) as usize);
+        let mut blocks = Vec::with_capacity(n as usize);
+        let mut names = Vec::new();
+        for l in lba..lba + n {
+            self.next_id += 1;
+            let class = if self.rng.gen_bool(0.5) { Class::Compressible } else { Class::Unique };
+            let id = content::make(class, self.next_id);
+            buf.extend_from_slice(&content::block(id));
+            blocks.push((l, self.model.written(l, id, 0..SECTORS_PER_BLOCK as usize)));
+            names.push(format!("{id:x}"));
+            if self.woj_recent.len() == WOJ_RECENT_MAX {
+                self.woj_recent.pop_front();
+            }
+            self.woj_recent.push_back(id);
+        }
+        let fua = self.rng.gen_bool(0.2);
+        let what = format!("journal write lba {lba}+{n} fua={fua} ids=[{}]", names.join(", "));
+        self.submit_write(what, lba * B, &buf, &blocks, fua)
+    }
+
+    /// WOJ seeds: checkpoint writes: contents written to the journal lately, copied to a
+    /// home range outside it (in any order; some possibly after a crash lost the journal
+    /// copy, or after it was overwritten), so WOJ may share them.
+    fn op_checkpoint(&mut self) -> Result<(), String> {
+        let Some((start, len)) = self.cfg.woj_journal else { return Ok(()) };
+        if self.woj_recent.is_empty() {
+            return self.op_journal();
+        }
+        let n = self.rng.gen_range(1..=WRITE_BLOCKS_MAX);
+        // A home range below or above the journal.
+        let below = start >= n;
+        let above = self.logical_blocks >= start + len + n;
+        let lba = match (below, above) {
+            (true, true) if self.rng.gen_bool(0.5) => self.rng.gen_range(0..=start - n),
+            (true, false) => self.rng.gen_range(0..=start - n),
+            (_, true) => self.rng.gen_range(start + len..=self.logical_blocks - n),
+            _ => return Ok(()),
+        };
+        let mut buf = Vec::with_capacity((n * B) as usize);
+        let mut blocks = Vec::with_capacity(n as usize);
+        let mut names = Vec::new();
+        for l in lba..lba + n {
+            let id = self.woj_recent[self.rng.gen_range(0..self.woj_recent.len())];
+            buf.extend_from_slice(&content::block(id));
+            blocks.push((l, self.model.written(l, id, 0..SECTORS_PER_BLOCK as usize)));
+            names.push(format!("{id:x}"));
+        }
+        let fua = self.rng.gen_bool(0.1);
+        let what = format!("checkpoint write lba {lba}+{n} fua={fua} ids=[{}]", names.join(", "));
+        self.submit_write(what, lba * B, &buf, &blocks, fua)
     }
 
     /// One large request of a single compressible duplicate content, no flush: more

@@ -76,6 +76,10 @@ pub struct Coverage {
     pub block_map_cache_misses: u64,
     /// Highest percentage of data blocks in use seen at a close.
     pub data_used_pct_max: u64,
+    /// Checkpoint writes shared with their journal copy (write-once journaling).
+    pub woj_hits: u64,
+    /// WOJ candidates whose bytes differed from the write (weak hash collisions).
+    pub woj_collisions: u64,
 }
 
 impl Coverage {
@@ -88,6 +92,8 @@ impl Coverage {
         self.packed_blocks_written += o.packed_blocks_written;
         self.block_map_cache_misses += o.block_map_cache_misses;
         self.data_used_pct_max = self.data_used_pct_max.max(o.data_used_pct_max);
+        self.woj_hits += o.woj_hits;
+        self.woj_collisions += o.woj_collisions;
     }
 }
 
@@ -135,6 +141,8 @@ impl SimEngine for Volume {
             packed_blocks_written: c.packed_blocks_written,
             block_map_cache_misses: c.block_map_cache_misses,
             data_used_pct_max: s.data_blocks_used * 100 / s.data_blocks_total.max(1),
+            woj_hits: s.woj.as_ref().map_or(0, |w| w.hits),
+            woj_collisions: s.woj.as_ref().map_or(0, |w| w.collisions),
         }
     }
     fn data_region(data: &dyn Storage, _has_meta: bool) -> Option<Range<u64>> {

@@ -49,6 +49,9 @@ struct Args {
     /// Rewrite blocks found corrupt with their own content and require them to read back.
     #[arg(long)]
     heal_rewrites: bool,
+    /// Percent of seeds run with write-once journaling on a random journal range.
+    #[arg(long, default_value_t = dedupvol_sim::driver::WOJ_PCT_DEFAULT)]
+    woj_pct: u32,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -101,6 +104,7 @@ fn main() {
         background_writes: args.background_writes,
         compressible_duplicates: args.compressible_duplicates,
         heal_rewrites: args.heal_rewrites,
+        woj_pct: args.woj_pct.min(100),
     };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };

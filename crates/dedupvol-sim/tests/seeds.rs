@@ -102,3 +102,26 @@ fn simulator_seeds_pass_rewriting_damaged_blocks() {
     assert!(failures.is_empty(), "{} of {CI_HEAL_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
     assert!(total.heals > 0, "no damaged block was rewritten");
 }
+
+/// Seeds run in CI with write-once journaling on every seed.
+const CI_WOJ_SEEDS: u64 = 80;
+
+/// Write-once journaling under crashes and faults: every seed has a random journal range,
+/// journal writes and later checkpoint copies of them (some across crashes, some after the
+/// journal copy was overwritten or lost), and half the seeds cut the weak hash to 4 bits, so
+/// nearly every lookup collides and only the byte comparison stands between a collision and
+/// a wrong share. A wrong share reads back wrong data, which fails the seed.
+#[test]
+fn simulator_seeds_pass_with_woj_and_forced_collisions() {
+    let opts = SimOptions { woj_pct: 100, ..SimOptions::default() };
+    let start = 20_000;
+    let (total, failures) = run_seeds(start..start + CI_WOJ_SEEDS, &opts);
+    eprintln!(
+        "{CI_WOJ_SEEDS} WOJ seeds: {} checkpoint writes shared, {} collisions refused, {} crashes, {} recoveries",
+        total.coverage.woj_hits, total.coverage.woj_collisions, total.crashes, total.recoveries
+    );
+    assert!(failures.is_empty(), "{} of {CI_WOJ_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(total.coverage.woj_hits > 0, "no checkpoint write was shared");
+    assert!(total.coverage.woj_collisions > 0, "no forced collision reached the byte comparison");
+    assert!(total.crashes >= CI_WOJ_SEEDS, "too few crashes: {}", total.crashes);
+}

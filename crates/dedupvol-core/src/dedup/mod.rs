@@ -231,6 +231,12 @@ impl Deduper {
         }
     }
 
+    /// True when `pbn` was found damaged and not freed since: nothing may be shared onto
+    /// it (write-once journaling asks too).
+    pub(crate) fn is_damaged(&self, pbn: u64) -> bool {
+        self.damaged.contains(&pbn)
+    }
+
     /// Checks the index and the stamps against the volume's data region (the `verify`
     /// audit).
     #[cfg(any(test, feature = "verify"))]

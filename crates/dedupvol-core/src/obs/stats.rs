@@ -118,6 +118,9 @@ pub struct Stats {
     /// The hot-chunk tier of this session (None: no tier configured or it could not be
     /// opened).
     pub tier: Option<TierStats>,
+    /// Write-once journaling of this session (None: off).
+    #[serde(default)]
+    pub woj: Option<crate::woj::WojStats>,
 }
 
 /// Figures of the fingerprint index (counters since open).

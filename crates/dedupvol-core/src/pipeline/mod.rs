@@ -1,8 +1,11 @@
 //! The reduction pipeline: how a batch of whole 4 KiB chunks becomes mapping changes.
 //!
 //! Stages, in the order `Volume::write_blocks_once` runs them (docs/design.md, "A write"):
-//! 1. `fingerprint` (no lock, parallel): zero check, BLAKE3 fingerprint, crc32c;
-//! 2. `reduce::find_candidates` (state lock): dedup candidates from the index;
+//! 1. `fingerprint` (no lock, parallel): zero check, crc32c, the weak hash and the
+//!    write-once journaling candidate (WOJ on), BLAKE3 fingerprint (dedup on, and no WOJ
+//!    candidate);
+//! 2. `reduce::resolve_woj`, `reduce::find_candidates` (state lock): journal copies, and
+//!    dedup candidates from the index;
 //! 3. `reduce::verify_and_compress` (no lock, parallel): byte verification of
 //!    candidates, compression of the chunks without a verified duplicate;
 //! 4. `place` (state lock): the dedup claim, packing or a raw block, staging, and the
@@ -12,6 +15,9 @@
 //! - A batch holds at most `WRITE_BLOCKS_PER_BATCH` chunks, which bounds the state-lock
 //!   hold of stages 2 and 4 and the memory of one batch's plans, whatever the request size.
 //! - Stages 1 and 3 take no volume lock; everything they decide is re-checked in stage 4.
+//! - The index is asked and told only under a chunk's real BLAKE3 fingerprint (`hashed`):
+//!   a chunk that skipped BLAKE3 for a WOJ candidate gets it in stage 3 or 4 when the
+//!   candidate falls through.
 
 pub(crate) mod executor;
 pub(crate) mod fingerprint;
@@ -35,8 +41,18 @@ pub(crate) enum Plan {
 
 /// A data chunk's fingerprints and what the stages decided for it so far.
 pub(crate) struct DataPlan {
-    /// BLAKE3 of the chunk (zero when dedup is off).
+    /// BLAKE3 of the chunk (zero when dedup is off, or not computed yet: see `hashed`).
     pub(crate) hash: [u8; 32],
+    /// `hash` was computed. With write-once journaling a chunk that found its journal copy
+    /// skips BLAKE3; should the share fall through, it is computed then.
+    pub(crate) hashed: bool,
+    /// The weak hash (xxh3-64) of write-once journaling (0 when it is off).
+    pub(crate) weak: u64,
+    /// The write-once journaling candidate (a journal block with the same weak hash).
+    pub(crate) woj: Option<crate::woj::WojCand>,
+    /// The chunk is written into a file system's journal (write-once journaling): its
+    /// stored copy is kept in the content cache, where checkpoint writes compare with it.
+    pub(crate) journal: bool,
     /// crc32c of the chunk: the map entry's checksum.
     pub(crate) crc: u32,
     /// The dedup candidate and whether it is proven equal.

@@ -46,6 +46,7 @@ impl Volume {
             if let Some(seq) = self.apply_entry(st, lba0 + i as u64, e)? {
                 last = seq;
             }
+            self.woj_note_write(lba0 + i as u64, p, chunk(buf, i));
             st.red.blocks_written += 1;
         }
         Ok(last)
@@ -57,6 +58,20 @@ impl Volume {
             st.red.zero_blocks += 1;
             return Ok(MapEntry::ZERO);
         };
+        if let Some(c) = d.woj.take() {
+            if let Some(e) = self.woj_claim(st, &c, d.crc, looked_up_at) {
+                return Ok(e);
+            }
+            // The share fell through: the chunk is stored like any other.
+            if c.verified && d.frag.is_none() && self.compression != Compression::None {
+                d.frag = packer::compress(self.compression, self.compression_level, chunk);
+            }
+        }
+        // The index is asked, and told, only under the chunk's real fingerprint.
+        if self.dedup && !d.hashed {
+            d.hash = *blake3::hash(chunk).as_bytes();
+            d.hashed = true;
+        }
         if self.dedup {
             let State { dedup, rc, red, packer, staging, .. } = &mut *st;
             let in_memory = |loc: crate::dedup::index::Location| {
@@ -87,11 +102,23 @@ impl Volume {
             None => {
                 let pbn = self.alloc_block(st)?;
                 let block = d.raw.take().unwrap_or_else(|| Block::from(chunk));
+                // A journal block is what its checkpoint write will be compared with, maybe
+                // a whole journal's worth of writes later: cached as if already read once,
+                // so it is not the first thing evicted (the same buffer staging holds).
+                let journal_copy = d.journal.then(|| block.clone());
                 if let Some(t) = &self.tier {
                     t.offer_written(pbn, &block, false);
                 }
                 // A raw block is the chunk itself: its crc is the map entry's.
                 self.stage(st, pbn, block, Some(d.crc))?;
+                if let Some(b) = journal_copy {
+                    // `stage` put it already when written blocks are cached.
+                    if self.cache_writes {
+                        self.cache.lock().touch(pbn);
+                    } else {
+                        self.cache.lock().put_hot(pbn, b, d.crc);
+                    }
+                }
                 st.red.raw_blocks += 1;
                 MapEntry::raw(pbn, d.crc)
             }

@@ -2,14 +2,16 @@
 //! compression (no lock, in parallel).
 
 use super::executor::{for_each, Executor};
-use super::{chunk, Plan};
+use super::{chunk, DataPlan, Plan};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
 use crate::data::placement::DataDevice;
 use crate::dedup::{verify, Candidate};
 use crate::metadata::block_map::MapEntry;
+use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::read::cache::{Block, ContentCache};
 use crate::volume::state::State;
+use crate::woj::Woj;
 use parking_lot::Mutex;
 
 /// Stage 2 (state lock held): each data chunk's dedup candidate. A candidate not on the
@@ -18,6 +20,10 @@ use parking_lot::Mutex;
 pub(crate) fn find_candidates(st: &State, buf: &[u8], plans: &mut [Plan]) {
     for (i, p) in plans.iter_mut().enumerate() {
         let Plan::Data(d) = p else { continue };
+        // A chunk with a write-once journaling candidate has no BLAKE3 fingerprint yet.
+        if !d.hashed {
+            continue;
+        }
         let cand = st.dedup.lookup(&d.hash, &st.rc);
         d.cand = match cand {
             Candidate { loc: Some(loc), verified: false } => {
@@ -34,21 +40,43 @@ pub(crate) fn find_candidates(st: &State, buf: &[u8], plans: &mut [Plan]) {
     }
 }
 
-/// Stage 3 (no lock): reads and compares the candidates left unverified, and compresses
-/// every chunk without a verified duplicate (keeping a raw copy when compression does not
-/// pay).
+/// Stage 3 (no lock): reads and compares the candidates left unverified (write-once
+/// journaling's first: a chunk whose journal copy is proven equal needs nothing else), and
+/// compresses every chunk without a verified duplicate (keeping a raw copy when
+/// compression does not pay). A chunk whose journal copy differed gets its BLAKE3
+/// fingerprint here when dedup is on.
 pub(crate) fn verify_and_compress(
     exec: &dyn Executor,
     data: &DataDevice,
     cache: &Mutex<ContentCache>,
     compression: Compression,
     level: i8,
+    dedup: bool,
     buf: &[u8],
     plans: &mut [Plan],
 ) {
     for_each(exec, plans, |i, p| {
         let Plan::Data(d) = p else { return };
         let c = chunk(buf, i);
+        if let Some(w) = d.woj.as_mut() {
+            match w.entry {
+                Some(e) if !w.verified => {
+                    let loc = crate::dedup::index::Location { pbn: e.pbn, state: e.state, stamp: 0, current: false };
+                    w.by_read = !cache.lock().contains(e.pbn);
+                    w.verified = verify::by_read(data, cache, loc, c);
+                }
+                _ => {}
+            }
+            if w.verified {
+                return;
+            }
+            // Stage 4 counts the collision; the chunk takes the normal path.
+        }
+        // A chunk whose WOJ candidate fell through (here or in stage 2) has no BLAKE3 yet.
+        if dedup && !d.hashed {
+            d.hash = *blake3::hash(c).as_bytes();
+            d.hashed = true;
+        }
         if let Candidate { loc: Some(loc), verified: false } = d.cand {
             d.cand.verified = verify::by_read(data, cache, loc, c);
         }
@@ -59,4 +87,64 @@ pub(crate) fn verify_and_compress(
             }
         }
     });
+}
+
+/// Stage 2 for write-once journaling (state lock held): each WOJ candidate's journal block
+/// must still hold content of the chunk's weak hash; its map entry must be data of the
+/// chunk's crc32c (unless a test forces collisions), below the reference cap and not
+/// damaged; a copy not on the device yet is compared here, from memory. Candidates that
+/// fail are dropped (counted as collisions or stale in stage 4's hold, see `woj`).
+pub(crate) fn resolve_woj(st: &mut State, woj: &Mutex<Woj>, buf: &[u8], plans: &mut [Plan]) -> (u64, u64) {
+    let (mut collisions, mut stale) = (0u64, 0u64);
+    let (targets, crc_check): (Vec<Option<u64>>, bool) = {
+        let w = woj.lock();
+        let t = plans
+            .iter()
+            .map(|p| match p {
+                Plan::Data(DataPlan { woj: Some(c), weak, .. }) if w.still(c, *weak) => w.lba_of(c.j),
+                _ => None,
+            })
+            .collect();
+        (t, w.mask() == u64::MAX)
+    };
+    for ((i, p), target) in plans.iter_mut().enumerate().zip(targets) {
+        let Plan::Data(d) = p else { continue };
+        let Some(c) = d.woj.as_mut() else { continue };
+        let Some(lba) = target else {
+            stale += 1;
+            d.woj = None;
+            continue;
+        };
+        // A map page read error here only loses the candidate.
+        let e = match st.map.get(lba) {
+            Ok(e) if e.is_data() => e,
+            _ => {
+                stale += 1;
+                d.woj = None;
+                continue;
+            }
+        };
+        let refs = st.rc.get(e.pbn);
+        if refs == 0 || refs >= REFCOUNT_MAX || st.dedup.is_damaged(e.pbn) {
+            stale += 1;
+            d.woj = None;
+            continue;
+        }
+        if crc_check && e.crc != d.crc {
+            collisions += 1;
+            d.woj = None;
+            continue;
+        }
+        c.entry = Some(e);
+        let mut out = [0u8; BLOCK_SIZE];
+        match st.unwritten(&e, &mut out) {
+            Some(true) if out == chunk(buf, i) => c.verified = true,
+            Some(_) => {
+                collisions += 1;
+                d.woj = None;
+            }
+            None => {}
+        }
+    }
+    (collisions, stale)
 }

@@ -189,6 +189,21 @@ impl ContentCache {
         }
     }
 
+    /// `put`, and counted as used once (not as a hit), so that the block is not evicted
+    /// before anything reads it: a journal block kept for write-once journaling, which
+    /// its checkpoint write compares with only after up to a journal's worth of writes.
+    pub fn put_hot(&mut self, pbn: u64, block: Block, crc: u32) {
+        self.put(pbn, block, crc);
+        self.touch(pbn);
+    }
+
+    /// Counts a cached block as used once (not as a hit); nothing when it is not cached.
+    pub fn touch(&mut self, pbn: u64) {
+        if let Some(t) = self.table.as_ref() {
+            let _ = t.get(&pbn);
+        }
+    }
+
     /// Stores content read from the device unless newer content is already cached; `crc`
     /// as for `put`.
     pub fn fill(&mut self, pbn: u64, block: Block, crc: u32) {

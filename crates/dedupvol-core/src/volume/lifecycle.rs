@@ -269,7 +269,9 @@ impl Volume {
         let tier =
             opts.tier.as_ref().and_then(|t| Tier::open(t, &sb.uuid, data.clone(), state.rc.counts(), &mut tier_notes));
         notes.extend(tier_notes.iter().cloned().map(OpenNote::Info));
-        Ok(Volume {
+        let woj = crate::woj::Woj::new(opts.woj, opts.woj_weak_hash_mask, geo.logical_blocks * BLOCK_SIZE_U64);
+        let v = Volume {
+            woj: woj.map(Mutex::new),
             data,
             meta,
             geo,
@@ -294,7 +296,10 @@ impl Volume {
             open_notes: notes,
             tier,
             tier_notes,
-        })
+        };
+        // After recovery, before any write: the journal of a file system already there.
+        v.woj_discover();
+        Ok(v)
     }
 
     /// Makes everything durable, writes all metadata and marks the volume clean.

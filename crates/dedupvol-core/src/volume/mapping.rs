@@ -10,6 +10,8 @@
 //! - A block whose last reference goes is freed only once the change is durable
 //!   (`free_later`), and leaves deduplication, the content cache and the hot-chunk tier
 //!   at once.
+//! - A journal block of write-once journaling whose mapping changes leaves the weak-hash
+//!   pool under the same hold (`woj_forget`); a write re-enters it after the change.
 //! - A block is queued for the tier only on the transition of its count to exactly the
 //!   threshold (packed) or twice it (raw), so a block is offered once per life.
 
@@ -37,6 +39,7 @@ impl Volume {
             st.rc.check_dec(&old)?;
         }
         let seq = st.journal.append(lba, new, old);
+        self.woj_forget(lba);
         st.map.set(lba, new, seq)?;
         if new.is_data() {
             st.rc.inc(&new, seq)?;
@@ -93,6 +96,7 @@ impl Volume {
     pub(crate) fn unmap(&self, offset: u64, len: u64, to: MapEntry, fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
+        let watched = self.woj_watched(offset, len);
         let mut last_seq = 0;
         for seg in segments(offset, len, UNMAP_BLOCKS_PER_LOCK) {
             if !seg.whole {
@@ -117,6 +121,8 @@ impl Volume {
             }
             self.after_write(false, last_seq)?;
         }
-        self.after_write(fua, last_seq)
+        self.after_write(fua, last_seq)?;
+        self.woj_after_write(watched);
+        Ok(())
     }
 }

@@ -36,6 +36,7 @@ mod mapping;
 mod recovery;
 mod report;
 pub(crate) mod state;
+mod woj;
 mod write;
 
 #[cfg(test)]
@@ -102,6 +103,9 @@ pub struct Volume {
     pub(crate) tier: Option<Tier>,
     /// Why the tier is not used, or was re-initialised, at open.
     pub(crate) tier_notes: Vec<String>,
+    /// Write-once journaling (None: off). Taken after the state lock, or alone; never
+    /// held across I/O.
+    pub(crate) woj: Option<Mutex<crate::woj::Woj>>,
 }
 
 impl Volume {
@@ -110,6 +114,7 @@ impl Volume {
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, data.len() as u64)?;
+        let watched = self.woj_watched(offset, data.len() as u64);
         let mut last_seq = 0u64;
         for seg in segments(offset, data.len() as u64, crate::pipeline::WRITE_BLOCKS_PER_BATCH) {
             #[expect(clippy::indexing_slicing, reason = "`segments` cuts `data.len()` bytes into segments inside it")]
@@ -117,7 +122,10 @@ impl Volume {
             let seq = if seg.whole { self.write_blocks(seg.lba, src)? } else { self.rmw(seg.lba, seg.within, src)? };
             last_seq = last_seq.max(seq);
         }
-        self.after_write(fua, last_seq)
+        self.after_write(fua, last_seq)?;
+        // A superblock or partition table was rewritten: the journal may have moved.
+        self.woj_after_write(watched);
+        Ok(())
     }
 
     /// Reads `buf.len()` bytes at byte `offset`.

@@ -31,6 +31,9 @@ impl Volume {
             v.push(("hot-chunk tier slot table and map", table));
             v.push(("hot-chunk tier queue and recent reads", queue));
         }
+        if let Some(w) = &self.woj {
+            v.push(("write-once journaling pool", w.lock().snapshot().pool_bytes));
+        }
         v
     }
 
@@ -92,6 +95,9 @@ impl Volume {
         self.cache.lock().audit().map_err(named("content cache"))?;
         if let Some(t) = &self.tier {
             t.audit().map_err(named("hot-chunk tier"))?;
+        }
+        if let Some(w) = &self.woj {
+            w.lock().audit().map_err(named("write-once journaling pool"))?;
         }
         Ok(())
     }
@@ -166,6 +172,7 @@ impl Volume {
             write_policy: self.policy,
             io: self.io.snapshot(),
             tier: self.tier.as_ref().map(|t| t.stats()),
+            woj: self.woj.as_ref().map(|w| w.lock().snapshot()),
         }
     }
 

@@ -70,16 +70,24 @@ impl Volume {
 
     /// One batch through the pipeline (see the module docs of `volume` for the steps).
     fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
-        // 1. Fingerprints (no lock; large requests use every core).
-        let mut plans = fingerprint(&*self.exec, buf, self.dedup);
-        // 2. Dedup candidates (state lock).
-        let looked_up_at = {
-            let st = self.state.lock();
+        // 1. Fingerprints and write-once journaling candidates (no lock; large requests
+        //    use every core).
+        let woj = self.woj.as_ref();
+        let mut plans = fingerprint(&*self.exec, buf, self.dedup, woj, lba0);
+        // 2. Journal copies, then dedup candidates (state lock).
+        let (looked_up_at, woj_dropped) = {
+            let mut st = self.state.lock();
+            let dropped = woj.map(|w| reduce::resolve_woj(&mut st, w, buf, &mut plans));
             if self.dedup {
                 reduce::find_candidates(&st, buf, &mut plans);
             }
-            st.dedup.generation()
+            (st.dedup.generation(), dropped)
         };
+        if let (Some(w), Some((collisions, stale))) = (woj, woj_dropped) {
+            let mut w = w.lock();
+            w.stats.collisions += collisions;
+            w.stats.stale += stale;
+        }
         // 3. Verification reads and compression (no lock; parallel).
         reduce::verify_and_compress(
             &*self.exec,
@@ -87,6 +95,7 @@ impl Volume {
             &self.cache,
             self.compression,
             self.compression_level,
+            self.dedup,
             buf,
             &mut plans,
         );
