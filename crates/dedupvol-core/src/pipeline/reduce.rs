@@ -45,6 +45,7 @@ pub(crate) fn find_candidates(st: &State, buf: &[u8], plans: &mut [Plan]) {
 /// compresses every chunk without a verified duplicate (keeping a raw copy when
 /// compression does not pay). A chunk whose journal copy differed gets its BLAKE3
 /// fingerprint here when dedup is on.
+#[expect(clippy::too_many_arguments, reason = "the stage's executor, devices, cache, settings and batch")]
 pub(crate) fn verify_and_compress(
     exec: &dyn Executor,
     data: &DataDevice,
