@@ -3,8 +3,8 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use dedupvol_core::{
-    parse_size, Compression, DedupVerify, FormatOptions, IoMode, OpenOptions, TierOptions, TierStats, Volume,
-    WritePolicy, BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
+    parse_size, DedupVerify, FormatOptions, IoMode, OpenOptions, TierOptions, TierStats, Volume, WritePolicy,
+    BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
@@ -63,8 +63,9 @@ pub struct FormatArgs {
     /// Put the journal, block map and reference counts on this (fast) device.
     #[arg(long)]
     meta_device: Option<PathBuf>,
-    /// Compressor: lz4, zstd or none.
-    #[arg(long, default_value = "lz4")]
+    /// Compressor: zstd (level 1), zstd:LEVEL (-7..=19; higher is smaller and slower),
+    /// lz4 (the fast option) or none.
+    #[arg(long, default_value = "zstd")]
     compression: String,
     /// Deduplicate: on or off.
     #[arg(long, default_value = "on")]
@@ -321,9 +322,11 @@ impl VolumeCommand {
 }
 
 fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
+    let (compression, compression_level) = dedupvol_core::parse_compression(&a.compression).map_err(crate::usage)?;
     let opts = FormatOptions {
         logical_size_bytes: a.logical_size,
-        compression: a.compression.parse::<Compression>().map_err(crate::usage)?,
+        compression,
+        compression_level,
         dedup: on_off(&a.dedup)?,
         index_memory_bytes: a.index_memory,
         dedup_window_bytes: a.dedup_window,
@@ -449,6 +452,7 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
             "block_map_pages": g.block_map_pages,
             "refcount_pages": g.refcount_pages,
             "compression": s.compression,
+            "compression_level": s.compression_level,
             "dedup": s.dedup,
             "verify": s.verify,
             "direct_io": vol.direct_io(),
@@ -487,7 +491,7 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
         human(g.max_logical_blocks() * 4096),
         human(g.max_data_dev_blocks() * 4096)
     )?;
-    outln!("compression     {}", s.compression)?;
+    outln!("compression     {}", dedupvol_core::compression_name(s.compression, s.compression_level))?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;
     outln!(

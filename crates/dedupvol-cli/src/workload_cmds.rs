@@ -6,7 +6,7 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use dedupvol_core::{
-    parse_size, Compression, DedupVerify, FileStorage, FormatOptions, IoMode, OpenOptions, Storage, Volume, WritePolicy,
+    parse_size, DedupVerify, FileStorage, FormatOptions, IoMode, OpenOptions, Storage, Volume, WritePolicy,
 };
 use dedupvol_workload::bench::{self, BenchOptions, BenchReport, Scenario, Target};
 use dedupvol_workload::table::{num, render_bench, render_estimate, Table};
@@ -108,8 +108,8 @@ pub struct BenchArgs {
     /// Let --volume overwrite a path that holds a volume or other data.
     #[arg(long, requires = "volume")]
     force: bool,
-    /// Compression of the engine volume.
-    #[arg(long, default_value = "lz4")]
+    /// Compression of the engine volume: zstd, zstd:LEVEL, lz4 or none.
+    #[arg(long, default_value = "zstd")]
     compression: String,
     /// Write policy of the engine volume.
     #[arg(long, default_value = "async")]
@@ -175,6 +175,13 @@ pub struct EstimateArgs {
     /// Chunk size: 4K, 8K, 16K or 32K (the engine uses 4K).
     #[arg(long, default_value = "4K")]
     chunk_size: String,
+    /// Compression of the modelled volume: zstd, zstd:LEVEL, lz4 or none (as `format`).
+    #[arg(long, default_value = "zstd")]
+    compression: String,
+    /// Also price other ways of storing the compressed data: 4 KiB fragments in 512-byte
+    /// sectors or byte for byte, and 16/64/128 KiB compressed extents (4K chunks only).
+    #[arg(long)]
+    policies: bool,
     /// Also import the data into a temporary volume and compare with the engine's stats.
     #[arg(long)]
     compare_engine: bool,
@@ -243,7 +250,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     if request_bytes == 0 || request_bytes % 4096 != 0 || request_bytes > 64 << 20 {
         usage_bail!("--request-size {} must be a multiple of 4K up to 64M", a.request_size);
     }
-    let compression: Compression = a.compression.parse().map_err(|e| crate::usage(format!("--compression: {e}")))?;
+    let (compression, compression_level) =
+        dedupvol_core::parse_compression(&a.compression).map_err(|e| crate::usage(format!("--compression: {e}")))?;
     let write_policy: WritePolicy = a.write_policy.parse().map_err(|e| crate::usage(format!("--write-policy: {e}")))?;
     let size = size_arg("size", &a.size)?;
     if size < 4096 {
@@ -284,6 +292,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         threads: a.threads,
         request_bytes: request_bytes as usize,
         compression,
+        compression_level,
         write_policy,
         baselines: !a.no_baseline,
         index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
@@ -501,8 +510,16 @@ struct EngineComparison {
 
 fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
     let chunk = size_arg("chunk-size", &a.chunk_size)? as usize;
-    let mut est = Estimator::new(EstimateOptions { chunk_bytes: chunk, ..Default::default() })
-        .map_err(|e| crate::usage(format!("--chunk-size {}: {e}", a.chunk_size)))?;
+    let (compression, compression_level) =
+        dedupvol_core::parse_compression(&a.compression).map_err(|e| crate::usage(format!("--compression: {e}")))?;
+    let mut est = Estimator::new(EstimateOptions {
+        chunk_bytes: chunk,
+        compression,
+        compression_level,
+        policies: a.policies,
+        ..Default::default()
+    })
+    .map_err(|e| crate::usage(format!("--chunk-size {}: {e}", a.chunk_size)))?;
     for p in &a.paths {
         est.scan_path(p).map_err(anyhow::Error::msg)?;
     }
@@ -536,7 +553,8 @@ fn run_estimate(a: EstimateArgs) -> anyhow::Result<ExitCode> {
                 mib(c.savings_compression_bytes),
             ]);
             outln!(
-                "\nestimate vs engine (same bytes imported into a fresh LZ4 volume at {:.0} MB/s):\n{}physical-size error of the estimate: {:+.2}%",
+                "\nestimate vs engine (same bytes imported into a fresh {} volume at {:.0} MB/s):\n{}physical-size error of the estimate: {:+.2}%",
+                dedupvol_core::compression_name(report.compression, report.compression_level),
                 c.import_mb_s,
                 t.render(),
                 c.estimate_error_percent
@@ -561,7 +579,13 @@ fn compare_engine(paths: &[PathBuf], report: &EstimateReport, dir: Option<&Path>
     let logical = report.scanned_bytes.max(4096);
     let physical = logical + (1 << 30);
     let dev: Arc<dyn Storage> = Arc::new(FileStorage::create(&vol_path, Some(physical))?);
-    let fmt = FormatOptions { logical_size_bytes: logical, index_memory_bytes: 256 << 20, ..FormatOptions::default() };
+    let fmt = FormatOptions {
+        logical_size_bytes: logical,
+        index_memory_bytes: 256 << 20,
+        compression: report.compression,
+        compression_level: report.compression_level,
+        ..FormatOptions::default()
+    };
     Volume::format(dev, None, &fmt, true).with_context(|| format!("formatting {}", vol_path.display()))?;
     let dev: Arc<dyn Storage> = Arc::new(FileStorage::open(&vol_path, false)?);
     let vol = Volume::open(dev, None, &OpenOptions::default()).with_context(|| "opening the comparison volume")?;

@@ -182,6 +182,10 @@ fn format_bad_input() {
         .expect(USAGE, "slab size");
     s.run(&["format", "new.img", "--logical-size", "64M", "--physical-size", "64M", "--compression", "lz5"])
         .expect(USAGE, "compression");
+    for bad in ["zstd:0", "zstd:20", "zstd:fast", "lz4:3"] {
+        s.run(&["format", "new.img", "--logical-size", "64M", "--physical-size", "64M", "--compression", bad])
+            .expect(USAGE, "level");
+    }
     s.run(&["format", "new.img", "--logical-size", "64M", "--physical-size", "64M", "--dedup", "maybe"])
         .expect(USAGE, "--dedup");
     s.run(&["format", "new.img", "--logical-size", "64M", "--bogus"]).expect(USAGE, "--bogus");
@@ -200,7 +204,7 @@ fn info_bad_input() {
     s.run(&["info", "vol.img", "--bogus"]).expect(USAGE, "--bogus");
     s.run(&["info"]).expect(USAGE, "<PATH>");
     let r = s.run(&["info", "vol.img"]);
-    r.expect_ok("compression     lz4").no_debug_names();
+    r.expect_ok("compression     zstd:1").no_debug_names();
     assert!(r.stdout.contains("verify hash") && r.stdout.contains("write policy    async"), "{}", r.stdout);
 }
 

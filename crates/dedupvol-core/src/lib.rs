@@ -43,8 +43,9 @@ mod woj;
 pub use check::scrub::{ScrubDamage, ScrubOptions, ScrubReport, ScrubStatus};
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, IndexAudit, LostRange, Problem};
 pub use config::{
-    parse_size, Compression, DedupVerify, FormatOptions, IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy,
-    BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT,
+    compression_name, effective_level, parse_compression, parse_size, Compression, DedupVerify, FormatOptions,
+    IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy, BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT,
+    TIER_PROMOTE_REFCOUNT_DEFAULT, ZSTD_LEVEL_DEFAULT, ZSTD_LEVEL_MAX, ZSTD_LEVEL_MIN,
 };
 pub use dedup::index::IndexRebuild;
 pub use error::{Corruption, Error, Result};
@@ -58,6 +59,16 @@ pub use volume::block_status::{
 pub use volume::grow::{resize_closed, resize_path, GrowReport};
 pub use volume::Volume;
 pub use woj::{JournalRange, WojMode, WojStats};
+
+/// The size of the fragment the engine would store for the 4 KiB `block` under `codec`
+/// at `level` (0: the codec's default), or None when it would store the block raw: the
+/// write path's own decision, incompressible check included, for estimators.
+pub fn fragment_size(codec: Compression, level: i8, block: &[u8]) -> Option<usize> {
+    if block.len() != BLOCK_SIZE {
+        return None;
+    }
+    data::packer::compress(codec, level, block).map(|f| f.len())
+}
 
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.

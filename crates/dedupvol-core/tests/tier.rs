@@ -9,9 +9,13 @@ use std::sync::Arc;
 
 const B: u64 = 4096;
 
+/// LZ4, so that the test blocks' fragments fill packed blocks five or fewer at a time:
+/// zstd packs more of them, and a packed block whose fragments reach the promotion
+/// threshold is promoted on the write path, before any read could.
 fn format_mem(physical: u64, logical: u64) -> Arc<MemStorage> {
     let dev = Arc::new(MemStorage::new(physical));
     let opts = FormatOptions {
+        compression: dedupvol_core::Compression::Lz4,
         logical_size_bytes: logical,
         index_memory_bytes: 1 << 20,
         slab_size_bytes: 1 << 20,

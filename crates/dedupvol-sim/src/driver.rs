@@ -302,7 +302,12 @@ impl RunConfig {
         let write_policy = if r.gen_bool(0.3) { WritePolicy::Sync } else { WritePolicy::Async };
         let format = FormatOptions {
             logical_size_bytes: logical_blocks * B,
-            compression: if r.gen_bool(0.7) { Compression::Lz4 } else { Compression::None },
+            compression: match r.gen_range(0..10) {
+                0..=3 => Compression::Zstd,
+                4..=6 => Compression::Lz4,
+                _ => Compression::None,
+            },
+            compression_level: 0,
             dedup: r.gen_bool(0.9),
             index_memory_bytes: pick(&mut r, &[64u64, 128, 256]) << 10,
             write_policy,

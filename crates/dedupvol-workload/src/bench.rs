@@ -93,6 +93,8 @@ pub struct BenchOptions {
     pub request_bytes: usize,
     /// Compression of the engine volume.
     pub compression: Compression,
+    /// Its level (zstd; 0 for the default).
+    pub compression_level: i8,
     /// Write policy of the engine volume.
     pub write_policy: WritePolicy,
     /// Also run the no-reduction volume and raw-file baselines.
@@ -444,7 +446,13 @@ pub fn run_scenario(
             let _ = std::fs::remove_file(p);
         }
     };
-    let est_opts = EstimateOptions { chunk_bytes: BLOCK_BYTES, threads };
+    let est_opts = EstimateOptions {
+        chunk_bytes: BLOCK_BYTES,
+        threads,
+        compression: opts.compression,
+        compression_level: opts.compression_level,
+        policies: false,
+    };
     let t0 = Instant::now();
     let phase = |what: &str| {
         if opts.verbose {
@@ -557,6 +565,7 @@ pub fn run_scenario(
 
     let fmt = FormatOptions {
         compression: opts.compression,
+        compression_level: opts.compression_level,
         write_policy: opts.write_policy,
         index_memory_bytes: opts.index_memory_bytes,
         verify: opts.verify,

@@ -5,7 +5,9 @@
 //! 1. all zeros → a zero chunk (no space, no I/O);
 //! 2. else its BLAKE3 fingerprint (first 16 bytes, in a `HashSet`) was seen before → a
 //!    duplicate;
-//! 3. else unique: LZ4-compress it. The engine stores a compressed fragment only when it is
+//! 3. else unique: compress it with the volume's codec and level (default zstd at level 1;
+//!    4 KiB chunks through the engine's own `fragment_size`, so its incompressible check
+//!    too). The engine stores a compressed fragment only when it is
 //!    at most [`FRAGMENT_BYTES_MAX`] bytes, packing fragments into 4 KiB blocks whose
 //!    [`PACKED_HEADER_BYTES`]-byte header describes at most [`PACKED_FRAGMENTS_MAX`]
 //!    fragments; otherwise the chunk is stored raw.
@@ -19,6 +21,13 @@
 //! Chunks larger than 4 KiB model a hypothetical engine with bigger chunks: a compressed
 //! chunk that fits a fragment is packed; else it takes `ceil(compressed / 4096)` whole
 //! blocks, or is stored raw when that saves nothing.
+//!
+//! With `policies` on (4 KiB chunks only), the scan also prices the unique chunks under
+//! other ways of storing compressed data ([`POLICY_EXTENT_BYTES`]): each 4 KiB fragment
+//! rounded up to 512-byte sectors, or byte for byte; and runs of consecutive unique chunks
+//! (in scan order, up to an extent's size, within one 8 MiB batch; duplicates and zeros in
+//! between are skipped, as a write of them would share them) compressed as one unit and
+//! rounded to sectors, at most their raw size. Dedup stays at 4 KiB in every policy.
 //!
 //! Invariants:
 //! - Exact fingerprinting: a 128-bit BLAKE3 prefix per unique chunk, no sampling.
@@ -52,6 +61,21 @@ pub const CHUNK_BYTES_MIN: usize = 4096;
 pub const CHUNK_BYTES_MAX: usize = 32768;
 /// Bytes read and processed per batch.
 const BATCH_BYTES: usize = 8 << 20;
+/// Sector of the sector-granular policies, in bytes.
+pub const POLICY_SECTOR_BYTES: u64 = 512;
+/// Extent sizes the policy table prices, in bytes.
+pub const POLICY_EXTENT_BYTES: [usize; 3] = [16 << 10, 64 << 10, 128 << 10];
+
+/// Physical bytes of the unique data under one storage policy (`EstimateOptions::policies`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PolicyFigure {
+    /// What the policy stores: unit and rounding.
+    pub policy: String,
+    /// Physical data bytes it would use.
+    pub physical_bytes: u64,
+    /// (scanned - zero) / physical.
+    pub reduction_ratio: f64,
+}
 
 /// Estimate settings.
 #[derive(Debug, Clone, Serialize)]
@@ -60,6 +84,13 @@ pub struct EstimateOptions {
     pub chunk_bytes: usize,
     /// Hashing/compression threads.
     pub threads: usize,
+    /// Codec the modelled volume compresses with.
+    pub compression: dedupvol_core::Compression,
+    /// Its level (zstd; 0 for the default).
+    pub compression_level: i8,
+    /// Also price other storage policies (4 KiB chunks only; several more compression
+    /// passes over the unique data).
+    pub policies: bool,
 }
 
 impl Default for EstimateOptions {
@@ -67,6 +98,9 @@ impl Default for EstimateOptions {
         EstimateOptions {
             chunk_bytes: 4096,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            compression: dedupvol_core::Compression::Zstd,
+            compression_level: 0,
+            policies: false,
         }
     }
 }
@@ -76,6 +110,12 @@ impl Default for EstimateOptions {
 pub struct EstimateReport {
     /// Chunk size used, in bytes.
     pub chunk_bytes: u64,
+    /// Codec modelled.
+    pub compression: dedupvol_core::Compression,
+    /// Its level (zstd: the level in effect; 0 for the other codecs).
+    pub compression_level: i8,
+    /// Other storage policies priced (empty unless `EstimateOptions::policies`).
+    pub policies: Vec<PolicyFigure>,
     /// Paths scanned.
     pub paths: Vec<String>,
     /// Bytes read (files padded to whole chunks).
@@ -92,7 +132,7 @@ pub struct EstimateReport {
     pub compressed_chunks: u64,
     /// Unique chunks stored raw (compression saves too little).
     pub raw_chunks: u64,
-    /// Sum of the LZ4 sizes of the compressed chunks, in bytes.
+    /// Sum of the compressed sizes of the compressed chunks, in bytes.
     pub compressed_payload_bytes: u64,
     /// Packed 4 KiB blocks the fragments need.
     pub packed_blocks: u64,
@@ -105,7 +145,7 @@ pub struct EstimateReport {
     /// Bytes compression saves net of packing: unique chunk bytes minus the physical bytes
     /// they take (the engine's `savings.compression_bytes` definition).
     pub savings_compression_bytes: u64,
-    /// Bytes LZ4 saves before packing (chunk size minus compressed size, summed).
+    /// Bytes compression saves before packing (chunk size minus compressed size, summed).
     pub compression_gross_bytes: u64,
     /// Unused bytes of packed blocks (headers and free tails).
     pub packing_overhead_bytes: u64,
@@ -163,7 +203,16 @@ pub struct Estimator {
     report: EstimateReport,
     /// Open packed blocks: (payload bytes used, fragments).
     open_blocks: Vec<(u64, u32)>,
+    /// Physical bytes per policy, in the order of `policy_names`.
+    policy_bytes: Vec<u64>,
     started: Instant,
+}
+
+/// The policies priced, in order: 4 KiB sectors, 4 KiB bytes, then each extent size.
+fn policy_names() -> Vec<String> {
+    let mut v = vec!["4K fragments in 512-B sectors".to_string(), "4K fragments, byte-granular".to_string()];
+    v.extend(POLICY_EXTENT_BYTES.iter().map(|e| format!("{}K extents in 512-B sectors", e >> 10)));
+    v
 }
 
 impl Estimator {
@@ -173,8 +222,17 @@ impl Estimator {
         if !(CHUNK_BYTES_MIN..=CHUNK_BYTES_MAX).contains(&c) || !c.is_power_of_two() {
             return Err(format!("chunk size {c} must be 4K, 8K, 16K or 32K"));
         }
-        let report = EstimateReport { chunk_bytes: c as u64, ..Default::default() };
+        if opts.policies && c != PHYSICAL_BLOCK_BYTES as usize {
+            return Err(format!("the policy table needs 4K chunks, not {c}"));
+        }
+        let report = EstimateReport {
+            chunk_bytes: c as u64,
+            compression: opts.compression,
+            compression_level: dedupvol_core::effective_level(opts.compression, opts.compression_level),
+            ..Default::default()
+        };
         Ok(Estimator {
+            policy_bytes: if opts.policies { vec![0; policy_names().len()] } else { Vec::new() },
             opts,
             seen: HashSet::default(),
             report,
@@ -248,9 +306,32 @@ impl Estimator {
             }
         }
         // Phase 3 (parallel): compress the unique chunks; then pack in order.
-        let sizes: Vec<u64> = par_map(&new_chunks, self.opts.threads, |ch| lz4_flex::block::compress(ch).len() as u64);
-        for s in sizes {
+        let (codec, level) = (self.opts.compression, self.opts.compression_level);
+        let sizes: Vec<u64> = par_map(&new_chunks, self.opts.threads, |ch| compressed_size(codec, level, ch));
+        for &s in &sizes {
             self.store_unique(s);
+        }
+        if self.opts.policies {
+            self.price_policies(&new_chunks, &sizes);
+        }
+    }
+
+    /// Adds the unique chunks of one batch (in scan order, with their 4 KiB compressed
+    /// sizes) to every policy's physical bytes.
+    fn price_policies(&mut self, unique: &[&[u8]], sizes: &[u64]) {
+        let sector = |n: u64| n.div_ceil(POLICY_SECTOR_BYTES) * POLICY_SECTOR_BYTES;
+        let mut totals = vec![sizes.iter().map(|&s| sector(s)).sum::<u64>(), sizes.iter().sum::<u64>()];
+        let (codec, level) = (self.opts.compression, self.opts.compression_level);
+        for extent in POLICY_EXTENT_BYTES {
+            let runs: Vec<&[&[u8]]> = unique.chunks(extent / PHYSICAL_BLOCK_BYTES as usize).collect();
+            let stored = par_map(&runs, self.opts.threads, |run| {
+                let unit: Vec<u8> = run.concat();
+                sector(compressed_size(codec, level, &unit)).min(unit.len() as u64)
+            });
+            totals.push(stored.iter().sum());
+        }
+        for (t, add) in self.policy_bytes.iter_mut().zip(totals) {
+            *t += add;
         }
     }
 
@@ -312,6 +393,15 @@ impl Estimator {
         let r = &mut self.report;
         r.savings_compression_bytes = (r.unique_chunks * r.chunk_bytes).saturating_sub(r.physical_bytes);
         let logical = r.scanned_bytes - r.savings_zero_bytes;
+        r.policies = policy_names()
+            .into_iter()
+            .zip(&self.policy_bytes)
+            .map(|(policy, &physical_bytes)| PolicyFigure {
+                policy,
+                physical_bytes,
+                reduction_ratio: if physical_bytes > 0 { logical as f64 / physical_bytes as f64 } else { 0.0 },
+            })
+            .collect();
         r.reduction_ratio = if r.physical_bytes > 0 { logical as f64 / r.physical_bytes as f64 } else { 0.0 };
         r.total_reduction_ratio =
             if r.physical_bytes > 0 { r.scanned_bytes as f64 / r.physical_bytes as f64 } else { 0.0 };
@@ -321,6 +411,25 @@ impl Estimator {
         r.mb_per_s = if r.seconds > 0.0 { r.scanned_bytes as f64 / r.seconds / 1e6 } else { 0.0 };
         self.report
     }
+}
+
+/// The compressed size of `chunk` (its own size when the codec stores it raw): 4 KiB chunks
+/// exactly as the engine decides, larger ones with the codec's whole-chunk output.
+fn compressed_size(codec: dedupvol_core::Compression, level: i8, chunk: &[u8]) -> u64 {
+    use dedupvol_core::Compression;
+    let raw = chunk.len() as u64;
+    if chunk.len() == PHYSICAL_BLOCK_BYTES as usize {
+        return dedupvol_core::fragment_size(codec, level, chunk).map_or(raw, |n| n as u64);
+    }
+    let n = match codec {
+        Compression::None => return raw,
+        Compression::Lz4 => lz4_flex::block::compress(chunk).len(),
+        Compression::Zstd => {
+            let level = i32::from(dedupvol_core::effective_level(codec, level));
+            zstd::bulk::compress(chunk, level).map_or(chunk.len(), |v| v.len())
+        }
+    };
+    (n as u64).min(raw)
 }
 
 /// Maps `f` over `items` on up to `threads` scoped threads, keeping the order.
@@ -358,7 +467,14 @@ mod tests {
 
     #[test]
     fn classifies_zero_dup_and_compressible_chunks() {
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 2 }).expect("estimator");
+        // LZ4, the codec the generator's compressibility is defined by.
+        let opts = EstimateOptions {
+            chunk_bytes: 4096,
+            threads: 2,
+            compression: dedupvol_core::Compression::Lz4,
+            ..EstimateOptions::default()
+        };
+        let mut e = Estimator::new(opts).expect("estimator");
         let data = generated(0.75, 0.5, 4000);
         e.feed(&data);
         e.feed(&vec![0u8; 40960]);
@@ -377,7 +493,8 @@ mod tests {
 
     #[test]
     fn incompressible_unique_data_is_stored_raw() {
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
+            .expect("estimator");
         e.feed(&generated(0.0, 0.0, 500));
         let r = e.finish();
         r.check_balance().expect("balance");
@@ -388,7 +505,8 @@ mod tests {
 
     #[test]
     fn packing_respects_the_fragment_slot_limit() {
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
+            .expect("estimator");
         // Highly compressible unique chunks: tiny fragments, so the 14-slot limit binds.
         e.feed(&generated(0.0, 0.98, 1400));
         let r = e.finish();
@@ -398,7 +516,8 @@ mod tests {
 
     #[test]
     fn packing_is_best_fit_and_seals_the_oldest() {
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
+            .expect("estimator");
         // One open block would need four blocks; best fit over several needs two.
         for size in [3000, 3000, 1000, 1000] {
             e.store_unique(size);
@@ -406,7 +525,8 @@ mod tests {
         assert_eq!(e.report().packed_blocks, 2);
         // As many large fragments as blocks can be open, each in its own block; one more
         // seals the oldest (the 3900-byte block), as the engine does.
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1 }).expect("estimator");
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
+            .expect("estimator");
         let n = PACKED_OPEN_BLOCKS_MAX as u64;
         for i in 0..n {
             e.store_unique(3900 - i);
@@ -424,13 +544,18 @@ mod tests {
     #[test]
     fn larger_chunks_and_bad_sizes() {
         let data = generated(0.5, 0.35, 2048);
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 32768, threads: 2 }).expect("estimator");
+        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 32768, threads: 2, ..EstimateOptions::default() })
+            .expect("estimator");
         e.feed(&data);
         let r = e.finish();
         r.check_balance().expect("balance");
         assert_eq!(r.chunks, 256);
-        assert!(Estimator::new(EstimateOptions { chunk_bytes: 12288, threads: 1 }).is_err());
-        assert!(Estimator::new(EstimateOptions { chunk_bytes: 65536, threads: 1 }).is_err());
+        assert!(
+            Estimator::new(EstimateOptions { chunk_bytes: 12288, threads: 1, ..EstimateOptions::default() }).is_err()
+        );
+        assert!(
+            Estimator::new(EstimateOptions { chunk_bytes: 65536, threads: 1, ..EstimateOptions::default() }).is_err()
+        );
     }
 
     #[test]
@@ -446,5 +571,29 @@ mod tests {
         assert_eq!(r.scanned_bytes, 3 * 4096);
         assert_eq!(r.unique_chunks, 3);
         assert!(Estimator::new(EstimateOptions::default()).expect("e").scan_path(Path::new("/nonexistent/x")).is_err());
+    }
+
+    /// The policy table prices the same unique data several ways: byte-granular is never
+    /// above sector-rounded, larger extents compress repetitive data better, and a
+    /// random batch costs at most its raw size under every policy.
+    #[test]
+    fn the_policy_table_orders_the_policies() {
+        let opts = EstimateOptions { chunk_bytes: 4096, threads: 2, policies: true, ..EstimateOptions::default() };
+        let mut e = Estimator::new(opts.clone()).expect("estimator");
+        e.feed(&generated(0.5, 0.6, 3000));
+        let r = e.finish();
+        assert_eq!(r.policies.len(), 2 + POLICY_EXTENT_BYTES.len());
+        let b: Vec<u64> = r.policies.iter().map(|p| p.physical_bytes).collect();
+        assert!(b[1] <= b[0], "{:?}", r.policies);
+        assert!(b[0] <= r.physical_bytes + r.unique_chunks * POLICY_SECTOR_BYTES, "{:?}", r.policies);
+        let mut e = Estimator::new(opts).expect("estimator");
+        let random: Vec<u8> = (0..64 * 4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        e.feed(&random);
+        let r = e.finish();
+        for p in &r.policies {
+            assert!(p.physical_bytes <= r.unique_chunks * 4096, "{p:?}");
+        }
+        assert!(Estimator::new(EstimateOptions { chunk_bytes: 8192, policies: true, ..EstimateOptions::default() })
+            .is_err());
     }
 }

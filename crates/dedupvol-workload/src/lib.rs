@@ -29,5 +29,5 @@ pub mod trace_stats;
 pub mod workload;
 
 pub use content::{Content, ContentModel, DataSpec, BLOCK_BYTES};
-pub use estimate::{EstimateOptions, EstimateReport, Estimator};
+pub use estimate::{EstimateOptions, EstimateReport, Estimator, PolicyFigure};
 pub use workload::{IoKind, IoOp, IoStream, SizeMix, Workload, PRESET_NAMES};

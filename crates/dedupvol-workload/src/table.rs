@@ -91,11 +91,18 @@ fn headline(s: &ScenarioResult, f: Option<&crate::bench::RunFigure>) -> Option<f
 pub fn limit_model_mb_s(s: &ScenarioResult, threads: usize, disk_mb_s: Option<f64>) -> Option<f64> {
     let p = s.primitives.as_ref()?;
     let e = s.estimate.as_ref()?;
-    if e.chunks == 0 || p.blake3_mb_s <= 0.0 || p.lz4_compress_mb_s <= 0.0 {
+    // The volume's own codec (zstd is measured at level 1; `none` costs nothing).
+    let compress_s_per_mb = match s.stats.as_ref().map(|st| st.compression) {
+        Some(dedupvol_core::Compression::None) => Some(0.0),
+        Some(dedupvol_core::Compression::Zstd) => Some(1.0 / p.zstd1_compress_mb_s),
+        _ => Some(1.0 / p.lz4_compress_mb_s),
+    }
+    .filter(|v| v.is_finite())?;
+    if e.chunks == 0 || p.blake3_mb_s <= 0.0 {
         return None;
     }
     let unique_share = e.unique_chunks as f64 / e.chunks as f64;
-    let cpu = threads as f64 / (1.0 / p.blake3_mb_s + unique_share / p.lz4_compress_mb_s);
+    let cpu = threads as f64 / (1.0 / p.blake3_mb_s + unique_share * compress_s_per_mb);
     let stored = e.physical_bytes.max(1) as f64;
     let disk = disk_mb_s.map(|d| d * e.scanned_bytes as f64 / stored);
     Some(disk.map_or(cpu, |d| d.min(cpu)))
@@ -110,7 +117,7 @@ pub fn render_bench(r: &BenchReport) -> String {
     out.push_str(&format!("dedupvol bench — {}\nmachine: {}\ncommand: {}\n", r.date, r.machine, r.command));
     out.push_str(&format!(
         "volume: {} compression, {} write policy, {} duplicate verification, {} I/O, {} MiB content cache ({}), {} writers, final flush inside the clock, index memory populated before it\n\n",
-        r.options.compression,
+        dedupvol_core::compression_name(r.options.compression, r.options.compression_level),
         r.options.write_policy,
         r.options.verify,
         r.options.io_mode,
@@ -194,10 +201,10 @@ pub fn render_bench(r: &BenchReport) -> String {
     }
     out.push_str(&t.render());
     if r.disk_seq_write.is_none() {
-        out.push_str("limit model: threads / (1/BLAKE3 + unique share/LZ4) — the disk was not measured (--no-disk), so hashing and\n\
+        out.push_str("limit model: threads / (1/BLAKE3 + unique share/compressor) — the disk was not measured (--no-disk), so hashing and\n\
          compression only, no device and no metadata: an upper bound to compare the engine with.\n");
     } else {
-        out.push_str("limit model: min(threads / (1/BLAKE3 + unique share/LZ4), disk seq MB/s x logical/stored) — hashing, compression and\n\
+        out.push_str("limit model: min(threads / (1/BLAKE3 + unique share/compressor), disk seq MB/s x logical/stored) — hashing, compression and\n\
          the device's sequential speed only, no metadata: an upper bound to compare the engine with.\n");
     }
     out.push_str(
@@ -289,13 +296,15 @@ pub fn render_estimate(r: &EstimateReport) -> String {
     t.row(row("zero (saved)", r.zero_chunks, r.savings_zero_bytes));
     t.row(row("duplicate (saved)", r.dup_chunks, r.savings_dedup_bytes));
     t.row(row("unique", r.unique_chunks, r.unique_chunks * c));
-    t.row(row("  LZ4 saved (before packing)", r.compressed_chunks, r.compression_gross_bytes));
+    let saved =
+        format!("  {} saved (before packing)", dedupvol_core::compression_name(r.compression, r.compression_level));
+    t.row(row(&saved, r.compressed_chunks, r.compression_gross_bytes));
     t.row(row("  stored raw", r.raw_chunks, r.raw_chunks * c));
     t.row(row("  packed blocks", r.packed_blocks, r.packed_blocks * 4096));
     t.row(row("  packing overhead", r.packed_blocks, r.packing_overhead_bytes));
     t.row(row("compression saved (net)", r.compressed_chunks, r.savings_compression_bytes));
     t.row(row("physical (estimate)", r.physical_bytes / 4096, r.physical_bytes));
-    format!(
+    let mut out = format!(
         "dedupvol estimate — {} KiB chunks, {}\n{}reduction: {:.2}x of non-zero data ({:.2}x including zeros); fingerprint set {:.1} MiB; scanned at {:.0} MB/s\n",
         c >> 10,
         r.paths.join(", "),
@@ -304,7 +313,28 @@ pub fn render_estimate(r: &EstimateReport) -> String {
         r.total_reduction_ratio,
         mib(r.fingerprint_set_bytes),
         r.mb_per_s
-    )
+    );
+    if !r.policies.is_empty() {
+        let mut p = Table::new(&["storage policy (dedup at 4 KiB)", "physical MiB", "reduction"]);
+        p.row(vec![
+            "4K fragments in 4 KiB packed blocks (this engine)".into(),
+            format!("{:.1}", mib(r.physical_bytes)),
+            format!("{:.2}x", r.reduction_ratio),
+        ]);
+        for f in &r.policies {
+            p.row(vec![
+                f.policy.clone(),
+                format!("{:.1}", mib(f.physical_bytes)),
+                format!("{:.2}x", f.reduction_ratio),
+            ]);
+        }
+        out.push_str(&format!(
+            "\nthe same unique data under other storage policies ({}):\n{}",
+            dedupvol_core::compression_name(r.compression, r.compression_level),
+            p.render()
+        ));
+    }
+    out
 }
 
 #[cfg(test)]

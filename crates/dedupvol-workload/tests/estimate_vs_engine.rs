@@ -18,7 +18,8 @@ fn compare(dup: f64, comp: f64, zero: f64, seed: u64) {
     let mut data = vec![0u8; blocks * 4096];
     model.fill_range(0, &mut data);
 
-    let mut est = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 2 }).expect("estimator");
+    let mut est = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 2, ..EstimateOptions::default() })
+        .expect("estimator");
     est.feed(&data);
     let e = est.finish();
     e.check_balance().expect("estimate balance");

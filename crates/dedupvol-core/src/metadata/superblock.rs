@@ -101,8 +101,11 @@ pub struct SuperblockRaw {
     pub index_saved_entries: U64,
     /// Length of `meta_path`.
     pub meta_path_len: U16,
+    /// zstd level as an i8 (0: `ZSTD_LEVEL_DEFAULT`, what volumes formatted before the
+    /// field existed compressed with); 0 for other codecs.
+    pub compression_level: u8,
     /// Reserved, zero.
-    pub reserved1: [u8; 6],
+    pub reserved1: [u8; 5],
     /// Path of the metadata device at format time (a hint for `open_path`).
     pub meta_path: [u8; META_PATH_BYTES_MAX],
 }
@@ -163,6 +166,8 @@ pub struct Superblock {
     pub generation: u64,
     /// Compressor.
     pub compression: Compression,
+    /// zstd level (0: the default); 0 for other codecs.
+    pub compression_level: i8,
     /// Dedup on/off.
     pub dedup: bool,
     /// Verification mode.
@@ -238,7 +243,8 @@ impl Superblock {
             zero_blocks: U64::new(self.zero_blocks),
             index_saved_entries: U64::new(self.index_saved_entries),
             meta_path_len: U16::new(n as u16),
-            reserved1: [0; 6],
+            compression_level: self.compression_level.to_le_bytes()[0],
+            reserved1: [0; 5],
             meta_path,
         };
         let mut buf = vec![0u8; BLOCK_SIZE];
@@ -294,6 +300,22 @@ impl Superblock {
                 format!("compression code {}", raw.compression),
             )
         })?;
+        let compression_level = i8::from_le_bytes([raw.compression_level]);
+        let level_ok = match compression {
+            Compression::Zstd => {
+                compression_level == 0
+                    || (crate::config::ZSTD_LEVEL_MIN..=crate::config::ZSTD_LEVEL_MAX).contains(&compression_level)
+            }
+            Compression::Lz4 | Compression::None => compression_level == 0,
+        };
+        if !level_ok {
+            return Err(Error::corruption(
+                "superblock copy",
+                0,
+                format!("a {compression} level the codec accepts"),
+                format!("compression level {compression_level}"),
+            ));
+        }
         let index_mode = IndexMode::from_code(raw.index_mode).ok_or_else(|| {
             Error::corruption("superblock copy", 0, "index mode 0 or 1", format!("index mode {}", raw.index_mode))
         })?;
@@ -321,6 +343,7 @@ impl Superblock {
             uuid: raw.uuid,
             generation: raw.generation.get(),
             compression,
+            compression_level,
             dedup: raw.dedup != 0,
             verify: if raw.verify != 0 { DedupVerify::Hash } else { DedupVerify::Bytes },
             write_policy: if raw.write_policy != 0 { WritePolicy::Async } else { WritePolicy::Sync },
@@ -432,7 +455,8 @@ mod tests {
         Superblock {
             uuid: [9; 16],
             generation: 3,
-            compression: Compression::Lz4,
+            compression: Compression::Zstd,
+            compression_level: -3,
             dedup: true,
             verify: DedupVerify::Bytes,
             write_policy: WritePolicy::Async,
@@ -485,5 +509,21 @@ mod tests {
         let sb = Superblock::decode(&buf, 0).expect("decode").expect("a volume");
         let want = LifetimeCounters { read_write_opens: 3, blocks_written: 1 << 40, ..Default::default() };
         assert_eq!(sb.lifetime, want, "counters 0..3 kept, the rest (syncs) read as zero");
+    }
+
+    /// Volumes formatted before the level existed hold 0 in its byte: zstd at the
+    /// default level, which is what they compressed with. A level no codec accepts is a
+    /// damaged copy, not a setting.
+    #[test]
+    fn a_zero_compression_level_is_the_default_and_a_bad_one_is_refused() {
+        let mut buf = sample().encode(0);
+        assert_eq!(buf[210], (-3i8).to_le_bytes()[0]);
+        buf[210] = 0;
+        crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+        let sb = Superblock::decode(&buf, 0).expect("decode").expect("a volume");
+        assert_eq!(crate::config::effective_level(sb.compression, sb.compression_level), 1);
+        buf[210] = 100;
+        crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+        assert!(Superblock::decode(&buf, 0).is_err());
     }
 }

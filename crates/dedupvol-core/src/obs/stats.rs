@@ -104,6 +104,9 @@ pub struct Stats {
     pub block_map_cached_pages: u64,
     /// Compression setting.
     pub compression: Compression,
+    /// Its level (zstd; 0 for codecs without levels).
+    #[serde(default)]
+    pub compression_level: i8,
     /// Dedup setting.
     pub dedup: bool,
     /// Verification mode.

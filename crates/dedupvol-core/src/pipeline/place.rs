@@ -64,7 +64,7 @@ impl Volume {
             }
             // The share fell through: the chunk is stored like any other.
             if c.verified && d.frag.is_none() && self.compression != Compression::None {
-                d.frag = packer::compress(self.compression, chunk);
+                d.frag = packer::compress(self.compression, self.compression_level, chunk);
             }
         }
         // The index is asked, and told, only under the chunk's real fingerprint.
@@ -91,7 +91,7 @@ impl Volume {
         }
         // A chunk verified in stage 3 skipped compression; the claim refused its candidate.
         if d.frag.is_none() && self.compression != Compression::None && d.cand.verified {
-            d.frag = packer::compress(self.compression, chunk);
+            d.frag = packer::compress(self.compression, self.compression_level, chunk);
         }
         let e = match d.frag.as_deref() {
             Some(f) => {

@@ -84,11 +84,13 @@ pub(crate) fn read_pages(exec: &dyn Executor, source: &PageSource, fetches: &mut
 /// compresses every chunk without a verified duplicate (keeping a raw copy when
 /// compression does not pay). A chunk whose journal copy differed gets its BLAKE3
 /// fingerprint here when dedup is on.
+#[expect(clippy::too_many_arguments, reason = "the stage's executor, devices, cache, settings and batch")]
 pub(crate) fn verify_and_compress(
     exec: &dyn Executor,
     data: &DataDevice,
     cache: &Mutex<ContentCache>,
     compression: Compression,
+    level: i8,
     dedup: bool,
     buf: &[u8],
     plans: &mut [Plan],
@@ -119,7 +121,7 @@ pub(crate) fn verify_and_compress(
             d.cand.verified = verify::by_read(data, cache, loc, c);
         }
         if !d.cand.verified {
-            d.frag = packer::compress(compression, c);
+            d.frag = packer::compress(compression, level, c);
             if d.frag.is_none() {
                 d.raw = Some(Block::from(c));
             }

@@ -90,6 +90,8 @@ pub struct Volume {
     pub(crate) policy: WritePolicy,
     pub(crate) dedup: bool,
     pub(crate) compression: Compression,
+    /// `compression`'s level in effect (`config::effective_level`).
+    pub(crate) compression_level: i8,
     /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
     pub(crate) cache_writes: bool,
     pub(crate) read_only: bool,

@@ -145,6 +145,7 @@ impl Volume {
             index: index.stats(),
             block_map_cached_pages: st.map.cached_pages() as u64,
             compression: sb.compression,
+            compression_level: crate::config::effective_level(sb.compression, sb.compression_level),
             dedup: sb.dedup,
             verify: sb.verify,
             write_policy: self.policy,

@@ -104,6 +104,7 @@ impl Volume {
             &self.data,
             &self.cache,
             self.compression,
+            self.compression_level,
             self.dedup,
             buf,
             &mut plans,
