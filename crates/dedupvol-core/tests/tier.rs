@@ -502,7 +502,12 @@ fn concurrent_writes_and_reads_never_see_a_stale_copy() {
     }
     v.wait_tier_idle();
     let t = tier_stats(&v);
-    assert!(t.promotions_write > 0 && t.promotions_read > 0 && t.hits > 0, "{t:?}");
+    // Copies came in on the write path and from re-reads, and were read. Which write-path
+    // route a shared block takes depends on the threads' timing: while the tier is below
+    // its fill mark a written block is copied as a fill, and a block already there is not
+    // promoted again when its references reach the threshold (under load every shared
+    // block was filled first in about one run in five).
+    assert!(t.promotions_write + t.fills > 0 && t.promotions_read > 0 && t.hits > 0, "{t:?}");
     v.audit_memory().expect("audit");
     Arc::try_unwrap(v).ok().expect("sole owner").close().expect("close");
 }
