@@ -7,35 +7,11 @@
 mod nbd_common;
 use nbd_common::*;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
 /// Unmounts whatever is still mounted when the test ends, panicking or not.
-struct Mounts {
-    loop_mnt: PathBuf,
-    fuse_dir: PathBuf,
-    nbdfuse: Option<Child>,
-}
-
-impl Drop for Mounts {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.loop_mnt).stderr(Stdio::null()).status();
-        let _ = Command::new("fusermount3").arg("-u").arg(&self.fuse_dir).stderr(Stdio::null()).status();
-        if let Some(mut c) = self.nbdfuse.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn wait_for_file(p: &Path, limit: Duration) {
-    let start = Instant::now();
-    while !p.exists() {
-        assert!(start.elapsed() < limit, "{} did not appear within {limit:?}", p.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 fn woj_stats(vol: &Path, dir: &Path) -> serde_json::Value {
     let out =

@@ -271,3 +271,38 @@ pub fn assert_same(a: &[u8], b: &[u8], what: &str) {
         panic!("{what}: first difference at byte {i}");
     }
 }
+
+/// A loop mount of a file that nbdfuse exposes, and the nbdfuse process: undone on drop
+/// (lazily, so a failed test never leaves a busy mount behind).
+pub struct Mounts {
+    pub loop_mnt: PathBuf,
+    pub fuse_dir: PathBuf,
+    pub nbdfuse: Option<Child>,
+}
+
+impl Mounts {
+    /// Unmounts the file system (its data reaches the volume), failing the test if it can't.
+    pub fn umount_loop(&self) {
+        run(Command::new("umount").arg(&self.loop_mnt));
+    }
+}
+
+impl Drop for Mounts {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.loop_mnt).stderr(Stdio::null()).status();
+        let _ = Command::new("fusermount3").arg("-u").arg(&self.fuse_dir).stderr(Stdio::null()).status();
+        if let Some(mut c) = self.nbdfuse.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits, bounded, for a file to appear (nbdfuse signals readiness by writing its pid file).
+pub fn wait_for_file(p: &Path, limit: Duration) {
+    let start = std::time::Instant::now();
+    while !p.exists() {
+        assert!(start.elapsed() < limit, "{} did not appear within {limit:?}", p.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
