@@ -320,7 +320,7 @@ impl ServeCommand {
                         let st = v.stats();
                         tier_stats = tier_stats.or(st.tier);
                         for l in st.woj.as_ref().map(crate::volume_cmds::woj_summary).unwrap_or_default() {
-                            woj_lines.push(format!("{}: {l}", s.spec.name));
+                            woj_lines.push(format!("export {:?}: {l}", s.spec.name));
                         }
                         v.close().with_context(|| format!("closing volume {}", s.spec.path.display()))
                     }
