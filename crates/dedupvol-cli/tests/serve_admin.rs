@@ -102,16 +102,6 @@ fn a_killed_servers_admin_socket_does_not_block_the_next() {
 }
 
 /// GET `path` from `addr`: (status line, headers, body).
-fn http_get(addr: &str, path: &str) -> (String, String, String) {
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
-    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut all = String::new();
-    s.read_to_string(&mut all).unwrap();
-    let (head, body) = all.split_once("\r\n\r\n").expect("http head");
-    let (status, headers) = head.split_once("\r\n").unwrap_or((head, ""));
-    (status.to_string(), headers.to_lowercase(), body.to_string())
-}
 
 /// Parses OpenMetrics text: series (name with labels) → value. Checks the shape of every
 /// line on the way, so a malformed exposition fails here.

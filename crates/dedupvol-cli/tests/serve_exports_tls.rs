@@ -65,15 +65,6 @@ fn format_named(dir: &Path, name: &str) -> std::path::PathBuf {
     path
 }
 
-fn http_get(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").expect("request");
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).expect("answer");
-    answer
-}
-
 fn port_of(server: &ServerProc) -> String {
     server.tcp.as_deref().and_then(|a| a.rsplit(':').next()).expect("tcp address").to_string()
 }
@@ -134,7 +125,7 @@ fn several_exports_are_listed_kept_apart_and_read_only_per_export() {
     let out = Command::new("nbdcopy").arg(&pattern).arg(format!("{base}/gamma")).output().expect("nbdcopy");
     assert!(!out.status.success(), "a write to a read-only export must fail");
     // One metrics endpoint for all three, every series labelled with its export.
-    let metrics = http_get(&metrics_addr);
+    let (_, _, metrics) = http_get(&metrics_addr, "/metrics");
     for name in ["alpha", "db", "gamma"] {
         let series = format!("dedupvol_logical_size_bytes{{export=\"{name}\"}} 67108864");
         assert!(metrics.contains(&series), "{series} missing from:\n{metrics}");

@@ -86,6 +86,29 @@ impl Case {
     }
 }
 
+impl Case {
+    /// Formats the case's devices with growth room up to `max_logical` and `max_physical`
+    /// bytes, opens the volume and writes every block of `lbas()` once.
+    fn format_and_fill(&self, max_logical: u64, max_physical: u64) -> Volume {
+        let (d, m) = self.devices();
+        let opts = FormatOptions {
+            logical_size_bytes: LOGICAL,
+            max_logical_size_bytes: Some(max_logical),
+            max_physical_size_bytes: Some(max_physical),
+            slab_size_bytes: 1 << 20,
+            journal_size_bytes: Some(256 << 10),
+            index_memory_bytes: 256 << 10,
+            ..FormatOptions::default()
+        };
+        Volume::format(d, m, &opts, false).expect("format");
+        let v = self.open();
+        for l in lbas() {
+            v.write(l * B, &content(l, l % 5), false).expect("write");
+        }
+        v
+    }
+}
+
 fn lbas() -> impl Iterator<Item = u64> {
     (0..LOGICAL / B).step_by(3)
 }
@@ -121,20 +144,7 @@ fn crash_in_grow(separate_meta: bool) {
         let seed = k + if separate_meta { 1 << 20 } else { 0 };
         let case = Case::new(seed, separate_meta);
         let (d, m) = case.devices();
-        let opts = FormatOptions {
-            logical_size_bytes: LOGICAL,
-            max_logical_size_bytes: Some(LOGICAL),
-            max_physical_size_bytes: Some(SMALL),
-            slab_size_bytes: 1 << 20,
-            journal_size_bytes: Some(256 << 10),
-            index_memory_bytes: 256 << 10,
-            ..FormatOptions::default()
-        };
-        Volume::format(d.clone(), m.clone(), &opts, false).expect("format");
-        let v = case.open();
-        for l in lbas() {
-            v.write(l * B, &content(l, l % 5), false).expect("write");
-        }
+        let v = case.format_and_fill(LOGICAL, SMALL);
         v.close().expect("close");
         case.data.len.store(LARGE, Ordering::Relaxed);
         case.machine.set_faults_enabled(true);
@@ -182,21 +192,7 @@ fn a_crash_anywhere_in_an_online_grow_leaves_the_old_or_the_new_geometry() {
         for k in 0.. {
             let seed = k + if separate_meta { 1 << 21 } else { 1 << 22 };
             let case = Case::new(seed, separate_meta);
-            let (d, m) = case.devices();
-            let opts = FormatOptions {
-                logical_size_bytes: LOGICAL,
-                max_logical_size_bytes: Some(LOGICAL_GROWN),
-                max_physical_size_bytes: Some(LARGE),
-                slab_size_bytes: 1 << 20,
-                journal_size_bytes: Some(256 << 10),
-                index_memory_bytes: 256 << 10,
-                ..FormatOptions::default()
-            };
-            Volume::format(d.clone(), m.clone(), &opts, false).expect("format");
-            let v = case.open();
-            for l in lbas() {
-                v.write(l * B, &content(l, l % 5), false).expect("write");
-            }
+            let v = case.format_and_fill(LOGICAL_GROWN, LARGE);
             v.flush().expect("flush");
             case.data.len.store(LARGE, Ordering::Relaxed);
             case.machine.set_faults_enabled(true);

@@ -306,3 +306,16 @@ pub fn wait_for_file(p: &Path, limit: Duration) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// One HTTP GET of `path` at `addr` (the metrics endpoint): status line, lower-cased
+/// headers, body.
+pub fn http_get(addr: &str, path: &str) -> (String, String, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    std::io::Write::write_fmt(&mut s, format_args!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n")).unwrap();
+    let mut all = String::new();
+    std::io::Read::read_to_string(&mut s, &mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").expect("http head");
+    let (status, headers) = head.split_once("\r\n").unwrap_or((head, ""));
+    (status.to_string(), headers.to_lowercase(), body.to_string())
+}
