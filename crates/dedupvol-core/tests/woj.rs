@@ -93,6 +93,44 @@ fn forced_weak_hash_collisions_never_share_wrong_data() {
     }
 }
 
+/// A chunk with a WOJ candidate skips its crc32c: shared, its map entry takes the journal
+/// copy's crc (equal bytes); should the share fall through (a forced weak-hash collision
+/// here), the crc is computed before the chunk is stored. Either way every map entry's crc
+/// must be its content's (the memory audit and the offline check read every mapping),
+/// for raw and packed journal copies, with dedup off and on.
+#[test]
+fn shared_and_fallen_through_checkpoint_writes_carry_their_own_crc() {
+    for (mask, dedup) in [(u64::MAX, false), (u64::MAX, true), (0x3, false), (0x3, true)] {
+        let (dev, v) = woj_volume(mask, dedup);
+        // Rounds of: a compressible (packed) or random (raw) journal copy; blocks without a
+        // journal copy (under the 2-bit mask, about one in four collides with it); the
+        // copy's checkpoint. The pool holds one entry at a time, so none is invalidated.
+        let copies: Vec<Vec<u8>> = (0..16).map(|i| block(300 + i, (i % 2) as u8)).collect();
+        for (i, c) in copies.iter().enumerate() {
+            let i = i as u64;
+            v.write(4096 * (8 + i), c, false).expect("journal write");
+            for k in 0..4 {
+                v.write(4096 * (601 + 8 * i + k), &block(900 + 4 * i + k, (k % 2) as u8), false).expect("other");
+            }
+            v.write(4096 * (600 + 8 * i), c, false).expect("checkpoint");
+        }
+        let w = woj(&v);
+        assert_eq!(w.hits, 16, "mask {mask:#x} dedup {dedup}: {w:?}");
+        assert_eq!(w.collisions > 0, mask != u64::MAX, "mask {mask:#x} dedup {dedup}: {w:?}");
+        v.audit_memory().unwrap_or_else(|e| panic!("mask {mask:#x} dedup {dedup}: {e}"));
+        for (i, c) in copies.iter().enumerate() {
+            let i = i as u64;
+            assert_eq!(&read(&v, 600 + 8 * i), c);
+            for k in 0..4 {
+                assert_eq!(read(&v, 601 + 8 * i + k), block(900 + 4 * i + k, (k % 2) as u8));
+            }
+        }
+        v.close().expect("close");
+        let rep = dedupvol_core::check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+        assert!(rep.is_clean(), "mask {mask:#x} dedup {dedup}: {:?}", rep.problems);
+    }
+}
+
 #[test]
 fn jbd2_descriptor_and_commit_blocks_never_enter_the_pool() {
     let (_dev, v) = woj_volume(u64::MAX, false);

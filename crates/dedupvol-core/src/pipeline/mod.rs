@@ -1,9 +1,9 @@
 //! The reduction pipeline: how a batch of whole 4 KiB chunks becomes mapping changes.
 //!
 //! Stages, in the order `Volume::write_blocks_once` runs them (docs/design.md, "A write"):
-//! 1. `fingerprint` (no lock, parallel): zero check, crc32c, the weak hash and the
-//!    write-once journaling candidate (WOJ on), BLAKE3 fingerprint (dedup on, and no WOJ
-//!    candidate);
+//! 1. `fingerprint` (no lock, parallel): zero check, the weak hash and the write-once
+//!    journaling candidate (WOJ on), crc32c and BLAKE3 fingerprint (dedup on) of the chunks
+//!    without a WOJ candidate;
 //! 2. `reduce::resolve_woj`, `reduce::find_candidates` (state lock): journal copies, and
 //!    dedup candidates from the index;
 //! 3. `reduce::verify_and_compress` (no lock, parallel): byte verification of
@@ -18,6 +18,8 @@
 //! - The index is asked and told only under a chunk's real BLAKE3 fingerprint (`hashed`):
 //!   a chunk that skipped BLAKE3 for a WOJ candidate gets it in stage 3 or 4 when the
 //!   candidate falls through.
+//! - A chunk is stored, or shared by the index, only with its own crc32c (`crc_done`); a
+//!   chunk shared with its journal copy takes the copy's crc, the bytes being equal.
 
 pub(crate) mod executor;
 pub(crate) mod fingerprint;
@@ -53,14 +55,28 @@ pub(crate) struct DataPlan {
     /// The chunk is written into a file system's journal (write-once journaling): its
     /// stored copy is kept in the content cache, where checkpoint writes compare with it.
     pub(crate) journal: bool,
-    /// crc32c of the chunk: the map entry's checksum.
+    /// crc32c of the chunk: the map entry's checksum (valid once `crc_done`).
     pub(crate) crc: u32,
+    /// `crc` was computed. A chunk with a WOJ candidate skips it: shared, it takes its
+    /// journal copy's crc; should the share fall through, it is computed then
+    /// (`ensure_crc`, stage 3 or 4), before anything stores or records the chunk.
+    pub(crate) crc_done: bool,
     /// The dedup candidate and whether it is proven equal.
     pub(crate) cand: Candidate,
     /// The compressed fragment, when compression pays.
     pub(crate) frag: Option<Vec<u8>>,
     /// The chunk's own copy when it will be stored raw, made outside the state lock.
     pub(crate) raw: Option<Block>,
+}
+
+impl DataPlan {
+    /// Computes the chunk's crc32c if it is not known yet.
+    pub(crate) fn ensure_crc(&mut self, chunk: &[u8]) {
+        if !self.crc_done {
+            self.crc = crc32c::crc32c(chunk);
+            self.crc_done = true;
+        }
+    }
 }
 
 /// A piece of a byte range: part of one block, or a run of whole blocks.

@@ -59,7 +59,7 @@ impl Volume {
             return Ok(MapEntry::ZERO);
         };
         if let Some(c) = d.woj.take() {
-            if let Some(e) = self.woj_claim(st, &c, d.crc, looked_up_at) {
+            if let Some(e) = self.woj_claim(st, &c, looked_up_at) {
                 return Ok(e);
             }
             // The share fell through: the chunk is stored like any other.
@@ -67,6 +67,8 @@ impl Volume {
                 d.frag = packer::compress(self.compression, self.compression_level, chunk);
             }
         }
+        // Stored or shared by the index, a chunk carries its own crc (WOJ skipped it).
+        d.ensure_crc(chunk);
         // The index is asked, and told, only under the chunk's real fingerprint.
         if self.dedup && !d.hashed {
             d.hash = *blake3::hash(chunk).as_bytes();

@@ -112,7 +112,9 @@ pub(crate) fn verify_and_compress(
             }
             // Stage 4 counts the collision; the chunk takes the normal path.
         }
-        // A chunk whose WOJ candidate fell through (here or in stage 2) has no BLAKE3 yet.
+        // A chunk whose WOJ candidate fell through (here or in stage 2) has no crc32c nor
+        // BLAKE3 yet: both are made here, outside the lock.
+        d.ensure_crc(c);
         if dedup && !d.hashed {
             d.hash = *blake3::hash(c).as_bytes();
             d.hashed = true;
@@ -130,22 +132,22 @@ pub(crate) fn verify_and_compress(
 }
 
 /// Stage 2 for write-once journaling (state lock held): each WOJ candidate's journal block
-/// must still hold content of the chunk's weak hash; its map entry must be data of the
-/// chunk's crc32c (unless a test forces collisions), below the reference cap and not
-/// damaged; a copy not on the device yet is compared here, from memory. Candidates that
-/// fail are dropped (counted as collisions or stale in stage 4's hold, see `woj`).
+/// must still hold content of the chunk's weak hash; its map entry must be data below the
+/// reference cap and not damaged; a copy not on the device yet is compared here, from
+/// memory. Candidates that fail are dropped (counted as collisions or stale in stage 4's
+/// hold, see `woj`). No crc32c check comes first: the chunk's crc is not computed for a
+/// candidate (`fingerprint`), and the byte comparison that must follow costs about as much.
 pub(crate) fn resolve_woj(st: &mut State, woj: &Mutex<Woj>, buf: &[u8], plans: &mut [Plan]) -> (u64, u64) {
     let (mut collisions, mut stale) = (0u64, 0u64);
-    let (targets, crc_check): (Vec<Option<u64>>, bool) = {
+    let targets: Vec<Option<u64>> = {
         let w = woj.lock();
-        let t = plans
+        plans
             .iter()
             .map(|p| match p {
                 Plan::Data(DataPlan { woj: Some(c), weak, .. }) if w.still(c, *weak) => w.lba_of(c.j),
                 _ => None,
             })
-            .collect();
-        (t, w.mask() == u64::MAX)
+            .collect()
     };
     for ((i, p), target) in plans.iter_mut().enumerate().zip(targets) {
         let Plan::Data(d) = p else { continue };
@@ -167,11 +169,6 @@ pub(crate) fn resolve_woj(st: &mut State, woj: &Mutex<Woj>, buf: &[u8], plans: &
         let refs = st.rc.get(e.pbn);
         if refs == 0 || refs >= REFCOUNT_MAX || st.dedup.is_damaged(e.pbn) {
             stale += 1;
-            d.woj = None;
-            continue;
-        }
-        if crc_check && e.crc != d.crc {
-            collisions += 1;
             d.woj = None;
             continue;
         }

@@ -54,8 +54,10 @@ impl Volume {
     }
 
     /// Stage 4 for a chunk with a WOJ candidate (state lock held): the journal copy's map
-    /// entry with the chunk's crc when the share stands, else None (the chunk is stored).
-    pub(crate) fn woj_claim(&self, st: &State, c: &WojCand, crc: u32, looked_up_at: u64) -> Option<MapEntry> {
+    /// entry when the share stands, else None (the chunk is stored). The entry keeps the
+    /// copy's crc32c: the chunk's bytes were compared equal to the copy's, so it is the
+    /// chunk's too, and the chunk's own was never computed (`fingerprint`).
+    pub(crate) fn woj_claim(&self, st: &State, c: &WojCand, looked_up_at: u64) -> Option<MapEntry> {
         let w = self.woj.as_ref()?;
         let e = c.entry?;
         if !c.verified {
@@ -67,10 +69,10 @@ impl Volume {
             w.lock().stats.stale += 1;
             return None;
         }
-        // Stage 2 took only data entries; the share copies the location, never the crc.
+        // Stage 2 took only data entries.
         assert!(e.is_data(), "WOJ candidate {e:?} is not data");
         w.lock().used(c.j, c.by_read);
-        Some(MapEntry { pbn: e.pbn, state: e.state, crc })
+        Some(MapEntry { pbn: e.pbn, state: e.state, crc: e.crc })
     }
 
     /// After a chunk's mapping change (state lock held): a chunk written into the journal

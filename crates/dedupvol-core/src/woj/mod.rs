@@ -9,12 +9,12 @@
 //! A share never rests on the weak hash. Identity is confirmed by comparing bytes: the
 //! journal copy is recent, so it is usually still in memory (`Staging`, an open packed
 //! block, or the content cache, which journal writes always enter while WOJ is on);
-//! otherwise it is read back once. Before that, the crc32c of the chunk (computed for its
-//! map entry anyway) must equal the crc32c in the journal block's map entry, which rejects
-//! nearly every weak-hash collision for free. Why not a second 64-bit hash in the pool
-//! entry: it would not fit the 16 bytes per journal block next to the key, and two
-//! non-cryptographic hashes can both be made to collide by a user who controls what two
-//! files contain: the bytes are the only proof that a tenant cannot forge.
+//! otherwise it is read back once. A shared chunk takes the journal copy's crc32c for its
+//! map entry (equal bytes, equal crc), so a checkpoint write costs one xxh3 pass and one
+//! compare, no crc32c and no BLAKE3 (`pipeline::fingerprint`). Why not a second 64-bit
+//! hash in the pool entry: it would not fit the 16 bytes per journal block next to the key,
+//! and two non-cryptographic hashes can both be made to collide by a user who controls
+//! what two files contain: the bytes are the only proof that a tenant cannot forge.
 //!
 //! Decision table for a chunk written outside the journal (stage: where it is decided):
 //!
@@ -22,14 +22,14 @@
 //! |---|---|---|---|---|
 //! | 1 | none or invalid | – | – | not WOJ's: BLAKE3 and the index when dedup is on |
 //! | 2 | changed since stage 1 (overwritten, used, re-discovered) | – | – | drop the candidate (`stale`) |
-//! | 2 | valid | not data, crc differs, count 0 or at the cap, damaged | – | drop (`collisions` when the crc differs) |
+//! | 2 | valid | not data, count 0 or at the cap, damaged | – | drop (`stale`) |
 //! | 2 | valid | data | unwritten block decodes to other bytes | drop (`collisions`) |
 //! | 3 | valid | data, on the device | cached or read copy differs | drop (`collisions`) |
 //! | 4 | – | count 0 or at the cap, damaged, or blocks reused since stage 2 | – | store (`stale`) |
-//! | 4 | – | otherwise | equal | **share**; the entry leaves the pool (`hits`) |
+//! | 4 | – | otherwise | equal | **share** (the copy's location and crc); the entry leaves the pool (`hits`) |
 //!
-//! A dropped candidate falls back to the normal path (BLAKE3 computed then, when dedup is
-//! on). A chunk written into the journal replaces its block's pool entry, unless it is
+//! A dropped candidate falls back to the normal path (crc32c, and BLAKE3 when dedup is on,
+//! computed then). A chunk written into the journal replaces its block's pool entry, unless it is
 //! jbd2's own descriptor, commit, revoke or superblock block (`ext4::is_jbd2_meta`), or
 //! zeros; any other mapping change of a journal block (discard, write-zeroes) removes it.
 //!
