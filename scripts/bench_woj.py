@@ -2,7 +2,8 @@
 """Write-once journaling benchmark: ext4 mounted with data=journal on a served volume.
 
 For each configuration (dedup off / on, WOJ off / auto) a fresh volume is formatted
-(compression off, so that blocks stored are blocks written), served, exposed as a file by
+(compression none by default, so that blocks stored are blocks written; --compression
+zstd for the engine's default), served, exposed as a file by
 nbdfuse, made ext4 and loop-mounted with data=journal. Each workload runs on a fresh mount
 and ends with umount, which checkpoints the journal; the server's own counters (through
 `dedupvol stats --json`, the admin socket) are read before and after:
@@ -51,7 +52,7 @@ def sh(*args, **kw):
 class Served:
     """A formatted, served, nbdfuse-exposed, ext4-formatted volume."""
 
-    def __init__(self, exe, work, name, dedup, woj, size, port):
+    def __init__(self, exe, work, name, dedup, woj, size, port, connect_port=None, compression="none"):
         self.exe, self.work, self.name = exe, work, name
         self.dir = os.path.join(work, name)
         os.makedirs(self.dir)
@@ -62,14 +63,15 @@ class Served:
         os.makedirs(self.mnt)
         self.env = dict(os.environ, DEDUPVOL_RUNTIME_DIR=os.path.join(self.dir, "run"))
         sh(exe, "format", self.vol, "--logical-size", size, "--physical-size", size, "--dedup", dedup,
-           "--compression", "none", "--force", stdout=subprocess.DEVNULL, env=self.env)
+           "--compression", compression, "--force", stdout=subprocess.DEVNULL, env=self.env)
         self.log = open(os.path.join(self.dir, "serve.log"), "w+")
         self.server = subprocess.Popen(
             [exe, "serve", self.vol, "--listen", f"127.0.0.1:{port}", "--woj", woj, "--cache-size", "512M"],
             stderr=self.log, stdout=self.log, env=self.env)
         self._wait_line("serving")
         pidfile = os.path.join(self.dir, "nbdfuse.pid")
-        self.nbdfuse = subprocess.Popen(["nbdfuse", "-P", pidfile, self.fuse, f"nbd://127.0.0.1:{port}/dedupvol"])
+        self.nbdfuse = subprocess.Popen(["nbdfuse", "-P", pidfile, self.fuse,
+                                         f"nbd://127.0.0.1:{connect_port or port}/dedupvol"])
         self._wait(lambda: os.path.exists(pidfile) and os.path.getsize(pidfile) > 0, "nbdfuse")
         self.disk = os.path.join(self.fuse, "nbd")
         sh("mkfs.ext4", "-q", "-F", self.disk)
@@ -200,7 +202,7 @@ def measure(srv, label, fn):
 
 def run_config(exe, work, name, args, port):
     dedup, woj = CONFIGS[name]
-    srv = Served(exe, work, name, dedup, woj, args.size, port)
+    srv = Served(exe, work, name, dedup, woj, args.size, port, compression=args.compression)
     rows = []
     try:
         for every in args.every:
@@ -281,6 +283,8 @@ def main():
     p.add_argument("--exe", default=os.path.join(ROOT, "target/release/dedupvol"))
     p.add_argument("--configs", default="none,blake3,woj,both")
     p.add_argument("--size", default="4G", help="volume and file system size")
+    p.add_argument("--compression", default="none",
+                   help="volume compression (none: blocks stored are blocks written; zstd: the default)")
     p.add_argument("--every", default="10,100,1000", help="fsync every N writes")
     p.add_argument("--seq-mib", type=int, default=64, help="sequential file size per run")
     p.add_argument("--rand-file-mib", type=int, default=256, help="file the random writes overwrite")
@@ -307,7 +311,7 @@ def main():
             print(f"bench-woj: {c} done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nvolume {args.size}, compression none, ext4 data=journal (default mkfs.ext4 journal); "
+    print(f"\nvolume {args.size}, compression {args.compression}, ext4 data=journal (default mkfs.ext4 journal); "
           f"sequential file {args.seq_mib} MiB; random: {args.rand_writes} writes over {args.rand_file_mib} MiB; "
           f"tree {args.tree or '-'}; sqlite {args.sqlite_txns} transactions of {args.sqlite_rows} rows")
     j = next((r[0]["ranges"] for r in results.values() if r and r[0].get("ranges")), None)
