@@ -27,7 +27,7 @@ import argparse
 import hashlib
 import json
 import os
-import random
+import re
 import socket
 import struct
 import subprocess
@@ -149,7 +149,6 @@ def layout(disk):
     """Block classes of the file system's metadata, from dumpe2fs."""
     out = subprocess.run(["dumpe2fs", disk], capture_output=True, text=True).stdout
     kinds = {}
-    import re
     for line in out.splitlines():
         line = line.strip()
         m = re.match(r"Primary superblock at (\d+), Group descriptors at (\d+)-(\d+)", line)
@@ -175,8 +174,17 @@ def layout(disk):
 
 
 def file_blocks(disk, name):
+    """The file's data blocks, and its extent tree blocks (`blocks` lists both)."""
     out = subprocess.run(["debugfs", "-R", f"blocks /{name}", disk], capture_output=True, text=True).stdout
-    return {int(x) for x in out.split()}
+    data = {int(x) for x in out.split()}
+    out = subprocess.run(["debugfs", "-R", f"ex /{name}", disk], capture_output=True, text=True).stdout
+    tree = set()
+    for line in out.splitlines():
+        # An index row (level < depth) names the block of the node below it.
+        m = re.match(r"\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+\d+\s*-\s*\d+\s+(\d+)", line)
+        if m and int(m.group(1)) < int(m.group(2)):
+            tree.add(int(m.group(3)))
+    return data - tree, tree
 
 
 def desc_tags(hexblk, csum_v3, bit64):
@@ -199,7 +207,7 @@ def desc_tags(hexblk, csum_v3, bit64):
     return homes
 
 
-def classify(log_path, jranges, kinds, feats, data_blocks):
+def classify(log_path, jranges, kinds, feats, data_blocks, tree_blocks):
     csum_v3 = "journal_checksum_v3" in feats
     bit64 = "journal_64bit" in feats
     jr = [(r["offset"] // B, (r["offset"] + r["len"]) // B) for r in jranges]
@@ -212,6 +220,8 @@ def classify(log_path, jranges, kinds, feats, data_blocks):
             return "unknown home"
         if home in data_blocks:
             return "file data"
+        if home in tree_blocks:
+            return "the file's extent tree"
         return kinds.get(home, "other metadata (extent, directory, ...)")
 
     events = []  # (class key, lba, digest)
@@ -334,9 +344,9 @@ def main():
         time.sleep(0.5)
         tap.close()
         kinds, feats = layout(srv.disk)
-        data_blocks = file_blocks(srv.disk, name)
+        data_blocks, tree_blocks = file_blocks(srv.disk, name)
         w1 = s1.get("woj") or {}
-        final = classify(log_path, w1.get("ranges", []), kinds, feats, data_blocks)
+        final = classify(log_path, w1.get("ranges", []), kinds, feats, data_blocks, tree_blocks)
         total = sum(final.values())
         logical = s1["counters"]["blocks_written"] - s0["counters"]["blocks_written"]
         device = (s1["io"]["data_write"]["bytes"] - s0["io"]["data_write"]["bytes"]) // B

@@ -124,23 +124,21 @@ def main():
     configs = list(results)
     print(f"\n{args.mib} MiB, compression {args.compression}; engine CPU s/GB (sequential checkpoints, "
           f"least of 3 runs): " + ", ".join(f"{c} {results[c][0]}" for c in configs) + "\n")
-    print("| stage | " + " | ".join(f"{c}: % of samples | {c}: s/GB" for c in configs) + " |")
-    print("|---|" + "---|---|" * len(configs))
     names = [n for n, _ in STAGES] + ["other (idle threads, scheduler)"]
+    table(results, configs, "stage", names, 2)
+    print()
+    table(results, configs, "leaf function (anywhere)", [n for n, _ in LEAVES], 3)
+
+
+def table(results, configs, title, names, field):
+    """One row per name: its share of each configuration's samples, and those s/GB."""
+    print(f"| {title} | " + " | ".join(f"{c}: % of samples | {c}: s/GB" for c in configs) + " |")
+    print("|---|" + "---|---|" * len(configs))
     for n in names:
         cells = []
         for c in configs:
-            cpu, kept, stages, _, _ = results[c]
-            share = stages[n] / kept if kept else 0
-            cells += [f"{100 * share:.1f}%", f"{share * cpu:.3f}" if cpu is not None else "-"]
-        print(f"| {n} | " + " | ".join(cells) + " |")
-    print("\n| leaf function (anywhere) | " + " | ".join(f"{c}: % of samples | {c}: s/GB" for c in configs) + " |")
-    print("|---|" + "---|---|" * len(configs))
-    for n, _ in LEAVES:
-        cells = []
-        for c in configs:
-            cpu, kept, _, leaves, _ = results[c]
-            share = leaves[n] / kept if kept else 0
+            cpu, kept = results[c][0], results[c][1]
+            share = results[c][field][n] / kept if kept else 0
             cells += [f"{100 * share:.1f}%", f"{share * cpu:.3f}" if cpu is not None else "-"]
         print(f"| {n} | " + " | ".join(cells) + " |")
 
