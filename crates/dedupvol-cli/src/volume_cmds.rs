@@ -11,7 +11,6 @@ use std::fs::File;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 #[derive(Subcommand)]
 pub enum VolumeCommand {
@@ -541,9 +540,9 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         Some(m) => Some(m.clone()),
         None => recorded_meta(&a.vol.path)?,
     };
-    let data: Arc<dyn dedupvol_core::Storage> = Arc::new(dedupvol_core::FileStorage::open(&a.vol.path, !a.repair)?);
-    let meta: Option<Arc<dyn dedupvol_core::Storage>> = match meta_path {
-        Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
+    let data = dedupvol_core::open_device(&a.vol.path, !a.repair, IoMode::Direct, false)?;
+    let meta = match meta_path {
+        Some(m) => Some(dedupvol_core::open_device(&m, !a.repair, IoMode::Direct, false)?),
         None => None,
     };
     let copts = dedupvol_core::CheckOptions {

@@ -49,7 +49,7 @@ pub use config::{
 };
 pub use dedup::index::IndexRebuild;
 pub use error::{Corruption, Error, Result};
-pub use io::{FileStorage, IoMode, MemStorage, Storage};
+pub use io::{create_device, open_device, FileStorage, IoMode, MemStorage, RadosStorage, RadosUrl, Storage};
 pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
