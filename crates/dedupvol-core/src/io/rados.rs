@@ -106,6 +106,7 @@ struct Api {
     ) -> isize,
     break_lock: unsafe extern "C" fn(IoctxT, *const c_char, *const c_char, *const c_char, *const c_char) -> c_int,
     blocklist_add: unsafe extern "C" fn(RadosT, *mut c_char, u32) -> c_int,
+    wait_for_latest_osdmap: unsafe extern "C" fn(RadosT) -> c_int,
 }
 
 /// Resolves one symbol as a function pointer of type `T`.
@@ -157,6 +158,7 @@ fn api() -> Result<&'static Api> {
                 list_lockers: sym(lib, c"rados_list_lockers")?,
                 break_lock: sym(lib, c"rados_break_lock")?,
                 blocklist_add: sym(lib, c"rados_blocklist_add")?,
+                wait_for_latest_osdmap: sym(lib, c"rados_wait_for_latest_osdmap")?,
             })
         }
     })
@@ -524,7 +526,8 @@ impl RadosStorage {
     fn fence_holders(&self) -> Result<()> {
         let api = self.conn.api;
         let name = cstr(LOCK_NAME)?;
-        for l in self.lockers()? {
+        let holders = self.lockers()?;
+        for l in &holders {
             let mut addr = cstr(&l.addr)?.into_bytes_with_nul();
             // SAFETY: connected handle; `addr` is a NUL-terminated buffer librados only reads.
             let r = unsafe { (api.blocklist_add)(self.conn.cluster, addr.as_mut_ptr().cast(), BLOCKLIST_SECONDS) };
@@ -540,6 +543,15 @@ impl RadosStorage {
             };
             if r < 0 && r != -libc::ENOENT {
                 return Err(self.ioerr(&format!("breaking the lock of {}", l.client), r.into()));
+            }
+        }
+        if !holders.is_empty() {
+            // Our requests then carry the OSD map that blocklists the old holders: an OSD
+            // serving one of them refuses theirs from then on.
+            // SAFETY: connected handle.
+            let r = unsafe { (api.wait_for_latest_osdmap)(self.conn.cluster) };
+            if r < 0 {
+                return Err(self.ioerr("waiting for the OSD map with the blocklist", r.into()));
             }
         }
         Ok(())
