@@ -89,7 +89,6 @@ struct Api {
         u8,
     ) -> c_int,
     unlock: unsafe extern "C" fn(IoctxT, *const c_char, *const c_char, *const c_char) -> c_int,
-    #[expect(clippy::type_complexity, reason = "the C signature, spelled out once")]
     list_lockers: unsafe extern "C" fn(
         IoctxT,
         *const c_char,
