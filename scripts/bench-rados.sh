@@ -31,7 +31,7 @@ trap cleanup EXIT
 fio_figure() {
   local uri=$1 what=$2
   shift 2
-  (cd "$T" && fio --name=b --ioengine=nbd --uri="$uri" --output-format=json "$@" >"$T/fio.json")
+  (cd "$T" && fio --name=b --ioengine=nbd --uri="$uri" --output-format=json --output="$T/fio.json" "$@" >/dev/null)
   python3 - "$T/fio.json" "$what" <<'EOF'
 import json, sys
 job = json.load(open(sys.argv[1]))["jobs"][0]
