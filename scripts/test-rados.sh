@@ -77,6 +77,15 @@ cmp -i "$SIZE:0" -n $(((256 << 20) - SIZE)) "$T/out" /dev/zero || fail "the unwr
 "$BIN" format "$VOL" --logical-size 256M --physical-size 256M 2>"$T/err" && fail "a RADOS device was resized"
 grep -q "keeps its size" "$T/err" || fail "resize refusal unclear: $(cat "$T/err")"
 
+step "1b. the metadata on its own RADOS device"
+VOL=rados://$POOL/$RUN-m
+"$BIN" format "$VOL" --logical-size 256M --physical-size 128M --meta-device "rados://$POOL/$RUN-mm" --meta-size 32M >/dev/null
+"$BIN" info "$VOL" | grep -q "$RUN-mm" || fail "the volume does not record its metadata device"
+"$BIN" import "$VOL" "$T/in"
+"$BIN" export "$VOL" "$T/out"
+cmp -n "$SIZE" "$T/in" "$T/out" || fail "exported bytes differ (metadata in RADOS)"
+"$BIN" check "$VOL" | tail -1 | grep -qx clean || fail "check of $VOL is not clean"
+
 step "2. fio over NBD, data in RADOS"
 VOL=rados://$POOL/$RUN-b
 "$BIN" format "$VOL" --logical-size 256M --physical-size 128M >/dev/null
@@ -144,7 +153,7 @@ fio_job "$(uri "$T/f.sock")" 0 "--numjobs=2 --offset_increment=16m --group_repor
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || true
 
-for n in a b c; do
+for n in a b c m; do
   timeout 60 rados -p "$POOL" ls | grep "^$RUN-$n" | xargs -r -n 64 timeout 60 rados -p "$POOL" rm || true
 done
 step "all passed in $((SECONDS - t0)) s"
