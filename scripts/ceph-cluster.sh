@@ -100,10 +100,10 @@ create() {
   ceph-authtool "$DIR/keyring" --gen-key -n client.admin \
     --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' --cap mds 'allow *' >/dev/null
   ceph-mon -c "$CONF" --mkfs -i a --monmap "$DIR/monmap" --keyring "$DIR/keyring"
-  ceph-mon -c "$CONF" -i a
+  ceph-mon -c "$CONF" -i a 2>>"$DIR/log/stderr.log"
   mkdir -p "$DIR/mgr.x"
   ceph_ auth get-or-create mgr.x mon 'allow profile mgr' osd 'allow *' mds 'allow *' >>"$DIR/keyring"
-  ceph-mgr -c "$CONF" -i x
+  ceph-mgr -c "$CONF" -i x 2>>"$DIR/log/stderr.log"
   for ((i = 0; i < OSDS; i++)); do
     local uuid id
     uuid=$(cat /proc/sys/kernel/random/uuid)
@@ -111,17 +111,17 @@ create() {
     mkdir -p "$DIR/osd.$id"
     ceph_ auth get-or-create "osd.$id" mon 'allow profile osd' mgr 'allow profile osd' osd 'allow *' >>"$DIR/keyring"
     ceph-osd -c "$CONF" -i "$id" --mkfs --osd-uuid "$uuid" 2>>"$DIR/log/mkfs.log"
-    ceph-osd -c "$CONF" -i "$id"
+    ceph-osd -c "$CONF" -i "$id" 2>>"$DIR/log/stderr.log"
   done
   ceph_ osd pool create "$POOL" 16 16 replicated >/dev/null 2>&1
   ceph_ osd pool application enable "$POOL" dedupvol >/dev/null 2>&1
 }
 
 start_daemons() {
-  alive "$DIR/run/mon.a.pid" || ceph-mon -c "$CONF" -i a
-  alive "$DIR/run/mgr.x.pid" || ceph-mgr -c "$CONF" -i x
+  alive "$DIR/run/mon.a.pid" || ceph-mon -c "$CONF" -i a 2>>"$DIR/log/stderr.log"
+  alive "$DIR/run/mgr.x.pid" || ceph-mgr -c "$CONF" -i x 2>>"$DIR/log/stderr.log"
   for ((i = 0; i < OSDS; i++)); do
-    alive "$DIR/run/osd.$i.pid" || ceph-osd -c "$CONF" -i "$i"
+    alive "$DIR/run/osd.$i.pid" || ceph-osd -c "$CONF" -i "$i" 2>>"$DIR/log/stderr.log"
   done
 }
 
@@ -173,7 +173,7 @@ case ${1:-} in
     alive "$pf" && kill -9 "$(cat "$pf")"
     ;;
   start-osd)
-    alive "$DIR/run/osd.${2:?OSD id}.pid" || ceph-osd -c "$CONF" -i "$2"
+    alive "$DIR/run/osd.${2:?OSD id}.pid" || ceph-osd -c "$CONF" -i "$2" 2>>"$DIR/log/stderr.log"
     ;;
   *)
     echo "usage: $0 start|stop|status|destroy|stop-osd N|start-osd N" >&2

@@ -6,7 +6,8 @@
 #      server mid-write, take-over by a second process (--take-over), every byte flushed
 #      before the kill read back; a live holder taken over is fenced (its writes fail);
 #   4. an OSD killed mid-run, then both for a while: the writes wait, finish, verify, and
-#      the volume checks clean.
+#      the volume checks clean; with an operation timeout (CEPH_ARGS) and every OSD down,
+#      writes fail with an error, and the volume still checks clean and verifies.
 # Usage: scripts/test-rados.sh [path to the dedupvol binary]   (default target/release)
 # Fails (non-zero) when the cluster cannot start: nothing here is skipped silently.
 set -euo pipefail
@@ -104,7 +105,7 @@ nbdcopy --flush "$T/in" "$(uri "$T/b.sock")" || fail "nbdcopy into the first ser
   --offset=128m --size=64m --iodepth=16 --time_based --runtime=60 >/dev/null 2>&1) &
 FIO=$!
 sleep 3
-kill -9 "$SERVER_PID"
+{ kill -9 "$SERVER_PID" && wait "$SERVER_PID"; } 2>/dev/null || true
 wait "$FIO" 2>/dev/null || true
 "$BIN" serve --socket "$T/c.sock" "$VOL" >"$T/c0.log" 2>&1 && fail "a dead server's lock was ignored without --take-over"
 grep -q "take the volume over" "$T/c0.log" || fail "refusal after the crash unclear: $(cat "$T/c0.log")"
@@ -120,7 +121,7 @@ if nbdcopy --flush "$T/fenced" "$(uri "$T/c.sock")" 2>"$T/fenced.err"; then
   fail "the fenced server acknowledged a flush after it was taken over"
 fi
 step "   the fenced server's client saw: $(tail -1 "$T/fenced.err")"
-kill -9 "$TAKER" 2>/dev/null || true
+{ kill -9 "$TAKER" && wait "$TAKER"; } 2>/dev/null || true
 nbdcopy "$(uri "$T/d.sock")" "$T/d.out"
 cmp -n "$(stat -c %s "$T/in")" "$T/in" "$T/d.out" || fail "data changed by the fenced server"
 kill -TERM "$SERVER_PID"
@@ -150,6 +151,26 @@ wait "$SERVER_PID" || fail "the server did not stop cleanly after the OSD stops"
 serve "$T/f.sock" "$T/f.log" "$VOL"
 fio_job "$(uri "$T/f.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --verify_only=1" >"$T/fio-f.txt" ||
   { cat "$T/fio-f.txt" >&2; fail "fio verify after the OSD stops"; }
+kill -TERM "$SERVER_PID"
+wait "$SERVER_PID" || true
+
+step "4b. every OSD down with an operation timeout: writes fail cleanly, nothing is damaged"
+CEPH_ARGS="--rados-osd-op-timeout 5" serve "$T/g.sock" "$T/g.log" "$VOL"
+$CLUSTER stop-osd 0
+$CLUSTER stop-osd 1
+if (cd "$T" && timeout 120 fio --name=down --ioengine=nbd --uri="$(uri "$T/g.sock")" --rw=write --bs=64k \
+  --offset=64m --size=16m --iodepth=4 --end_fsync=1 >"$T/fio-g.txt" 2>&1); then
+  fail "writes and their fsync succeeded with every OSD down"
+fi
+step "   fio saw: $(grep -m1 -io 'error.*' "$T/fio-g.txt" || echo "a failure")"
+$CLUSTER start-osd 0
+$CLUSTER start-osd 1
+kill -TERM "$SERVER_PID"
+wait "$SERVER_PID" || true
+"$BIN" check "$VOL" | tail -1 | grep -qx clean || fail "check after the failed writes is not clean"
+serve "$T/h.sock" "$T/h.log" "$VOL"
+fio_job "$(uri "$T/h.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --verify_only=1" >"$T/fio-h.txt" ||
+  { cat "$T/fio-h.txt" >&2; fail "data written before the failed writes does not verify"; }
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || true
 
