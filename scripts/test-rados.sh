@@ -15,7 +15,12 @@ cd "$(dirname "$0")/.."
 
 BIN=$(realpath "${1:-target/release/dedupvol}")
 CLUSTER=./scripts/ceph-cluster.sh
-export CEPH_CONF=${DEDUPVOL_CEPH_DIR:-/var/tmp/dedupvol-ceph}/ceph.conf
+CEPH_DIR=${DEDUPVOL_CEPH_DIR:-/var/tmp/dedupvol-ceph}
+export CEPH_CONF=$CEPH_DIR/ceph.conf
+# A cluster this script starts is stopped again at the end (its files stay, so the next
+# start takes seconds); one already running is left running.
+WAS_RUNNING=0
+if [[ -f $CEPH_DIR/run/mon.a.pid ]] && kill -0 "$(cat "$CEPH_DIR/run/mon.a.pid")" 2>/dev/null; then WAS_RUNNING=1; fi
 POOL=dedupvol
 RUN=t$$-$(date +%s)
 T=$(mktemp -d /var/tmp/dedupvol-rados-test.XXXXXX)
@@ -24,9 +29,13 @@ SERVERS=()
 cleanup() {
   for pid in "${SERVERS[@]}"; do kill -9 "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done
   rm -rf "$T"
-  # Leave both OSDs running for the next user of the cluster.
-  $CLUSTER start-osd 0 >/dev/null 2>&1 || true
-  $CLUSTER start-osd 1 >/dev/null 2>&1 || true
+  if ((WAS_RUNNING)); then
+    # Leave both OSDs running for the cluster's other users.
+    $CLUSTER start-osd 0 >/dev/null 2>&1 || true
+    $CLUSTER start-osd 1 >/dev/null 2>&1 || true
+  else
+    $CLUSTER stop >/dev/null 2>&1 || true
+  fi
 }
 trap cleanup EXIT
 

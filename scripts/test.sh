@@ -29,7 +29,8 @@ cargo build --release --workspace --bins
 # every checkpoint and every clean close of every seed audits every structure.
 cargo test --release --workspace --exclude dedupvol-sim -- --test-threads=2 "$@"
 cargo test --release -p dedupvol-sim --features verify -- --test-threads=2 "$@"
-# Volumes in Ceph RADOS, against a real one-node cluster this script starts (about a minute).
+# Volumes in Ceph RADOS, against a real one-node cluster (scripts/ceph-cluster.sh; started for
+# the tests and stopped again unless it was running already): about two minutes.
 if [[ ${DEDUPVOL_SKIP_RADOS:-0} == 1 ]]; then
   echo "SKIPPED: the RADOS tests (DEDUPVOL_SKIP_RADOS=1): run scripts/test-rados.sh to run them"
 else
