@@ -79,6 +79,7 @@ pub mod format {
     };
     pub use crate::dedup::index::SPARSE_SAMPLE;
     pub use crate::dedup::volume_index::SLOT_BYTES as INDEX_SLOT_BYTES;
+    pub use crate::io::RADOS_OBJECT_BYTES;
     pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
     pub use crate::metadata::journal::{
         JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,

@@ -20,7 +20,7 @@ pub(crate) use crate::obs::io::{IoCounters, IoKind};
 pub(crate) use dev::Dev;
 pub use file::FileStorage;
 pub use memory::MemStorage;
-pub use rados::{RadosStorage, RadosUrl};
+pub use rados::{RadosStorage, RadosUrl, OBJECT_BYTES as RADOS_OBJECT_BYTES};
 
 use crate::error::{Error, Result};
 use serde::Serialize;

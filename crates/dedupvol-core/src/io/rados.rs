@@ -221,8 +221,9 @@ unsafe impl Send for Conn {}
 unsafe impl Sync for Conn {}
 
 impl Conn {
-    /// Connects as `client.admin` (or `CEPH_ARGS`' `--id`) with the configuration librados
-    /// finds (`$CEPH_CONF`, else /etc/ceph/ceph.conf) and opens `pool`.
+    /// Connects as `client.admin` (a take-over blocklists, which needs the monitor's
+    /// permission) with the configuration librados finds (`$CEPH_CONF`, else
+    /// /etc/ceph/ceph.conf, then `CEPH_ARGS`) and opens `pool`.
     fn connect(pool: &str) -> Result<Conn> {
         let api = api()?;
         let ctx = |what: &str, r: c_int| Error::io(format!("RADOS: {what}"), rados_err(r.into()));
