@@ -143,6 +143,16 @@ kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || fail "the taking-over server did not stop cleanly"
 check_clean "$VOL" "check after the take-overs is not clean"
 
+# Serves $VOL as TAG and verifies step 4's fio data over NBD (message: what failed).
+verify_step4() {
+  local tag=$1 what=$2
+  serve "$T/$tag.sock" "$T/$tag.log" "$VOL"
+  fio_job "$(uri "$T/$tag.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --verify_only=1" \
+    >"$T/fio-$tag.txt" || { cat "$T/fio-$tag.txt" >&2; fail "$what"; }
+  kill -TERM "$SERVER_PID"
+  wait "$SERVER_PID" || true
+}
+
 step "4. OSDs stopped mid-run: writes wait, finish and verify"
 VOL=rados://$POOL/$RUN-c
 "$BIN" format "$VOL" --logical-size 256M --physical-size 128M >/dev/null
@@ -163,11 +173,7 @@ wait "$FIO" || { cat "$T/fio-e.txt" >&2; fail "fio across the OSD stops"; }
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || fail "the server did not stop cleanly after the OSD stops"
 check_clean "$VOL" "check after the OSD stops is not clean"
-serve "$T/f.sock" "$T/f.log" "$VOL"
-fio_job "$(uri "$T/f.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --verify_only=1" >"$T/fio-f.txt" ||
-  { cat "$T/fio-f.txt" >&2; fail "fio verify after the OSD stops"; }
-kill -TERM "$SERVER_PID"
-wait "$SERVER_PID" || true
+verify_step4 f "fio verify after the OSD stops"
 
 step "4b. every OSD down with an operation timeout: writes fail cleanly, nothing is damaged"
 CEPH_ARGS="--rados-osd-op-timeout 5" serve "$T/g.sock" "$T/g.log" "$VOL"
@@ -184,11 +190,7 @@ $CLUSTER start >/dev/null
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || true
 check_clean "$VOL" "check after the failed writes is not clean"
-serve "$T/h.sock" "$T/h.log" "$VOL"
-fio_job "$(uri "$T/h.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --verify_only=1" >"$T/fio-h.txt" ||
-  { cat "$T/fio-h.txt" >&2; fail "data written before the failed writes does not verify"; }
-kill -TERM "$SERVER_PID"
-wait "$SERVER_PID" || true
+verify_step4 h "data written before the failed writes does not verify"
 
 for n in a b c m; do
   timeout 60 rados -p "$POOL" ls | grep "^$RUN-$n" | xargs -r -n 64 timeout 60 rados -p "$POOL" rm || true
