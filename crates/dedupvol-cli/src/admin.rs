@@ -125,6 +125,12 @@ pub fn runtime_dir() -> PathBuf {
 
 /// The admin socket of the volume at `volume` (which must exist).
 pub fn socket_path(volume: &Path) -> anyhow::Result<PathBuf> {
+    if let Some(url) = dedupvol_core::RadosUrl::parse(volume) {
+        // A RADOS volume has no inode: its canonical URL names the socket (FNV-1a).
+        let url = url?.to_string();
+        let h = url.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        return Ok(runtime_dir().join(format!("rados-{h:016x}.sock")));
+    }
     let md = std::fs::metadata(volume).with_context(|| format!("finding {}", volume.display()))?;
     Ok(runtime_dir().join(format!("{:x}-{:x}.sock", md.dev(), md.ino())))
 }

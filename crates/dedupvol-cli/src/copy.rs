@@ -106,7 +106,9 @@ fn refuse_volume_itself(vol: &Volume, a: &OpenArgs, other: &Metadata, name: &str
         None => None,
     };
     let mine = identity(other);
-    for dev in std::iter::once(a.path.clone()).chain(meta) {
+    // A RADOS device is no local file: nothing local can be it.
+    let local = |p: &PathBuf| dedupvol_core::RadosUrl::parse(p).is_none();
+    for dev in std::iter::once(a.path.clone()).chain(meta).filter(local) {
         let m = std::fs::metadata(&dev).with_context(|| format!("stat {}", dev.display()))?;
         if identity(&m) == mine {
             bail!(

@@ -89,6 +89,9 @@ pub fn run(a: GrowArgs) -> anyhow::Result<ExitCode> {
 /// already).
 fn extend_file(path: &Path, physical_size: Option<u64>) -> anyhow::Result<Option<(std::fs::File, u64)>> {
     let Some(want) = physical_size else { return Ok(None) };
+    if dedupvol_core::RadosUrl::parse(path).is_some() {
+        anyhow::bail!("a RADOS device keeps the size it was created with: only the logical size can grow");
+    }
     let md = std::fs::metadata(path).with_context(|| format!("finding {}", path.display()))?;
     if !md.is_file() || md.len() >= want {
         return Ok(None);

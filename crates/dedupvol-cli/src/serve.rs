@@ -71,6 +71,11 @@ pub enum ServeCommand {
         /// only; a config file names one per export).
         #[arg(long)]
         meta_device: Option<PathBuf>,
+        /// Take over volumes in RADOS (rados://POOL/NAME) that another server holds: fence
+        /// it (its client address is blocklisted, so nothing it still sends lands), break its
+        /// lock, replay the journal and serve. For a server taking over from a dead one.
+        #[arg(long)]
+        take_over: bool,
         /// Override the volumes' write policy: sync (durable before ack) or async.
         #[arg(long)]
         write_policy: Option<WritePolicy>,
@@ -165,6 +170,7 @@ impl ServeCommand {
             read_only_export,
             connections_max,
             meta_device,
+            take_over,
             write_policy,
             io,
             cache_size,
@@ -282,6 +288,7 @@ impl ServeCommand {
                             index_memory_bytes,
                             tier: tier.options(),
                             woj,
+                            take_over,
                             ..Default::default()
                         };
                         // The engine's FileStorage holds an flock (exclusive read-write, shared

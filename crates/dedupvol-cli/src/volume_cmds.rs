@@ -11,7 +11,6 @@ use std::fs::File;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 #[derive(Subcommand)]
 pub enum VolumeCommand {
@@ -60,9 +59,14 @@ pub struct FormatArgs {
     /// Create or extend the file to this size.
     #[arg(long, value_parser = size)]
     physical_size: Option<u64>,
-    /// Put the journal, block map and reference counts on this (fast) device.
+    /// Put the journal, block map and reference counts on this (fast) device: a file, a
+    /// block device or rados://POOL/NAME.
     #[arg(long)]
     meta_device: Option<PathBuf>,
+    /// Create the metadata device with this size when it does not exist yet (a file, or a
+    /// device in RADOS).
+    #[arg(long, value_parser = size, requires = "meta_device")]
+    meta_size: Option<u64>,
     /// Compressor: zstd (level 1), zstd:LEVEL (-7..=19; higher is smaller and slower),
     /// lz4 (the fast option) or none.
     #[arg(long, default_value = "zstd")]
@@ -343,7 +347,10 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
     if a.physical_size == Some(0) {
         usage_bail!("--physical-size must be larger than zero");
     }
+    let in_rados = dedupvol_core::RadosUrl::parse(&a.path).is_some();
     let before = match std::fs::metadata(&a.path) {
+        // A RADOS device is created, or its size checked, by the engine.
+        _ if in_rados => None,
         Ok(m) if m.is_dir() => bail!("{} is a directory", a.path.display()),
         Ok(m) => Some(m),
         Err(_) if a.physical_size.is_none() => {
@@ -371,6 +378,11 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
                 bail!("{} {what}; formatting would destroy it (pass --force to overwrite)", target.display());
             }
         }
+    }
+    if let (Some(m), Some(bytes)) = (&a.meta_device, a.meta_size) {
+        // Created (or found with this size) and closed again: format opens it as it is.
+        dedupvol_core::create_device(m, Some(bytes))
+            .with_context(|| format!("creating the metadata device {}", m.display()))?;
     }
     let formatted = Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
         .with_context(|| format!("formatting {}", a.path.display()));
@@ -481,7 +493,11 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     outln!(
         "metadata        {}{}",
         human(s.metadata_bytes),
-        if s.separate_metadata_device { " (separate device)" } else { "" }
+        match (s.separate_metadata_device, vol.meta_path()) {
+            (true, Some(p)) => format!(" (separate device {p})"),
+            (true, None) => " (separate device)".to_string(),
+            _ => String::new(),
+        }
     )?;
     outln!("  journal       {} blocks", g.journal_blocks)?;
     outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
@@ -493,7 +509,14 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     )?;
     outln!("compression     {}", dedupvol_core::compression_name(s.compression, s.compression_level))?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
-    outln!("device I/O      {}", if vol.direct_io() { "direct (O_DIRECT)" } else { "buffered (page cache)" })?;
+    let io = if dedupvol_core::RadosUrl::parse(&a.path).is_some() {
+        "RADOS objects of 4 MiB (no page cache)"
+    } else if vol.direct_io() {
+        "direct (O_DIRECT)"
+    } else {
+        "buffered (page cache)"
+    };
+    outln!("device I/O      {io}")?;
     outln!(
         "index           {} ({} slots of {} B, {}), window {} in {} chapters of {} records",
         s.index.mode,
@@ -541,9 +564,9 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         Some(m) => Some(m.clone()),
         None => recorded_meta(&a.vol.path)?,
     };
-    let data: Arc<dyn dedupvol_core::Storage> = Arc::new(dedupvol_core::FileStorage::open(&a.vol.path, !a.repair)?);
-    let meta: Option<Arc<dyn dedupvol_core::Storage>> = match meta_path {
-        Some(m) => Some(Arc::new(dedupvol_core::FileStorage::open(&m, !a.repair)?)),
+    let data = dedupvol_core::open_device(&a.vol.path, !a.repair, IoMode::Direct, false)?;
+    let meta = match meta_path {
+        Some(m) => Some(dedupvol_core::open_device(&m, !a.repair, IoMode::Direct, false)?),
         None => None,
     };
     let copts = dedupvol_core::CheckOptions {

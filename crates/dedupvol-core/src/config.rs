@@ -422,6 +422,10 @@ pub struct OpenOptions {
     /// before `open` returns when the window's chapters are at most 16 MiB, else in the
     /// background.
     pub index_rebuild: crate::dedup::index::IndexRebuild,
+    /// A volume in RADOS held by another engine: fence that engine (blocklist its client
+    /// address) and break its lock instead of refusing to open (`RadosStorage`). For a
+    /// server that takes over from a dead one; files ignore it.
+    pub take_over: bool,
 }
 
 impl OpenOptions {
@@ -447,6 +451,7 @@ impl Default for OpenOptions {
             woj: crate::woj::WojMode::Off,
             woj_weak_hash_mask: u64::MAX,
             index_rebuild: crate::dedup::index::IndexRebuild::Auto,
+            take_over: false,
         }
     }
 }

@@ -49,7 +49,7 @@ pub use config::{
 };
 pub use dedup::index::IndexRebuild;
 pub use error::{Corruption, Error, Result};
-pub use io::{FileStorage, IoMode, MemStorage, Storage};
+pub use io::{create_device, open_device, FileStorage, IoMode, MemStorage, RadosStorage, RadosUrl, Storage};
 pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
@@ -79,6 +79,7 @@ pub mod format {
     };
     pub use crate::dedup::index::SPARSE_SAMPLE;
     pub use crate::dedup::volume_index::SLOT_BYTES as INDEX_SLOT_BYTES;
+    pub use crate::io::RADOS_OBJECT_BYTES;
     pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
     pub use crate::metadata::journal::{
         JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,

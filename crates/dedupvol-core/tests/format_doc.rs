@@ -34,6 +34,7 @@ fn format_doc_constants_match_code() {
         ("TIER_SLOT_BYTES", format::TIER_SLOT_BYTES as u64),
         ("TIER_SLOTS_MAX", format::TIER_SLOTS_MAX),
         ("TIER_FORMAT_VERSION", u64::from(format::TIER_FORMAT_VERSION)),
+        ("RADOS_OBJECT_BYTES", format::RADOS_OBJECT_BYTES),
     ];
     for (name, value) in code {
         let row = doc

@@ -14,11 +14,13 @@ mod dev;
 mod file;
 pub(crate) mod hugemem;
 mod memory;
+mod rados;
 
 pub(crate) use crate::obs::io::{IoCounters, IoKind};
 pub(crate) use dev::Dev;
 pub use file::FileStorage;
 pub use memory::MemStorage;
+pub use rados::{RadosStorage, RadosUrl, OBJECT_BYTES as RADOS_OBJECT_BYTES};
 
 use crate::error::{Error, Result};
 use serde::Serialize;
@@ -73,6 +75,24 @@ pub trait Storage: Send + Sync {
     fn name(&self) -> String {
         "device".to_string()
     }
+}
+
+/// Opens an existing device by path: a `rados://POOL/NAME` URL (`take_over`: fence its
+/// current holder, see `RadosStorage`) or a file or block device (`mode`).
+pub fn open_device(path: &std::path::Path, read_only: bool, mode: IoMode, take_over: bool) -> Result<Arc<dyn Storage>> {
+    Ok(match RadosUrl::parse(path) {
+        Some(url) => Arc::new(RadosStorage::open(&url?, read_only, take_over)?),
+        None => Arc::new(FileStorage::open_with(path, read_only, mode)?),
+    })
+}
+
+/// Opens a device read-write by path, creating it with `size_bytes` when given (a file is
+/// created or extended; a RADOS device is created, never resized).
+pub fn create_device(path: &std::path::Path, size_bytes: Option<u64>) -> Result<Arc<dyn Storage>> {
+    Ok(match RadosUrl::parse(path) {
+        Some(url) => Arc::new(RadosStorage::create(&url?, size_bytes)?),
+        None => Arc::new(FileStorage::create(path, size_bytes)?),
+    })
 }
 
 /// How a `FileStorage` moves data.

@@ -21,7 +21,7 @@ use crate::dedup::chapter::RingLayout;
 use crate::dedup::index::Index;
 use crate::dedup::Deduper;
 use crate::error::{Error, Result};
-use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, Storage};
+use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, RadosStorage, RadosUrl, Storage};
 use crate::metadata::allocator::Allocator;
 use crate::metadata::layout::{Geometry, GrowthRoom};
 use crate::metadata::superblock::Superblock;
@@ -191,12 +191,17 @@ impl Volume {
         opts: &FormatOptions,
         force: bool,
     ) -> Result<()> {
-        let data: Arc<dyn Storage> = Arc::new(FileStorage::create(path, physical_size)?);
-        let meta: Option<Arc<dyn Storage>> = match meta_device {
-            Some(m) => Some(Arc::new(FileStorage::open(m, false)?)),
+        let data = crate::io::create_device(path, physical_size)?;
+        let meta = match meta_device {
+            Some(m) => Some(crate::io::open_device(m, false, IoMode::Direct, false)?),
             None => None,
         };
-        let hint = meta_device.and_then(|m| std::fs::canonicalize(m).ok()).map(|p| p.display().to_string());
+        // A RADOS URL is recorded as typed; a file by its absolute path.
+        let hint = meta_device
+            .and_then(
+                |m| if RadosUrl::parse(m).is_some() { Some(m.to_path_buf()) } else { std::fs::canonicalize(m).ok() },
+            )
+            .map(|p| p.display().to_string());
         Self::format_with_hint(data, meta, opts, force, hint)
     }
 
@@ -210,18 +215,30 @@ impl Volume {
     /// The data device at `path` and the metadata device (`meta_device`, else the path
     /// recorded at format), opened as `opts` says.
     pub(crate) fn devices_at(path: &Path, meta_device: Option<&Path>, opts: &OpenOptions) -> Result<Devices> {
-        let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
-        let sb = {
-            let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
-            Superblock::read(&dev, 0)?.0
+        let (data, sb, mode): (Arc<dyn Storage>, _, _) = match RadosUrl::parse(path) {
+            Some(url) => {
+                let data: Arc<dyn Storage> = Arc::new(RadosStorage::open(&url?, opts.read_only, opts.take_over)?);
+                let sb = Superblock::read(&Dev::new(data.clone(), Arc::new(IoCounters::default())), 0)?.0;
+                // No page cache in front of RADOS: a local metadata file is opened direct.
+                let mode = opts.io_mode.for_verify(true);
+                (data, sb, mode)
+            }
+            None => {
+                let file = Arc::new(FileStorage::open_with(path, opts.read_only, opts.io_mode)?);
+                let sb = {
+                    let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+                    Superblock::read(&dev, 0)?.0
+                };
+                // `auto` resolves from the volume: byte verification reads every candidate,
+                // and the page cache serves those reads from RAM; hash verification reads
+                // nothing.
+                let mode = opts.io_mode.for_verify(sb.verify == DedupVerify::Hash);
+                let file = Arc::try_unwrap(file).map_err(|_| {
+                    Error::internal("device still shared after reading its superblock", path.display().to_string())
+                })?;
+                (Arc::new(if mode == IoMode::Buffered { file.into_buffered() } else { file }), sb, mode)
+            }
         };
-        // `auto` resolves from the volume: byte verification reads every candidate, and the
-        // page cache serves those reads from RAM; hash verification reads nothing.
-        let mode = opts.io_mode.for_verify(sb.verify == DedupVerify::Hash);
-        let file = Arc::try_unwrap(file).map_err(|_| {
-            Error::internal("device still shared after reading its superblock", path.display().to_string())
-        })?;
-        let data: Arc<dyn Storage> = Arc::new(if mode == IoMode::Buffered { file.into_buffered() } else { file });
         let meta_path = match meta_device {
             Some(m) => Some(m.to_path_buf()),
             None if sb.geometry.meta_dev_blocks > 0 => match sb.meta_path {
@@ -235,7 +252,7 @@ impl Volume {
             None => None,
         };
         let meta: Option<Arc<dyn Storage>> = match meta_path {
-            Some(m) => Some(Arc::new(FileStorage::open_with(&m, opts.read_only, mode)?)),
+            Some(m) => Some(crate::io::open_device(&m, opts.read_only, mode, opts.take_over)?),
             None => None,
         };
         Ok((data, meta))
