@@ -364,7 +364,8 @@ impl Index {
             IndexMode::Sparse => ring.window_blocks().div_ceil(SPARSE_SAMPLE),
         };
         let slots = (entries * 100).div_ceil(LOAD_PERCENT).next_multiple_of(super::volume_index::BUCKET_SLOTS as u64);
-        slots.max(super::volume_index::BUCKET_SLOTS as u64) * SLOT_BYTES
+        // One bucket more: the table's room to align its buckets to cache lines.
+        (slots.max(super::volume_index::BUCKET_SLOTS as u64) + super::volume_index::BUCKET_SLOTS as u64) * SLOT_BYTES
     }
 
     /// Waits for the volume index's memory to be populated.

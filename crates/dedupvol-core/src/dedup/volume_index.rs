@@ -33,8 +33,24 @@ pub const SLOT_BYTES: u64 = 6;
 /// Chapters over which a full sweep of dead slots is spread.
 const SWEEP_CHAPTERS: u64 = 16384;
 const _: () = assert!(RING_CHAPTERS_MAX + SWEEP_CHAPTERS < 1 << 16);
+/// Records ahead whose buckets `insert_rebuilt` prefetches: enough misses in flight to
+/// cover the memory latency, few enough that the prefetched lines are still in L1.
+const PREFETCH_AHEAD: usize = 16;
 /// The share of slots the table is sized to fill (buckets of 8 overflow rarely below it).
 pub const LOAD_PERCENT: u64 = 90;
+
+/// A record read from the ring by the rebuild: its fingerprint and where it is.
+#[derive(Debug, Clone, Copy)]
+pub struct RebuiltRecord {
+    /// The full fingerprint.
+    pub hash: [u8; 32],
+    /// Virtual chapter.
+    pub vcn: u64,
+    /// Page in the chapter.
+    pub page: u64,
+    /// Position in the page.
+    pub position: u64,
+}
 
 /// The compact table.
 pub struct VolumeIndex {
@@ -44,6 +60,14 @@ pub struct VolumeIndex {
     words: Vec<u32>,
     /// Per slot: low 16 bits of the virtual chapter.
     chapters: Vec<u16>,
+    /// Where slot 0 is in `words` and in `chapters`: each array has one bucket more than
+    /// needed, and its buckets start where a bucket never straddles two cache lines (a
+    /// 32-byte bucket of words in one 64-byte line, not two: one miss per bucket, not
+    /// one and a half).
+    words_at: usize,
+    chapters_at: usize,
+    /// Slots (`buckets * BUCKET_SLOTS`).
+    cap: usize,
     buckets: usize,
     entries: u64,
     sweep_cursor: usize,
@@ -79,7 +103,8 @@ impl VolumeIndex {
     /// A table of at most `memory_bytes`; memory the machine refuses is an error.
     pub fn try_new(memory_bytes: u64, prefault: bool) -> Result<Self> {
         let slots = usize::try_from(memory_bytes / SLOT_BYTES).unwrap_or(usize::MAX);
-        let buckets = (slots / BUCKET_SLOTS).max(1);
+        // One bucket of each array is the room to align the others.
+        let buckets = (slots / BUCKET_SLOTS).saturating_sub(1).max(1);
         let cap = buckets * BUCKET_SLOTS;
         let refused = || {
             Error::OutOfMemory(format!(
@@ -93,14 +118,27 @@ impl VolumeIndex {
                 "the fingerprint index needs {memory_bytes} bytes but this machine has {machine}; open with a smaller index memory (--index-memory)"
             )));
         }
-        let words: Vec<u32> = crate::io::hugemem::try_zeroed(cap).ok_or_else(refused)?;
-        let chapters: Vec<u16> = crate::io::hugemem::try_zeroed(cap).ok_or_else(refused)?;
+        let words: Vec<u32> = crate::io::hugemem::try_zeroed(cap + BUCKET_SLOTS).ok_or_else(refused)?;
+        let chapters: Vec<u16> = crate::io::hugemem::try_zeroed(cap + BUCKET_SLOTS).ok_or_else(refused)?;
+        // Elements from the array's start to the first multiple of a bucket's size.
+        let skew = |p: usize, elem: usize| (p.next_multiple_of(elem * BUCKET_SLOTS) - p) / elem;
+        let (words_at, chapters_at) = (skew(words.as_ptr() as usize, 4), skew(chapters.as_ptr() as usize, 2));
         let mut threads = Vec::new();
         if prefault {
             threads.push(crate::io::hugemem::Prefault::start(&words));
             threads.push(crate::io::hugemem::Prefault::start(&chapters));
         }
-        Ok(VolumeIndex { prefault: threads, words, chapters, buckets, entries: 0, sweep_cursor: 0 })
+        Ok(VolumeIndex {
+            prefault: threads,
+            words,
+            chapters,
+            words_at,
+            chapters_at,
+            cap,
+            buckets,
+            entries: 0,
+            sweep_cursor: 0,
+        })
     }
 
     /// Waits for the background population of the memory.
@@ -110,7 +148,7 @@ impl VolumeIndex {
 
     /// Slots.
     pub fn capacity(&self) -> u64 {
-        self.words.len() as u64
+        self.cap as u64
     }
 
     /// Non-empty slots (live, or dead and not swept yet).
@@ -118,23 +156,56 @@ impl VolumeIndex {
         self.entries
     }
 
-    /// Memory of the table.
+    /// Memory of the table (its slots and the bucket of room in each array).
     pub fn memory_bytes(&self) -> u64 {
-        self.capacity() * SLOT_BYTES
+        (self.words.len() as u64) * 4 + (self.chapters.len() as u64) * 2
+    }
+
+    /// Bucket of key `off` of `h`: the key scaled onto `0..buckets` by a multiply and a
+    /// shift (a division would cost tens of cycles per lookup and per rebuilt record).
+    fn bucket_no(&self, h: &[u8; 32], off: usize) -> usize {
+        ((u128::from(bucket_key(h, off)) * self.buckets as u128) >> 64) as usize
+    }
+
+    /// The two bucket numbers of `h` (equal in a one-bucket table, or by chance).
+    fn bucket_pair(&self, h: &[u8; 32]) -> (usize, usize) {
+        (self.bucket_no(h, 0), self.bucket_no(h, 16))
+    }
+
+    /// The slots of buckets `pair` (the second empty when both are the same).
+    fn ranges((a, b): (usize, usize)) -> [std::ops::Range<usize>; 2] {
+        let range = |b: usize| b * BUCKET_SLOTS..(b + 1) * BUCKET_SLOTS;
+        if a == b {
+            [range(a), 0..0]
+        } else {
+            [range(a), range(b)]
+        }
     }
 
     /// The two buckets of `h` (the same one twice in a one-bucket table).
     fn buckets_of(&self, h: &[u8; 32]) -> [std::ops::Range<usize>; 2] {
-        let range = |off| {
-            let b = (bucket_key(h, off) % self.buckets as u64) as usize;
-            b * BUCKET_SLOTS..(b + 1) * BUCKET_SLOTS
-        };
-        let (a, b) = (range(0), range(16));
-        if a == b {
-            [a, 0..0]
-        } else {
-            [a, b]
+        Self::ranges(self.bucket_pair(h))
+    }
+
+    /// Asks the CPU to bring both buckets of `pair` (their words and chapter numbers)
+    /// towards the core. A hint: it never faults and changes nothing.
+    #[inline]
+    fn prefetch(&self, (a, b): (usize, usize)) {
+        #[cfg(target_arch = "x86_64")]
+        for s in [a * BUCKET_SLOTS, b * BUCKET_SLOTS] {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let w = self.words.as_ptr().wrapping_add(self.words_at + s).cast::<i8>();
+            let c = self.chapters.as_ptr().wrapping_add(self.chapters_at + s).cast::<i8>();
+            // SAFETY: prefetch instructions never fault, whatever the address, and do not
+            // change memory; the pointers are only hints (`wrapping_add` keeps them
+            // defined even out of range).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(w);
+                _mm_prefetch::<_MM_HINT_T0>(c);
+            }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (a, b);
     }
 
     /// The slots of both buckets of `h`.
@@ -143,17 +214,15 @@ impl VolumeIndex {
         a.chain(b)
     }
 
-    /// Empty slots in `r`.
-    fn free_in(&self, r: &std::ops::Range<usize>) -> usize {
-        r.clone().filter(|&i| self.slot(i).0 == 0).count()
-    }
-
     fn slot(&self, i: usize) -> (u32, u16) {
-        (self.words.get(i).copied().unwrap_or(0), self.chapters.get(i).copied().unwrap_or(0))
+        (
+            self.words.get(self.words_at + i).copied().unwrap_or(0),
+            self.chapters.get(self.chapters_at + i).copied().unwrap_or(0),
+        )
     }
 
     fn set(&mut self, i: usize, word: u32, ch: u16) {
-        if let (Some(w), Some(c)) = (self.words.get_mut(i), self.chapters.get_mut(i)) {
+        if let (Some(w), Some(c)) = (self.words.get_mut(self.words_at + i), self.chapters.get_mut(self.chapters_at + i)) {
             *w = word;
             *c = ch;
         }
@@ -184,36 +253,87 @@ impl VolumeIndex {
     /// empty or dead slot, else the oldest.
     pub fn insert(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64, open: u64) {
         debug_assert!(page <= 0xFF && position <= u64::from(POSITION_MASK) && vcn <= open);
-        let tag = tag_of(h);
-        let word = word_of(tag, page, position);
-        let mut victim = None;
-        let mut victim_age = 0;
-        for i in self.bucket(h) {
-            let (w, ch) = self.slot(i);
-            if w != 0 && w >> TAG_SHIFT == tag {
+        let pair = self.bucket_pair(h);
+        self.place(tag_of(h), word_of(tag_of(h), page, position), vcn, open, pair);
+    }
+
+    /// Inserts records read from the ring by the rebuild, as `insert` would one by one,
+    /// leaving out those whose chapter is outside the window of `ring_chapters` chapters
+    /// before `open`. Why a batch: each record lands in two random buckets of a table of
+    /// hundreds of MB, a cache miss each; prefetching the buckets of the record
+    /// `PREFETCH_AHEAD` places ahead lets those misses overlap instead of queueing.
+    pub fn insert_rebuilt(&mut self, recs: &[RebuiltRecord], open: u64, ring_chapters: u64) {
+        let live = |r: &RebuiltRecord| r.vcn <= open && open - r.vcn < ring_chapters;
+        let mut ahead = [(0usize, 0usize); PREFETCH_AHEAD];
+        for i in 0..recs.len() + PREFETCH_AHEAD {
+            // The record prefetched `A` rounds ago goes in, then its place in
+            // `ahead` takes the next one's buckets.
+            let slot = i % PREFETCH_AHEAD;
+            if let Some(j) = i.checked_sub(PREFETCH_AHEAD) {
+                if let (Some(r), Some(&pair)) = (recs.get(j).filter(|r| live(r)), ahead.get(slot)) {
+                    debug_assert!(r.page <= 0xFF && r.position <= u64::from(POSITION_MASK));
+                    let tag = tag_of(&r.hash);
+                    self.place(tag, word_of(tag, r.page, r.position), r.vcn, open, pair);
+                }
+            }
+            if let Some(r) = recs.get(i) {
+                let pair = self.bucket_pair(&r.hash);
+                self.prefetch(pair);
+                if let Some(a) = ahead.get_mut(slot) {
+                    *a = pair;
+                }
+            }
+        }
+    }
+
+    /// The words of bucket `b` (all empty for a bucket outside the table, which
+    /// `bucket_no` never returns).
+    fn bucket_words(&self, b: usize) -> [u32; BUCKET_SLOTS] {
+        let first = self.words_at + b * BUCKET_SLOTS;
+        self.words
+            .get(first..first + BUCKET_SLOTS)
+            .and_then(|s| s.try_into().ok())
+            .unwrap_or([0; BUCKET_SLOTS])
+    }
+
+    /// `insert` into buckets `pair` of a fingerprint with tag `tag`. Each bucket's words
+    /// are read once, as one array (compared and counted in vector registers), and the
+    /// chapter numbers only when a tag matches or both buckets are full.
+    fn place(&mut self, tag: u32, word: u32, vcn: u64, open: u64, (pa, pb): (usize, usize)) {
+        let new_age = age(open, vcn as u16);
+        let (wa, wb) = (self.bucket_words(pa), self.bucket_words(pb));
+        // One bucket twice (a one-bucket table, or chance) is looked at once.
+        let both = [(pa, wa), (pb, wb)];
+        let buckets = both.get(..if pa == pb { 1 } else { 2 }).unwrap_or_default();
+        for (b, w) in buckets {
+            if let Some(k) = w.iter().position(|&x| x >> TAG_SHIFT == tag) {
                 // The same fingerprint (or a 24-bit collision): the newer record wins.
-                if age(open, ch) >= age(open, vcn as u16) {
+                let i = b * BUCKET_SLOTS + k;
+                if age(open, self.slot(i).1) >= new_age {
                     self.set(i, word, vcn as u16);
                 }
                 return;
             }
         }
         // No slot of its own yet: an empty slot of the emptier bucket.
-        let [a, b] = self.buckets_of(h);
-        let emptier = if self.free_in(&b) > self.free_in(&a) { b } else { a };
-        if let Some(i) = emptier.clone().find(|&i| self.slot(i).0 == 0) {
+        let free = |w: &[u32; BUCKET_SLOTS]| w.iter().filter(|&&x| x == 0).count();
+        let emptier = buckets.iter().rev().max_by_key(|(_, w)| free(w));
+        if let Some((b, k)) = emptier.and_then(|(b, w)| Some((b, w.iter().position(|&x| x == 0)?))) {
             self.entries += 1;
-            self.set(i, word, vcn as u16);
+            self.set(b * BUCKET_SLOTS + k, word, vcn as u16);
             return;
         }
-        for i in self.bucket(h) {
+        let [ra, rb] = Self::ranges((pa, pb));
+        let mut victim = None;
+        let mut victim_age = 0;
+        for i in ra.chain(rb) {
             let a = age(open, self.slot(i).1);
             if victim.is_none() || a > victim_age {
                 (victim, victim_age) = (Some(i), a);
             }
         }
-        // A full bucket: the oldest slot goes (dead ones are older than any live one).
-        if let Some(i) = victim.filter(|_| victim_age >= age(open, vcn as u16)) {
+        // Both buckets full: the oldest slot goes (dead ones are older than any live one).
+        if let Some(i) = victim.filter(|_| victim_age >= new_age) {
             self.set(i, word, vcn as u16);
         }
     }
@@ -234,7 +354,7 @@ impl VolumeIndex {
     /// Empties the dead slots among the next `capacity / SWEEP_CHAPTERS` (called once per
     /// chapter opened; see the invariants).
     pub fn sweep(&mut self, open: u64, ring_chapters: u64) {
-        let cap = self.words.len();
+        let cap = self.cap;
         if cap == 0 {
             return;
         }
@@ -287,5 +407,84 @@ mod tests {
         }
         assert!(t.len() <= t.capacity());
         t.audit().expect("audit");
+    }
+
+    fn rebuilt(i: u64, per_chapter: u64) -> RebuiltRecord {
+        let r = i % per_chapter;
+        RebuiltRecord { hash: h(i as u32), vcn: i / per_chapter, page: r / 101, position: r % 101 }
+    }
+
+    #[test]
+    fn batch_insert_matches_one_by_one() {
+        // A table small enough that buckets fill and overflow, with repeated fingerprints
+        // (the newer record must win) and chapters that left the window.
+        let per_chapter = 300;
+        let mut recs: Vec<RebuiltRecord> = (0..6000).map(|i| rebuilt(i, per_chapter)).collect();
+        recs.extend((0..600).map(|i| RebuiltRecord { vcn: 19, ..rebuilt(i * 7, per_chapter) }));
+        let (open, ring) = (20, 16);
+        let mut one = VolumeIndex::try_new(6 * 4096, false).expect("table");
+        let mut batch = VolumeIndex::try_new(6 * 4096, false).expect("table");
+        one.insert(&h(5), 20, 1, 1, 20);
+        batch.insert(&h(5), 20, 1, 1, 20);
+        for r in &recs {
+            if open - r.vcn < ring {
+                one.insert(&r.hash, r.vcn, r.page, r.position, open);
+            }
+        }
+        batch.insert_rebuilt(&recs, open, ring);
+        assert!(one.words == batch.words && one.chapters == batch.chapters && one.len() == batch.len());
+        assert_eq!(batch.candidates(&h(5), open, ring), vec![(20, 1, 1)], "the session's own record stays");
+        assert_eq!(batch.candidates(&h(7), open, ring), vec![(19, 0, 7)], "the newer record wins");
+        assert!(batch.candidates(&h(1), open, ring).is_empty(), "chapter 0 is outside the window");
+        batch.audit().expect("audit");
+    }
+
+    /// Time per record of the rebuild's inserts into a table of `DEDUPVOL_MEASURE_ENTRIES`
+    /// (default 16.7 M, a 64 GiB window) entries, one by one and in batches.
+    #[test]
+    #[ignore = "a measurement: allocates and fills a table of about 100 MB twice"]
+    fn measure_insert_rate() {
+        let n: u64 = std::env::var("DEDUPVOL_MEASURE_ENTRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(16_770_000);
+        let per_chapter = 162 * 101;
+        let chapters = n.div_ceil(per_chapter) + 1;
+        let recs: Vec<RebuiltRecord> = (0..n)
+            .map(|i| {
+                let mut r = rebuilt(0, per_chapter);
+                r.hash = *blake3::hash(&i.to_le_bytes()).as_bytes();
+                RebuiltRecord { vcn: i / per_chapter, page: i % per_chapter / 101, position: i % 101, ..r }
+            })
+            .collect();
+        let memory = (n * 100).div_ceil(LOAD_PERCENT) * SLOT_BYTES;
+        for batched in [false, true] {
+            let mut t = VolumeIndex::try_new(memory, true).expect("table");
+            t.wait_prefault();
+            let cpu = || {
+                let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+                // SAFETY: clock_gettime writes only the timespec it is given.
+                unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+                ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+            };
+            let (start, cpu0) = (std::time::Instant::now(), cpu());
+            for c in recs.chunks(8192) {
+                if batched {
+                    t.insert_rebuilt(c, chapters, chapters + 1);
+                } else {
+                    for r in c {
+                        t.insert(&r.hash, r.vcn, r.page, r.position, chapters);
+                    }
+                }
+            }
+            let (wall, s) = (start.elapsed().as_secs_f64(), cpu() - cpu0);
+            let thp = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+            let thp = thp.lines().find(|l| l.starts_with("AnonHugePages")).unwrap_or("").to_string();
+            println!(
+                "{}: {} entries in {:.3} s of CPU ({wall:.3} s), {:.1} ns per record = {:.0} MB/s of chapters ({thp})",
+                if batched { "batch" } else { "one by one" },
+                t.len(),
+                s,
+                s * 1e9 / n as f64,
+                n as f64 / 101.0 * 4096.0 / s / 1e6
+            );
+        }
     }
 }
