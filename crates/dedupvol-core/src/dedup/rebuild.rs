@@ -36,7 +36,7 @@ use std::sync::Arc;
 /// Largest read of the rebuild (whole chapters, in ring order).
 pub const READ_BYTES: u64 = 16 << 20;
 /// Records inserted per hold of the volume index's lock.
-const INSERT_BATCH: usize = 8192;
+const INSERT_BATCH: usize = 16384;
 /// Neighbouring slots probed when a chapter slot's first page does not check.
 const PROBE_SPAN: u64 = 8;
 

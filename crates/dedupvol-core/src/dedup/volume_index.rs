@@ -36,6 +36,9 @@ const _: () = assert!(RING_CHAPTERS_MAX + SWEEP_CHAPTERS < 1 << 16);
 /// Records ahead whose buckets `insert_rebuilt` prefetches: enough misses in flight to
 /// cover the memory latency, few enough that the prefetched lines are still in L1.
 const PREFETCH_AHEAD: usize = 16;
+/// Records from which `insert_rebuilt` uses a second thread (below, the thread would cost
+/// more than it saves).
+const PARALLEL_RECORDS_MIN: usize = 4096;
 /// The share of slots the table is sized to fill (buckets of 8 overflow rarely below it).
 pub const LOAD_PERCENT: u64 = 90;
 
@@ -97,6 +100,159 @@ fn word_of(tag: u32, page: u64, position: u64) -> u32 {
 /// Age of chapter number `ch` seen from the open chapter `open`, modulo 2^16.
 fn age(open: u64, ch: u16) -> u64 {
     u64::from((open as u16).wrapping_sub(ch))
+}
+
+/// The two bucket numbers of `h` in a table of `buckets` buckets: the first anywhere, the
+/// second in the same half of the table as the first (so that each half can be filled on
+/// its own: `insert_rebuilt`). Keys are scaled onto a range by a multiply and a shift (a
+/// division would cost tens of cycles per lookup and per rebuilt record).
+fn bucket_pair(buckets: usize, h: &[u8; 32]) -> (usize, usize) {
+    let scale = |key: u64, n: usize| ((u128::from(key) * n as u128) >> 64) as usize;
+    let a = scale(bucket_key(h, 0), buckets);
+    let half = buckets / 2;
+    let (start, len) = if a < half { (0, half) } else { (half, buckets - half) };
+    (a, start + scale(bucket_key(h, 16), len))
+}
+
+/// The slots of a run of buckets, from bucket `first` on, borrowed to change them (the
+/// whole table, or one half of it for one of the rebuild's two inserting threads).
+struct Slots<'a> {
+    words: &'a mut [u32],
+    chapters: &'a mut [u16],
+    first: usize,
+}
+
+impl Slots<'_> {
+    /// Where slot `i` of the table is in this run (None: outside it).
+    fn local(&self, i: usize) -> Option<usize> {
+        i.checked_sub(self.first * BUCKET_SLOTS).filter(|&l| l < self.words.len())
+    }
+
+    fn slot(&self, i: usize) -> (u32, u16) {
+        self.local(i).map_or((0, 0), |l| {
+            (self.words.get(l).copied().unwrap_or(0), self.chapters.get(l).copied().unwrap_or(0))
+        })
+    }
+
+    fn set(&mut self, i: usize, word: u32, ch: u16) {
+        if let Some(l) = self.local(i) {
+            if let (Some(w), Some(c)) = (self.words.get_mut(l), self.chapters.get_mut(l)) {
+                *w = word;
+                *c = ch;
+            }
+        }
+    }
+
+    /// The words of bucket `b` (all empty for a bucket outside the run, which the
+    /// callers never ask for).
+    fn bucket_words(&self, b: usize) -> [u32; BUCKET_SLOTS] {
+        self.local(b * BUCKET_SLOTS)
+            .and_then(|l| self.words.get(l..l + BUCKET_SLOTS))
+            .and_then(|s| s.try_into().ok())
+            .unwrap_or([0; BUCKET_SLOTS])
+    }
+
+    /// Asks the CPU to bring both buckets of `pair` (their words and chapter numbers)
+    /// towards the core. A hint: it never faults and changes nothing.
+    #[inline]
+    fn prefetch(&self, (a, b): (usize, usize)) {
+        #[cfg(target_arch = "x86_64")]
+        for s in [a * BUCKET_SLOTS, b * BUCKET_SLOTS] {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let l = s.wrapping_sub(self.first * BUCKET_SLOTS);
+            let w = self.words.as_ptr().wrapping_add(l).cast::<i8>();
+            let c = self.chapters.as_ptr().wrapping_add(l).cast::<i8>();
+            // SAFETY: prefetch instructions never fault, whatever the address, and do not
+            // change memory; the pointers are only hints (`wrapping_add` keeps them
+            // defined even out of range).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(w);
+                _mm_prefetch::<_MM_HINT_T0>(c);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (a, b);
+    }
+
+    /// `VolumeIndex::insert` into buckets `pair` of a fingerprint with tag `tag`; true when
+    /// it took an empty slot. Each bucket's words are read once, as one array (compared
+    /// and counted in vector registers), and the chapter numbers only when a tag matches
+    /// or both buckets are full.
+    fn place(&mut self, tag: u32, word: u32, vcn: u64, open: u64, (pa, pb): (usize, usize)) -> bool {
+        let new_age = age(open, vcn as u16);
+        let (wa, wb) = (self.bucket_words(pa), self.bucket_words(pb));
+        // One bucket twice (a one-bucket table, or chance) is looked at once.
+        let both = [(pa, wa), (pb, wb)];
+        let buckets = both.get(..if pa == pb { 1 } else { 2 }).unwrap_or_default();
+        for (b, w) in buckets {
+            if let Some(k) = w.iter().position(|&x| x >> TAG_SHIFT == tag) {
+                // The same fingerprint (or a 24-bit collision): the newer record wins.
+                let i = b * BUCKET_SLOTS + k;
+                if age(open, self.slot(i).1) >= new_age {
+                    self.set(i, word, vcn as u16);
+                }
+                return false;
+            }
+        }
+        // No slot of its own yet: an empty slot of the emptier bucket.
+        let free = |w: &[u32; BUCKET_SLOTS]| w.iter().filter(|&&x| x == 0).count();
+        let emptier = buckets.iter().rev().max_by_key(|(_, w)| free(w));
+        if let Some((b, k)) = emptier.and_then(|(b, w)| Some((b, w.iter().position(|&x| x == 0)?))) {
+            self.set(b * BUCKET_SLOTS + k, word, vcn as u16);
+            return true;
+        }
+        let [ra, rb] = VolumeIndex::ranges((pa, pb));
+        let mut victim = None;
+        let mut victim_age = 0;
+        for i in ra.chain(rb) {
+            let a = age(open, self.slot(i).1);
+            if victim.is_none() || a > victim_age {
+                (victim, victim_age) = (Some(i), a);
+            }
+        }
+        // Both buckets full: the oldest slot goes (dead ones are older than any live one).
+        if let Some(i) = victim.filter(|_| victim_age >= new_age) {
+            self.set(i, word, vcn as u16);
+        }
+        false
+    }
+
+    /// `insert_rebuilt` of `recs` (whose buckets are all in this run) in a table of
+    /// `buckets` buckets, prefetching `PREFETCH_AHEAD` records ahead; returns the slots
+    /// newly taken.
+    fn insert_all<'r>(
+        &mut self,
+        buckets: usize,
+        recs: impl Iterator<Item = &'r RebuiltRecord>,
+        open: u64,
+        ring_chapters: u64,
+    ) -> u64 {
+        let live = |r: &RebuiltRecord| r.vcn <= open && open - r.vcn < ring_chapters;
+        let mut ahead: [Option<((usize, usize), &RebuiltRecord)>; PREFETCH_AHEAD] = [None; PREFETCH_AHEAD];
+        let (mut recs, mut added, mut i) = (recs.fuse(), 0, 0usize);
+        loop {
+            // The record prefetched `PREFETCH_AHEAD` rounds ago goes in, then its place in
+            // `ahead` takes the next one.
+            let at = i % PREFETCH_AHEAD;
+            i += 1;
+            if let Some((pair, r)) = ahead.get_mut(at).and_then(Option::take).filter(|(_, r)| live(r)) {
+                debug_assert!(r.page <= 0xFF && r.position <= u64::from(POSITION_MASK));
+                let tag = tag_of(&r.hash);
+                added += u64::from(self.place(tag, word_of(tag, r.page, r.position), r.vcn, open, pair));
+            }
+            match recs.next() {
+                Some(r) => {
+                    let pair = bucket_pair(buckets, &r.hash);
+                    self.prefetch(pair);
+                    if let Some(a) = ahead.get_mut(at) {
+                        *a = Some((pair, r));
+                    }
+                }
+                None if ahead.iter().all(Option::is_none) => return added,
+                None => {}
+            }
+        }
+    }
 }
 
 impl VolumeIndex {
@@ -161,15 +317,9 @@ impl VolumeIndex {
         (self.words.len() as u64) * 4 + (self.chapters.len() as u64) * 2
     }
 
-    /// Bucket of key `off` of `h`: the key scaled onto `0..buckets` by a multiply and a
-    /// shift (a division would cost tens of cycles per lookup and per rebuilt record).
-    fn bucket_no(&self, h: &[u8; 32], off: usize) -> usize {
-        ((u128::from(bucket_key(h, off)) * self.buckets as u128) >> 64) as usize
-    }
-
-    /// The two bucket numbers of `h` (equal in a one-bucket table, or by chance).
+    /// The two bucket numbers of `h` (see `bucket_pair`).
     fn bucket_pair(&self, h: &[u8; 32]) -> (usize, usize) {
-        (self.bucket_no(h, 0), self.bucket_no(h, 16))
+        bucket_pair(self.buckets, h)
     }
 
     /// The slots of buckets `pair` (the second empty when both are the same).
@@ -185,27 +335,6 @@ impl VolumeIndex {
     /// The two buckets of `h` (the same one twice in a one-bucket table).
     fn buckets_of(&self, h: &[u8; 32]) -> [std::ops::Range<usize>; 2] {
         Self::ranges(self.bucket_pair(h))
-    }
-
-    /// Asks the CPU to bring both buckets of `pair` (their words and chapter numbers)
-    /// towards the core. A hint: it never faults and changes nothing.
-    #[inline]
-    fn prefetch(&self, (a, b): (usize, usize)) {
-        #[cfg(target_arch = "x86_64")]
-        for s in [a * BUCKET_SLOTS, b * BUCKET_SLOTS] {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let w = self.words.as_ptr().wrapping_add(self.words_at + s).cast::<i8>();
-            let c = self.chapters.as_ptr().wrapping_add(self.chapters_at + s).cast::<i8>();
-            // SAFETY: prefetch instructions never fault, whatever the address, and do not
-            // change memory; the pointers are only hints (`wrapping_add` keeps them
-            // defined even out of range).
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(w);
-                _mm_prefetch::<_MM_HINT_T0>(c);
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (a, b);
     }
 
     /// The slots of both buckets of `h`.
@@ -254,88 +383,73 @@ impl VolumeIndex {
     pub fn insert(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64, open: u64) {
         debug_assert!(page <= 0xFF && position <= u64::from(POSITION_MASK) && vcn <= open);
         let pair = self.bucket_pair(h);
-        self.place(tag_of(h), word_of(tag_of(h), page, position), vcn, open, pair);
+        let tag = tag_of(h);
+        if self.slots_mut(..).place(tag, word_of(tag, page, position), vcn, open, pair) {
+            self.entries += 1;
+        }
+    }
+
+    /// The slots of the buckets in `range` (the whole table: `..`), to change them.
+    fn slots_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Slots<'_> {
+        use std::ops::Bound;
+        let first = match range.start_bound() {
+            Bound::Included(&b) => b,
+            Bound::Excluded(&b) => b + 1,
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&b) => b + 1,
+            Bound::Excluded(&b) => b,
+            Bound::Unbounded => self.buckets,
+        };
+        let (w, c) = (self.words_at + first * BUCKET_SLOTS, self.chapters_at + first * BUCKET_SLOTS);
+        let n = end.saturating_sub(first) * BUCKET_SLOTS;
+        Slots {
+            words: self.words.get_mut(w..w + n).unwrap_or_default(),
+            chapters: self.chapters.get_mut(c..c + n).unwrap_or_default(),
+            first,
+        }
     }
 
     /// Inserts records read from the ring by the rebuild, as `insert` would one by one,
     /// leaving out those whose chapter is outside the window of `ring_chapters` chapters
-    /// before `open`. Why a batch: each record lands in two random buckets of a table of
-    /// hundreds of MB, a cache miss each; prefetching the buckets of the record
-    /// `PREFETCH_AHEAD` places ahead lets those misses overlap instead of queueing.
+    /// before `open`. Each record lands in two random buckets of a table of hundreds of
+    /// MB, a cache miss each, so: the buckets of the record `PREFETCH_AHEAD` places ahead
+    /// are prefetched (the misses overlap instead of queueing), and a large batch is
+    /// inserted by two threads, one per half of the table (a fingerprint's two buckets are
+    /// in the same half), which share nothing.
     pub fn insert_rebuilt(&mut self, recs: &[RebuiltRecord], open: u64, ring_chapters: u64) {
-        let live = |r: &RebuiltRecord| r.vcn <= open && open - r.vcn < ring_chapters;
-        let mut ahead = [(0usize, 0usize); PREFETCH_AHEAD];
-        for i in 0..recs.len() + PREFETCH_AHEAD {
-            // The record prefetched `A` rounds ago goes in, then its place in
-            // `ahead` takes the next one's buckets.
-            let slot = i % PREFETCH_AHEAD;
-            if let Some(j) = i.checked_sub(PREFETCH_AHEAD) {
-                if let (Some(r), Some(&pair)) = (recs.get(j).filter(|r| live(r)), ahead.get(slot)) {
-                    debug_assert!(r.page <= 0xFF && r.position <= u64::from(POSITION_MASK));
-                    let tag = tag_of(&r.hash);
-                    self.place(tag, word_of(tag, r.page, r.position), r.vcn, open, pair);
-                }
-            }
-            if let Some(r) = recs.get(i) {
-                let pair = self.bucket_pair(&r.hash);
-                self.prefetch(pair);
-                if let Some(a) = ahead.get_mut(slot) {
-                    *a = pair;
-                }
-            }
-        }
-    }
-
-    /// The words of bucket `b` (all empty for a bucket outside the table, which
-    /// `bucket_no` never returns).
-    fn bucket_words(&self, b: usize) -> [u32; BUCKET_SLOTS] {
-        let first = self.words_at + b * BUCKET_SLOTS;
-        self.words
-            .get(first..first + BUCKET_SLOTS)
-            .and_then(|s| s.try_into().ok())
-            .unwrap_or([0; BUCKET_SLOTS])
-    }
-
-    /// `insert` into buckets `pair` of a fingerprint with tag `tag`. Each bucket's words
-    /// are read once, as one array (compared and counted in vector registers), and the
-    /// chapter numbers only when a tag matches or both buckets are full.
-    fn place(&mut self, tag: u32, word: u32, vcn: u64, open: u64, (pa, pb): (usize, usize)) {
-        let new_age = age(open, vcn as u16);
-        let (wa, wb) = (self.bucket_words(pa), self.bucket_words(pb));
-        // One bucket twice (a one-bucket table, or chance) is looked at once.
-        let both = [(pa, wa), (pb, wb)];
-        let buckets = both.get(..if pa == pb { 1 } else { 2 }).unwrap_or_default();
-        for (b, w) in buckets {
-            if let Some(k) = w.iter().position(|&x| x >> TAG_SHIFT == tag) {
-                // The same fingerprint (or a 24-bit collision): the newer record wins.
-                let i = b * BUCKET_SLOTS + k;
-                if age(open, self.slot(i).1) >= new_age {
-                    self.set(i, word, vcn as u16);
-                }
-                return;
-            }
-        }
-        // No slot of its own yet: an empty slot of the emptier bucket.
-        let free = |w: &[u32; BUCKET_SLOTS]| w.iter().filter(|&&x| x == 0).count();
-        let emptier = buckets.iter().rev().max_by_key(|(_, w)| free(w));
-        if let Some((b, k)) = emptier.and_then(|(b, w)| Some((b, w.iter().position(|&x| x == 0)?))) {
-            self.entries += 1;
-            self.set(b * BUCKET_SLOTS + k, word, vcn as u16);
+        let buckets = self.buckets;
+        let half = buckets / 2;
+        let upper = |r: &&RebuiltRecord| bucket_pair(buckets, &r.hash).0 >= half;
+        if recs.len() < PARALLEL_RECORDS_MIN || half == 0 {
+            self.entries += self.slots_mut(..).insert_all(buckets, recs.iter(), open, ring_chapters);
             return;
         }
-        let [ra, rb] = Self::ranges((pa, pb));
-        let mut victim = None;
-        let mut victim_age = 0;
-        for i in ra.chain(rb) {
-            let a = age(open, self.slot(i).1);
-            if victim.is_none() || a > victim_age {
-                (victim, victim_age) = (Some(i), a);
+        let (mut low, mut high) = {
+            let Slots { words, chapters, first } = self.slots_mut(..);
+            let (w0, w1) = words.split_at_mut((half * BUCKET_SLOTS).min(words.len()));
+            let (c0, c1) = chapters.split_at_mut((half * BUCKET_SLOTS).min(chapters.len()));
+            (Slots { words: w0, chapters: c0, first }, Slots { words: w1, chapters: c1, first: first + half })
+        };
+        let mut alone = false;
+        let added = std::thread::scope(|sc| {
+            let high = &mut high;
+            let helper = std::thread::Builder::new()
+                .name("dedupvol-index-insert".into())
+                .spawn_scoped(sc, move || high.insert_all(buckets, recs.iter().filter(upper), open, ring_chapters));
+            let added = low.insert_all(buckets, recs.iter().filter(|r| !upper(r)), open, ring_chapters);
+            match helper {
+                Ok(h) => added + h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                Err(_) => {
+                    // No thread: this one does the upper half too, once the scope ends.
+                    alone = true;
+                    added
+                }
             }
-        }
-        // Both buckets full: the oldest slot goes (dead ones are older than any live one).
-        if let Some(i) = victim.filter(|_| victim_age >= new_age) {
-            self.set(i, word, vcn as u16);
-        }
+        });
+        let added = added + if alone { high.insert_all(buckets, recs.iter().filter(upper), open, ring_chapters) } else { 0 };
+        self.entries += added;
     }
 
     /// Forgets `h` if it points at page `page` of chapter `vcn`.
@@ -459,10 +573,12 @@ mod tests {
             let mut t = VolumeIndex::try_new(memory, true).expect("table");
             t.wait_prefault();
             let cpu = || {
-                let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-                // SAFETY: clock_gettime writes only the timespec it is given.
-                unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-                ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+                // SAFETY: getrusage writes only the struct it is given, zeroed beforehand.
+                let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+                let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+                t(u.ru_utime) + t(u.ru_stime)
             };
             let (start, cpu0) = (std::time::Instant::now(), cpu());
             for c in recs.chunks(8192) {
@@ -478,7 +594,7 @@ mod tests {
             let thp = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
             let thp = thp.lines().find(|l| l.starts_with("AnonHugePages")).unwrap_or("").to_string();
             println!(
-                "{}: {} entries in {:.3} s of CPU ({wall:.3} s), {:.1} ns per record = {:.0} MB/s of chapters ({thp})",
+                "{}: {} entries in {:.3} s of the process's CPU ({wall:.3} s), {:.1} ns per record = {:.0} MB/s of chapters ({thp})",
                 if batched { "batch" } else { "one by one" },
                 t.len(),
                 s,
