@@ -8,8 +8,10 @@
 //!    a time): reads the window's chapters in ring order, oldest first, in sequential
 //!    reads of `READ_BYTES`, checks and decodes the pages holding no lock, then inserts
 //!    their records (the hooks in sparse mode) into the volume index under the table's
-//!    own lock, `INSERT_BATCH` at a time. Writers keep running meanwhile: a chapter not
-//!    rebuilt yet only misses duplicates.
+//!    own lock, `INSERT_BATCH` at a time (`VolumeIndex::insert_rebuilt`: prefetched, on
+//!    two threads). On its own thread it reads the next run on a helper thread while it
+//!    inserts one. Writers keep running meanwhile: a chapter not rebuilt yet only misses
+//!    duplicates.
 //!
 //! Invariants:
 //! - Nothing read here is trusted: a page is used only if it checks (magic, crc, volume,
@@ -21,8 +23,11 @@
 //! - A record newer than the rebuilt one (made by this session) is never replaced by it
 //!   (the volume index keeps the newer of two records), and a chapter that left the
 //!   window while the rebuild ran is not inserted.
-//! - Bounded: one read buffer of `READ_BYTES` and the decoded records of one read; a stop
-//!   request ends the rebuild at the next step (close, or the volume dropped).
+//! - Bounded: two read buffers of `READ_BYTES` (one, stepped by hand) and the decoded
+//!   records of one read, returned to the system at the end; a stop request ends the
+//!   rebuild at the next step (close, or the volume dropped).
+//! - A run read ahead is used only by the step that would read the same chapters; its
+//!   pages pass the same checks when they are decoded, whenever they were read.
 
 use super::chapter::{page_records, RingLayout, RECORDS_PER_PAGE};
 use super::index::{is_hook, Shared};
