@@ -464,8 +464,9 @@ mod tests {
     /// read rate beside the device's own sequential read rate, and the RSS per indexed
     /// block. Run with `cargo test --release -p dedupvol-core measure_open_and_rebuild --
     /// --ignored --nocapture`; `DEDUPVOL_MEASURE_DIR` (default /tmp) holds the sparse
-    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window, and
-    /// `DEDUPVOL_MEASURE_MODE` dense or sparse.
+    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window,
+    /// `DEDUPVOL_MEASURE_MODE` dense or sparse, and `DEDUPVOL_MEASURE_SMAPS` (set) lists
+    /// the mappings holding 2 MiB of RSS or more before the open and after the rebuild.
     #[test]
     #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
     fn measure_open_and_rebuild() {
