@@ -8,6 +8,7 @@
 # kept as OUTDIR/{base,new}-runN.txt; the summary table (engine figure of every run, the
 # no-reduction volume's range, the disk figure) is printed and saved as OUTDIR/summary.txt.
 # Scratch volumes go to OUTDIR/scratch (a few GiB while a run lasts; removed after each run).
+# AB_FILE=PATH adds the real-file scenario (`--file`, e.g. a kernel source tar).
 set -euo pipefail
 
 usage() { echo "usage: $0 BASE_BIN NEW_BIN [ROUNDS [OUTDIR]]" >&2; exit 2; }
@@ -35,6 +36,8 @@ if ((avail_kib < 8 * 1024 * 1024)); then
 fi
 
 here=$(dirname "$(realpath "$0")")
+file_args=()
+[[ -n "${AB_FILE:-}" ]] && file_args=(--file "$(realpath "$AB_FILE")")
 {
   echo "base: $base_bin ($(sha256sum "$base_bin" | cut -c1-16))"
   echo "new:  $new_bin ($(sha256sum "$new_bin" | cut -c1-16))"
@@ -48,7 +51,7 @@ for ((r = 1; r <= rounds; r++)); do
     rm -rf "$scratch"; mkdir -p "$scratch"
     echo "ab-targets: round $r/$rounds, $side -> $out" >&2
     start=$(date +%s)
-    if ! "$bin" bench --mode targets --dir "$scratch" >"$out" 2>"$outdir/$side-run$r.err"; then
+    if ! "$bin" bench --mode targets --dir "$scratch" "${file_args[@]}" >"$out" 2>"$outdir/$side-run$r.err"; then
       echo "ab-targets: $side run $r failed; see $outdir/$side-run$r.err" >&2
       exit 1
     fi

@@ -75,7 +75,7 @@ pub struct FormatArgs {
     #[arg(long, default_value = "on")]
     dedup: String,
     /// Upper bound on the in-memory fingerprint index (6 bytes per indexed block in dense
-    /// mode, per 32 blocks in sparse mode, at 90% load). Without --dedup-window it also
+    /// mode, per 16 blocks in sparse mode, at 90% load). Without --dedup-window it also
     /// sets the window: as much data as this memory indexes, at most the data device.
     #[arg(long, value_parser = size, default_value = "64M")]
     index_memory: u64,
@@ -83,8 +83,8 @@ pub struct FormatArgs {
     /// on the metadata device (about 1% of the window), the oldest dropped as it wraps.
     #[arg(long, value_parser = size)]
     dedup_window: Option<u64>,
-    /// In-memory index: dense (every fingerprint) or sparse (1 in 32, as hooks that load
-    /// their chapter; a 32x larger window per byte of memory).
+    /// In-memory index: dense (every fingerprint) or sparse (1 in 16, as hooks that load
+    /// their chapter; a 16x larger window per byte of memory).
     #[arg(long, default_value = "dense")]
     index: String,
     /// sync: durable before acknowledgement; async: durable at flush/FUA.

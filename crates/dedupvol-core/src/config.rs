@@ -187,8 +187,8 @@ impl std::fmt::Display for DedupVerify {
 pub enum IndexMode {
     /// Every fingerprint of the window is in the in-memory volume index (6 bytes a slot).
     Dense,
-    /// Only sampled "hook" fingerprints (1 in 32) are in memory; a hook that hits loads
-    /// its whole chapter, so the blocks written with it dedup too. A window 32 times as
+    /// Only sampled "hook" fingerprints (1 in 16) are in memory; a hook that hits loads
+    /// its whole chapter, so the blocks written with it dedup too. A window 16 times as
     /// large for the same memory, at the cost of duplicates with no hook nearby.
     Sparse,
 }

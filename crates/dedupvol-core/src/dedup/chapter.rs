@@ -95,7 +95,7 @@ impl RingLayout {
 
     /// Smallest chapter for `mode`, in pages. Sparse mode finds a chapter through its
     /// first hook, one block in `SPARSE_SAMPLE` on average: the blocks before it are lost
-    /// to dedup, so its chapters are large (20 pages: about 63 hooks each).
+    /// to dedup, so its chapters are large (20 pages: about 126 hooks each).
     fn pages_min(mode: IndexMode) -> u64 {
         match mode {
             IndexMode::Dense => 1,

@@ -8,8 +8,10 @@
 //!    a time): reads the window's chapters in ring order, oldest first, in sequential
 //!    reads of `READ_BYTES`, checks and decodes the pages holding no lock, then inserts
 //!    their records (the hooks in sparse mode) into the volume index under the table's
-//!    own lock, `INSERT_BATCH` at a time. Writers keep running meanwhile: a chapter not
-//!    rebuilt yet only misses duplicates.
+//!    own lock, `INSERT_BATCH` at a time (`VolumeIndex::insert_rebuilt`: prefetched, on
+//!    two threads). On its own thread it reads the next run on a helper thread while it
+//!    inserts one. Writers keep running meanwhile: a chapter not rebuilt yet only misses
+//!    duplicates.
 //!
 //! Invariants:
 //! - Nothing read here is trusted: a page is used only if it checks (magic, crc, volume,
@@ -21,11 +23,15 @@
 //! - A record newer than the rebuilt one (made by this session) is never replaced by it
 //!   (the volume index keeps the newer of two records), and a chapter that left the
 //!   window while the rebuild ran is not inserted.
-//! - Bounded: one read buffer of `READ_BYTES` and the decoded records of one read; a stop
-//!   request ends the rebuild at the next step (close, or the volume dropped).
+//! - Bounded: two read buffers of `READ_BYTES` (one, stepped by hand) and the decoded
+//!   records of one read, returned to the system at the end; a stop request ends the
+//!   rebuild at the next step (close, or the volume dropped).
+//! - A run read ahead is used only by the step that would read the same chapters; its
+//!   pages pass the same checks when they are decoded, whenever they were read.
 
 use super::chapter::{page_records, RingLayout, RECORDS_PER_PAGE};
 use super::index::{is_hook, Shared};
+use super::volume_index::RebuiltRecord;
 use crate::config::{IndexMode, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::io::aligned::AlignedBuf;
 use crate::io::{Dev, IoKind};
@@ -35,7 +41,7 @@ use std::sync::Arc;
 /// Largest read of the rebuild (whole chapters, in ring order).
 pub const READ_BYTES: u64 = 16 << 20;
 /// Records inserted per hold of the volume index's lock.
-const INSERT_BATCH: usize = 8192;
+const INSERT_BATCH: usize = 16384;
 /// Neighbouring slots probed when a chapter slot's first page does not check.
 const PROBE_SPAN: u64 = 8;
 
@@ -129,7 +135,14 @@ pub struct Rebuilder {
     next_vcn: u64,
     shared: Arc<Shared>,
     buf: Option<AlignedBuf>,
-    recs: Vec<([u8; 32], u64, u64, u64)>,
+    /// The second buffer, which a helper thread reads the next run into (`read_ahead`).
+    spare: Option<AlignedBuf>,
+    /// The run of chapters `buf` already holds (first chapter, chapters, read without
+    /// error), read during the previous step.
+    ahead: Option<(u64, u64, bool)>,
+    /// Read the next run while inserting this one (a background rebuild).
+    read_ahead: bool,
+    recs: Vec<RebuiltRecord>,
     started: std::time::Instant,
 }
 
@@ -158,6 +171,9 @@ impl Rebuilder {
             next_vcn: first,
             shared,
             buf: None,
+            spare: None,
+            ahead: None,
+            read_ahead: false,
             recs: Vec::new(),
             started: std::time::Instant::now(),
         }
@@ -189,16 +205,12 @@ impl Rebuilder {
             self.finish();
             return false;
         }
-        // A run of chapters in consecutive slots (it ends where the ring wraps).
         let v0 = self.next_vcn;
-        let slot0 = v0 % ring.chapters;
-        let n = per_read.min(self.newest + 1 - v0).min(ring.chapters - slot0);
+        let n = self.run_from(v0);
         let len = (n * chapter_bytes) as usize;
-        if self.buf.is_none() {
-            // One buffer for every step: a whole read, or less when a chapter is larger.
-            self.buf = AlignedBuf::new((per_read * chapter_bytes) as usize);
-        }
-        let Some(chunk) = self.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..len)) else {
+        let cap = (per_read * chapter_bytes) as usize;
+        // One buffer for every step: a whole read, or less when a chapter is larger.
+        let Some(mut cur) = self.buf.take().or_else(|| AlignedBuf::new(cap)) else {
             // No memory for the read buffer: the rebuild ends (dedup lost, nothing else).
             self.shared.stop.store(true, Ordering::Relaxed);
             self.finish();
@@ -206,11 +218,62 @@ impl Rebuilder {
         };
         self.next_vcn += n;
         p.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
-        if self.meta.read(IoKind::Index, chunk, ring.page_offset(v0, 0)).is_err() {
-            p.pages_skipped.fetch_add(n * ring.pages_per_chapter, Ordering::Relaxed);
-            p.chapters_done.fetch_add(n, Ordering::Relaxed);
-            return true;
+        // The run was read ahead during the last step, or is read now.
+        let read_ok = match self.ahead.take() {
+            Some((v, m, ok)) if v == v0 && m == n => ok,
+            _ => cur
+                .as_mut_slice()
+                .get_mut(..len)
+                .is_some_and(|chunk| self.meta.read(IoKind::Index, chunk, ring.page_offset(v0, 0)).is_ok()),
+        };
+        // The next run is read by a helper thread while this one is inserted.
+        let next = (self.read_ahead && self.next_vcn <= self.newest).then(|| (self.next_vcn, self.run_from(self.next_vcn)));
+        let mut spare = next.and_then(|_| self.spare.take().or_else(|| AlignedBuf::new(cap)));
+        let meta = self.meta.clone();
+        let next_ok = std::thread::scope(|sc| {
+            let reader = next.zip(spare.as_mut()).and_then(|((v1, n1), b)| {
+                let chunk = b.as_mut_slice().get_mut(..(n1 * chapter_bytes) as usize)?;
+                let read = move || meta.read(IoKind::Index, chunk, ring.page_offset(v1, 0)).is_ok();
+                // No thread: the next step reads the run itself.
+                std::thread::Builder::new().name("dedupvol-index-read".into()).spawn_scoped(sc, read).ok()
+            });
+            match cur.as_mut_slice().get(..len).filter(|_| read_ok) {
+                Some(chunk) => self.insert_run(chunk, v0),
+                None => {
+                    self.shared.progress.pages_skipped.fetch_add(n * ring.pages_per_chapter, Ordering::Relaxed);
+                }
+            }
+            reader.map(|r| r.join().is_ok_and(|ok| ok))
+        });
+        match (next, next_ok, spare) {
+            (Some((v1, n1)), Some(ok), Some(b)) => {
+                self.ahead = Some((v1, n1, ok));
+                self.buf = Some(b);
+                self.spare = Some(cur);
+            }
+            (_, _, spare) => {
+                self.buf = Some(cur);
+                self.spare = spare;
+            }
         }
+        let p = &self.shared.progress;
+        p.chapters_done.fetch_add(n, Ordering::Relaxed);
+        p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        true
+    }
+
+    /// Chapters of the run starting at `v0`: at most a read's worth, up to the newest
+    /// chapter and to the end of the ring (a run is in consecutive slots).
+    fn run_from(&self, v0: u64) -> u64 {
+        let per_read = (READ_BYTES / (self.ring.pages_per_chapter * BLOCK_SIZE_U64)).max(1);
+        per_read.min(self.newest + 1 - v0).min(self.ring.chapters - v0 % self.ring.chapters)
+    }
+
+    /// Checks and decodes the pages of the run of chapters from `v0` in `chunk` holding
+    /// no lock, then inserts their records (the hooks, sparse) into the volume index.
+    fn insert_run(&mut self, chunk: &[u8], v0: u64) {
+        let ring = self.ring;
+        let chapter_bytes = ring.pages_per_chapter * BLOCK_SIZE_U64;
         // Decoded holding no lock: (fingerprint, chapter, page, position), into one buffer
         // for the whole rebuild (freed at its end: a fresh one per step would leave the
         // allocator holding tens of MiB).
@@ -230,28 +293,22 @@ impl Rebuilder {
                 for (at, hash) in it.enumerate() {
                     records += 1;
                     if self.mode == IndexMode::Dense || is_hook(hash) {
-                        recs.push((*hash, vcn, i as u64, at as u64));
+                        recs.push(RebuiltRecord { hash: *hash, vcn, page: i as u64, position: at as u64 });
                     }
                 }
             }
         }
-        debug_assert!(recs.len() as u64 <= n * ring.pages_per_chapter * RECORDS_PER_PAGE as u64);
+        debug_assert!(recs.len() as u64 <= chunk.len() as u64 / BLOCK_SIZE_U64 * RECORDS_PER_PAGE as u64);
         for batch in recs.chunks(INSERT_BATCH) {
             let mut t = self.shared.table.lock();
-            let open = self.shared.open_vcn.load(Ordering::Acquire);
-            for (h, vcn, page, at) in batch {
-                // Left the window meanwhile: its slot would be dead on arrival.
-                if open - vcn < ring.chapters {
-                    t.insert(h, *vcn, *page, *at, open);
-                }
-            }
+            // A chapter that left the window meanwhile is left out (its slots would be dead
+            // on arrival).
+            t.insert_rebuilt(batch, self.shared.open_vcn.load(Ordering::Acquire), ring.chapters);
         }
         self.recs = recs;
+        let p = &self.shared.progress;
         p.records.fetch_add(records, Ordering::Relaxed);
         p.pages_skipped.fetch_add(skipped_pages, Ordering::Relaxed);
-        p.chapters_done.fetch_add(n, Ordering::Relaxed);
-        p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
-        true
     }
 
     fn finish(&mut self) {
@@ -259,8 +316,22 @@ impl Rebuilder {
         if p.running.swap(false, Ordering::Relaxed) {
             p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
-        self.buf = None;
+        let held = self.buf.take().is_some() | self.spare.take().is_some() | (self.recs.capacity() > 0);
+        self.ahead = None;
         self.recs = Vec::new();
+        // Tens of MiB were just freed (the read buffers and the decoded records); glibc
+        // keeps freed heap memory of a thread's arena unless asked, and after the first
+        // rebuild of a large window the rebuild buffers come from the heap (its mmap
+        // threshold grows as mapped blocks are freed).
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        if held {
+            // SAFETY: malloc_trim only returns free heap memory to the kernel.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        let _ = held;
     }
 }
 
@@ -275,6 +346,8 @@ impl RebuildThread {
     /// (the caller then runs it itself).
     pub fn start(mut r: Rebuilder) -> Result<Self, Box<Rebuilder>> {
         let shared = r.shared.clone();
+        // On its own thread the rebuild can afford a second buffer and a reader beside it.
+        r.read_ahead = true;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Rebuilder>(1);
         let spawned = std::thread::Builder::new().name("dedupvol-index-rebuild".into()).spawn(move || {
             let Ok(mut r) = rx.recv() else { return };
@@ -327,13 +400,50 @@ mod tests {
     use crate::volume::Volume;
     use std::time::Instant;
 
+    /// CPU time of the whole process, in seconds.
+    fn cpu_seconds() -> f64 {
+        // SAFETY: getrusage writes only the struct it is given, zeroed beforehand.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+        let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+        t(u.ru_utime) + t(u.ru_stime)
+    }
+
+    /// RSS of the process, after returning the heap's free memory to the kernel (so
+    /// that memory freed before a measurement is not counted in it).
     fn rss_bytes() -> u64 {
+        // SAFETY: malloc_trim only returns free heap memory to the kernel.
+        unsafe {
+            libc::malloc_trim(0);
+        }
         let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         s.lines()
             .find(|l| l.starts_with("VmRSS:"))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|k| k.parse::<u64>().ok())
             .map_or(0, |k| k << 10)
+    }
+
+    /// The mappings holding at least 2 MiB of RSS (start address, size, RSS, name).
+    fn big_mappings() -> Vec<(String, u64, u64, String)> {
+        let s = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+        let mut out = Vec::new();
+        let mut cur: Option<(String, u64, String)> = None;
+        for l in s.lines() {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.first().is_some_and(|a| a.contains('-') && !a.ends_with(':')) {
+                let (a, b) = f[0].split_once('-').unwrap_or(("0", "0"));
+                let size = u64::from_str_radix(b, 16).unwrap_or(0) - u64::from_str_radix(a, 16).unwrap_or(0);
+                cur = Some((a.to_string(), size, f.get(5).unwrap_or(&"").to_string()));
+            } else if f.first() == Some(&"Rss:") {
+                let kb: u64 = f.get(1).and_then(|k| k.parse().ok()).unwrap_or(0);
+                if let Some((a, size, name)) = cur.take().filter(|_| kb >= 2048) {
+                    out.push((a, size >> 20, kb >> 10, name));
+                }
+            }
+        }
+        out
     }
 
     /// A fingerprint for record `i` (distinct, spread like BLAKE3 output).
@@ -354,8 +464,9 @@ mod tests {
     /// read rate beside the device's own sequential read rate, and the RSS per indexed
     /// block. Run with `cargo test --release -p dedupvol-core measure_open_and_rebuild --
     /// --ignored --nocapture`; `DEDUPVOL_MEASURE_DIR` (default /tmp) holds the sparse
-    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window, and
-    /// `DEDUPVOL_MEASURE_MODE` dense or sparse.
+    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window,
+    /// `DEDUPVOL_MEASURE_MODE` dense or sparse, and `DEDUPVOL_MEASURE_SMAPS` (set) lists
+    /// the mappings holding 2 MiB of RSS or more before the open and after the rebuild.
     #[test]
     #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
     fn measure_open_and_rebuild() {
@@ -439,31 +550,54 @@ mod tests {
         println!("device sequential read over the ring: {dev_rate:.0} MB/s");
         drop((file, dev));
         // What the volume costs without its index: opened with the smallest volume index
-        // and no rebuild.
-        let rss_before = rss_bytes();
+        // and no rebuild, given the same 1 MiB write as the measured open below (the
+        // write path's buffers and compression contexts), twice, measuring the second
+        // open. Why twice: glibc raises its
+        // mmap threshold when a mapped block of at most 32 MiB is freed (the first close
+        // frees the refcount and reuse-stamp tables), so from then on those tables come
+        // from the heap, where `calloc` zeroes them and they count in RSS at once; the
+        // measured open below is in that state too.
         let control = OpenOptions {
             index_rebuild: IndexRebuild::Manual,
             index_memory_bytes: Some(64 << 10),
             ..OpenOptions::default()
         };
-        let v = Volume::open_path(&path, None, &control).expect("open");
-        v.wait_ready();
-        let rss_without_index = rss_bytes().saturating_sub(rss_before);
-        v.close().expect("close");
+        let data = crate::codec::test_random_bytes(9, 1 << 20);
+        let mut rss_without_index = 0;
+        for _ in 0..2 {
+            let rss_before = rss_bytes();
+            let v = Volume::open_path(&path, None, &control).expect("open");
+            v.wait_ready();
+            v.write(0, &data, false).expect("write");
+            v.flush().expect("flush");
+            rss_without_index = rss_bytes().saturating_sub(rss_before);
+            v.close().expect("close");
+        }
         let rss0 = rss_bytes();
+        if std::env::var("DEDUPVOL_MEASURE_SMAPS").is_ok() {
+            for (a, size, rss, name) in big_mappings() {
+                println!("before open: mapping {a}: {size} MiB, RSS {rss} MiB {name}");
+            }
+        }
         let opts = OpenOptions { index_rebuild: IndexRebuild::Background, ..OpenOptions::default() };
         let t = Instant::now();
         let vol = Volume::open_path(&path, None, &opts).expect("open");
         let open_s = t.elapsed().as_secs_f64();
-        let data = crate::codec::test_random_bytes(9, 1 << 20);
         vol.write(0, &data, false).expect("write");
         vol.flush().expect("flush");
         let first_write_s = t.elapsed().as_secs_f64();
         let s0 = vol.stats().index;
+        let cpu0 = cpu_seconds();
         vol.wait_index_rebuilt();
+        let rebuild_cpu_s = cpu_seconds() - cpu0;
         let total_s = t.elapsed().as_secs_f64();
         let s = vol.stats();
         let rss1 = rss_bytes();
+        if std::env::var("DEDUPVOL_MEASURE_SMAPS").is_ok() {
+            for (a, size, rss, name) in big_mappings() {
+                println!("mapping {a}: {size} MiB, RSS {rss} MiB {name}");
+            }
+        }
         let rate = s.index.rebuild_bytes as f64 / (s.index.rebuild_millis.max(1) as f64 / 1e3) / 1e6;
         println!(
             "open returned after {open_s:.3} s ({} probe reads, {} ms); first 1 MiB write + flush done at {first_write_s:.3} s, rebuild then {}/{} chapters",
@@ -475,6 +609,11 @@ mod tests {
             s.index.rebuild_bytes >> 20,
             s.index.rebuild_millis,
             rate * 100.0 / dev_rate
+        );
+        println!(
+            "rebuild CPU time (the process's, from the first write's end to the rebuild's): {rebuild_cpu_s:.2} s = {:.0} MB/s of chapters per CPU second, {:.0} ns per record",
+            s.index.rebuild_bytes as f64 / rebuild_cpu_s / 1e6,
+            rebuild_cpu_s * 1e9 / s.index.rebuild_records.max(1) as f64
         );
         println!(
             "volume index: {} entries, {} bytes ({:.2} B/entry); RSS {} MiB → {} MiB, of which {} MiB without the index: {:.2} bytes of RSS per indexed 4 KiB block ({} GiB of window)",

@@ -67,6 +67,14 @@ pub(crate) fn find_candidates(
             }
         }
     }
+    // A whole chapter read for a sparse hook holds the records written together with the
+    // hook's block: every chunk of the batch still without a candidate is worth asking
+    // again, not only the hooks (a short duplicate run would keep its hook alone).
+    if only.is_none() && fetches.iter().any(|f| f.page.is_none()) {
+        again = (0..plans.len())
+            .filter(|&i| matches!(plans.get(i), Some(Plan::Data(d)) if d.hashed && d.cand.loc.is_none()))
+            .collect();
+    }
     (fetches, again)
 }
 

@@ -1,12 +1,14 @@
 #!/bin/sh
 # Dedup kept by a sparse index against a dense one, on `gen --preset vdi` data and on a
-# pair of Linux source tars (6.1 then 6.12). Usage: sparse_dense.sh DIR TAR1 TAR2
+# pair of Linux source tars (imported one after the other, the second at offset 2 GiB).
+# Usage: sparse_dense.sh DIR TAR1 TAR2; SETS="tars" leaves the VDI data out.
 set -eu
 D=${DEDUPVOL:-target/release/dedupvol}
 dir=$1; tar1=$2; tar2=$3
-[ -f "$dir/vdi.bin" ] || $D gen --preset vdi --size 2G -o "$dir/vdi.bin" > /dev/null
+sets=${SETS:-vdi tars}
+case "$sets" in *vdi*) [ -f "$dir/vdi.bin" ] || $D gen --preset vdi --size 2G -o "$dir/vdi.bin" > /dev/null ;; esac
 for mode in dense sparse; do
-  for set in vdi tars; do
+  for set in $sets; do
     v="$dir/sd-$mode-$set.img"
     $D format "$v" --logical-size 8G --physical-size 8G --index "$mode" --dedup-window 8G --force > /dev/null
     if [ $set = vdi ]; then
