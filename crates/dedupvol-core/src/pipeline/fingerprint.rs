@@ -38,6 +38,9 @@ pub(crate) fn fingerprint(
                 crc: crc32c::crc32c(c),
                 cand: Candidate::default(),
                 frag: None,
+                unit: None,
+                incompressible: false,
+                batch_dup: false,
                 raw: None,
             });
         }
