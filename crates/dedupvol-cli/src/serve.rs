@@ -156,7 +156,15 @@ struct Served {
     spec: ExportSpec,
     volume: Option<Arc<Volume>>,
     export: Export,
+    /// The volume's cleaner thread (read-write volumes), stopped before the close.
+    cleaner: Option<dedupvol_core::Cleaner>,
 }
+
+/// How often a served volume's cleaner looks at its dead-space hint, and the hint that
+/// starts a pass.
+const CLEANER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+/// See `CLEANER_INTERVAL`.
+const CLEANER_TRIGGER_BYTES: u64 = 16 << 20;
 
 impl ServeCommand {
     pub fn run(self) -> anyhow::Result<ExitCode> {
@@ -302,7 +310,15 @@ impl ServeCommand {
                         (Some(v.clone()), v)
                     }
                 };
-                served.push(Served { spec: spec.clone(), volume, export: Export::new(config, backend) });
+                let cleaner = volume.as_ref().filter(|v| !v.is_read_only()).and_then(|v| {
+                    dedupvol_core::Cleaner::spawn(
+                        v,
+                        CLEANER_INTERVAL,
+                        CLEANER_TRIGGER_BYTES,
+                        dedupvol_core::CleanOptions::default(),
+                    )
+                });
+                served.push(Served { spec: spec.clone(), volume, export: Export::new(config, backend), cleaner });
             }
             Ok(())
         })();
@@ -321,6 +337,7 @@ impl ServeCommand {
         let mut woj_lines = Vec::new();
         for s in served {
             drop(s.export);
+            drop(s.cleaner);
             if let Some(v) = s.volume {
                 let r = match Arc::try_unwrap(v) {
                     Ok(v) => {

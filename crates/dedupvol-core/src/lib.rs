@@ -56,6 +56,7 @@ pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings,
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
+pub use volume::cleaner::{CleanOptions, CleanReport, Cleaner};
 pub use volume::grow::{resize_closed, resize_path, GrowReport};
 pub use volume::Volume;
 pub use woj::{JournalRange, WojMode, WojStats};
@@ -70,17 +71,34 @@ pub fn fragment_size(codec: Compression, level: i8, block: &[u8]) -> Option<usiz
     data::packer::compress(codec, level, block).map(|f| f.len())
 }
 
+/// The size of the fragment the engine would store for whole 4 KiB blocks written
+/// together as one extent (`blocks`, 2 to 16 of them), or None when it would not store
+/// them as one: for estimators.
+pub fn extent_size(codec: Compression, level: i8, blocks: &[u8]) -> Option<usize> {
+    let n = blocks.len() / BLOCK_SIZE;
+    if n < 2 || n > usize::from(metadata::block_map::UNIT_BLOCKS_MAX) || !blocks.len().is_multiple_of(BLOCK_SIZE) {
+        return None;
+    }
+    data::packer::compress_probed(codec, level, blocks, false).map(|f| f.len())
+}
+
+/// True when the write path's probe takes the 4 KiB `block` for incompressible: it is
+/// then stored raw and never joins an extent. For estimators.
+pub fn incompressible(codec: Compression, block: &[u8]) -> bool {
+    codec == Compression::None || data::packer::incompressible(block)
+}
+
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.
 pub mod format {
-    pub use crate::data::packer::{OPEN_BLOCKS_MAX, PACKED_HEADER_BYTES};
+    pub use crate::data::packer::RUN_BLOCKS_MAX;
     pub use crate::dedup::chapter::{
         CHAPTER_MAGIC, CHAPTER_PAGES_MAX, CHAPTER_PAGE_HEADER_BYTES, RECORDS_PER_PAGE, RECORD_BYTES, RING_CHAPTERS_MAX,
     };
     pub use crate::dedup::index::SPARSE_SAMPLE;
     pub use crate::dedup::volume_index::SLOT_BYTES as INDEX_SLOT_BYTES;
     pub use crate::io::RADOS_OBJECT_BYTES;
-    pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
+    pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PAGE_HEADER_BYTES, UNIT_BLOCKS_MAX};
     pub use crate::metadata::journal::{
         JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,
     };

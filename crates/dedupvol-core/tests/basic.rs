@@ -67,14 +67,15 @@ fn fingerprint_index_survives_a_clean_close_in_both_verification_modes() {
 
 #[test]
 fn a_block_at_the_reference_cap_gets_a_new_copy() {
-    let (dev, vol) = mem_volume(32 << 20, 8 << 20, |_| {});
+    let (dev, vol) = mem_volume(64 << 20, 48 << 20, |_| {});
     let b = block(9, 1);
-    for lba in 0..600u64 {
+    let n = 2 * u64::from(dedupvol_core::format::REFCOUNT_MAX) + 1000;
+    for lba in 0..n {
         vol.write(lba * 4096, &b, false).expect("w");
     }
     let s = vol.stats();
     assert!(s.counters.refcount_cap_copies >= 2, "{:?}", s.counters);
-    assert_eq!(s.data_blocks_used, 3, "600 references need 3 copies at a cap of 254");
+    assert_eq!(s.data_blocks_used, 3, "{n} references need 3 copies at the cap");
     vol.close().expect("close");
     let rep = dedupvol_core::check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
     assert!(rep.is_clean(), "{rep:?}");

@@ -20,7 +20,7 @@ const PAGE_CRC_OFFSET: usize = 4;
 /// Offset of the crc field of a journal block (docs/format.md, "Journal").
 const JOURNAL_CRC_OFFSET: usize = 8;
 /// A map entry state no version of the format has defined.
-const UNKNOWN_STATE: u8 = 3;
+const UNKNOWN_STATE: u8 = 7;
 /// The logical block the tests write and damage.
 const LBA: u64 = 5;
 
@@ -78,7 +78,7 @@ fn a_block_map_page_with_an_unknown_entry_state_is_corruption_of_that_page() {
     let mut out = vec![0u8; BLOCK];
     let c = corruption(vol.read(LBA * BLOCK as u64, &mut out));
     assert_eq!((c.structure, c.address), ("block map page", 0), "{c}");
-    assert!(c.found.contains(&format!("logical block {LBA}")) && c.found.contains("state 3"), "{c}");
+    assert!(c.found.contains(&format!("logical block {LBA}")) && c.found.contains("state 7"), "{c}");
     // A neighbour on the same page decodes: the error is about one entry, not the page.
     vol.read(0, &mut out).expect("lba 0 on the same page");
     assert_eq!(out, vec![0u8; BLOCK]);
@@ -113,7 +113,7 @@ fn a_journal_block_with_an_unknown_entry_state_is_corruption_of_that_block() {
             continue;
         }
         let block_seq = u64::from_le_bytes(b[32..40].try_into().expect("8"));
-        // Entry 0's new mapping: lba (8 bytes), then the 10-byte entry whose byte 5 is the state.
+        // Entry 0's new mapping: lba (8 bytes), then the 16-byte entry whose byte 5 is the state.
         b[JOURNAL_HEADER_BYTES + 8 + 5] = UNKNOWN_STATE;
         reseal_and_write(&dev, at, b, JOURNAL_CRC_OFFSET);
         damaged = Some(block_seq);
@@ -124,7 +124,7 @@ fn a_journal_block_with_an_unknown_entry_state_is_corruption_of_that_block() {
 
     let c = corruption(Volume::open(dev.clone() as Arc<dyn Storage>, None, &small_open()));
     assert_eq!((c.structure, c.address), ("journal block", block_seq), "{c}");
-    assert!(c.found.contains("entry 0 (new mapping)") && c.found.contains("state 3"), "{c}");
+    assert!(c.found.contains("entry 0 (new mapping)") && c.found.contains("state 7"), "{c}");
     let text = Error::Corruption(c).to_string();
     assert!(text.contains("corruption detected") && text.contains("journal block"), "{text}");
 }

@@ -30,18 +30,19 @@ fn reopen(dev: &Arc<MemStorage>) -> Volume {
 
 #[test]
 fn many_copies_of_one_compressible_block_in_one_request_do_not_fail_the_volume() {
-    let (dev, vol) = mem_volume(64 << 20, 32 << 20, |_| {});
-    // 1 MiB of one repeated compressible block: 256 references, all before any flush, so
-    // the first copy's packed block is still open when the cap is reached.
+    let (dev, vol) = mem_volume(64 << 20, 64 << 20, |_| {});
+    // One repeated compressible block, more times than the cap, in one request: every
+    // reference comes before any flush, so the first copy's run is still open when the
+    // cap is reached.
     let one = vec![0x57u8; B];
-    let data: Vec<u8> = one.repeat(256);
+    let data: Vec<u8> = one.repeat(usize::from(REFCOUNT_MAX) + 96);
     vol.write(0, &data, false).expect("a hot block must never fail a write");
-    // Twice more, and with two alternating contents, still without a flush.
+    // Once more, and with two alternating contents, still without a flush.
     let two: Vec<u8> = [block(1, 0), block(2, 0)].concat().repeat(300);
-    vol.write(1 << 20, &data, false).expect("second megabyte");
-    vol.write(2 << 20, &two, false).expect("alternating contents");
+    vol.write(16 << 20, &data, false).expect("second copy");
+    vol.write(32 << 20, &two, false).expect("alternating contents");
     // The volume is healthy for everyone: more writes and a flush work.
-    vol.write(8 << 20, &block(3, 1), false).expect("later write");
+    vol.write(40 << 20, &block(3, 1), false).expect("later write");
     vol.flush().expect("flush");
     let s = vol.stats();
     assert!(s.counters.refcount_cap_copies >= 2, "cap copies: {}", s.counters.refcount_cap_copies);
@@ -49,7 +50,7 @@ fn many_copies_of_one_compressible_block_in_one_request_do_not_fail_the_volume()
     vol.read(0, &mut back).expect("read");
     assert!(back == data);
     let mut back2 = vec![0u8; two.len()];
-    vol.read(2 << 20, &mut back2).expect("read alternating");
+    vol.read(32 << 20, &mut back2).expect("read alternating");
     assert!(back2 == two);
     vol.close().expect("close");
     let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
@@ -58,7 +59,7 @@ fn many_copies_of_one_compressible_block_in_one_request_do_not_fail_the_volume()
 
 #[test]
 fn hot_block_across_many_small_writes_stays_below_the_cap() {
-    let (dev, vol) = mem_volume(64 << 20, 32 << 20, |_| {});
+    let (dev, vol) = mem_volume(64 << 20, 64 << 20, |_| {});
     let one = block(7, 0);
     let n = 3 * usize::from(REFCOUNT_MAX) + 5;
     for i in 0..n {
@@ -223,4 +224,50 @@ fn hash_mode_heals_damage_on_the_rewrite_after_it_was_seen() {
     assert!(back == other);
     assert_eq!(vol.stats().counters.dedup_verify_failures, 1);
     vol.close().expect("close");
+}
+
+/// `n` bytes of noise, then zeros: compresses to a little over `n` bytes.
+fn half_noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut b: Vec<u8> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    b.resize(B, 0);
+    b
+}
+
+/// A fragment crossing into the next block dies; that next block is freed and reused by
+/// a run still in memory. A duplicate of the dead fragment's content must not be shared
+/// with it: its first block still holds its bytes, the device still holds the old second
+/// block, but the second block's new content is about to replace them.
+#[test]
+fn a_dead_fragment_whose_next_block_was_reused_is_never_shared() {
+    for verify in [DedupVerify::Bytes, DedupVerify::Hash] {
+        let (dev, vol) = mem_volume(64 << 20, 32 << 20, |o| o.verify = verify);
+        // About 2 KiB of fragment in block 0, then a 2-block extent of about 3.8 KiB that
+        // runs on into block 1.
+        vol.write(0, &half_noise(1, 2000), false).expect("first fragment");
+        let extent = [half_noise(2, 1900), half_noise(3, 1900)].concat();
+        vol.write(131 * B as u64, &extent, false).expect("extent");
+        vol.flush().expect("flush");
+        // The extent dies (block 1 is freed once this is durable); block 0 lives on.
+        vol.write(131 * B as u64, &[half_noise(4, 100), half_noise(5, 100)].concat(), false).expect("overwrite");
+        vol.flush().expect("flush");
+        // A new run takes the freed block, still in memory, and a duplicate of the dead
+        // extent's first block arrives.
+        vol.write(B as u64, &half_noise(6, 3000), false).expect("reuses block 1");
+        vol.write(137 * B as u64, &extent[..B], false).expect("duplicate of the dead block");
+        vol.flush().expect("flush");
+        let mut back = vec![0u8; B];
+        vol.read(137 * B as u64, &mut back).expect("read");
+        assert!(back == extent[..B], "{verify:?}: the duplicate reads back wrong");
+        vol.close().expect("close");
+        let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
+        assert!(r.is_clean(), "{verify:?}: {:?}", r.problems);
+    }
 }

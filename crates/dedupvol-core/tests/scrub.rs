@@ -125,26 +125,14 @@ fn a_damaged_fragment_costs_only_its_own_blocks() {
         v.write(l * B, &block(l, 0), false).expect("write compressible");
     }
     v.close().expect("close");
-    // The packed block: the one starting with the packed magic.
+    // Written one at a time, the blocks are eight fragments back to back from the start of
+    // the first data block: damage the first one's bytes.
     let start = data_start(&dev);
-    let mut b = vec![0u8; B as usize];
-    let packed = (start..start + 64)
-        .find(|&blk| {
-            dev.read_at(&mut b, blk * B).expect("read");
-            &b[..4] == b"DVPK"
-        })
-        .expect("a packed block");
-    // Damage the last fragment's bytes (the end of the used part of the block).
-    let count = b[8] as usize;
-    let (off, len) = {
-        let s = 12 + 4 * (count - 1);
-        (u16::from_le_bytes([b[s], b[s + 1]]) as usize, u16::from_le_bytes([b[s + 2], b[s + 3]]) as usize)
-    };
-    flip(&dev, packed, 72 + off + len / 2);
+    flip(&dev, start, 1);
     let v = reopen(&dev, false);
     let r = v.scrub(&ScrubOptions::default()).expect("scrub");
     assert_eq!(r.status.damaged, 1, "{r:?}");
-    assert_eq!(r.damage[0].slot, Some((count - 1) as u8));
+    assert_eq!(r.damage[0].slot, Some(0), "the fragment at offset 0, block 0 of its unit");
     assert_eq!(r.status.lost_blocks, 1);
     v.close().expect("close");
 }

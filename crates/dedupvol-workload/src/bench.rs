@@ -34,6 +34,25 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// A cleaner pass after the timed phase of an overwrite run.
+#[derive(Debug, Clone, Serialize)]
+pub struct FinalClean {
+    /// Reduction at the end of the timed phase.
+    pub reduction_before: f64,
+    /// Reduction after the pass.
+    pub reduction_after: f64,
+    /// Compressed bytes the pass wrote again.
+    pub bytes_moved: u64,
+    /// The estimate's reduction of the volume's live content (read back after the pass).
+    pub live_estimate: f64,
+}
+
+/// How often the engine run's cleaner looks at the dead-space hint, and the hint that
+/// starts a pass (as `serve` runs it).
+const CLEANER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+/// See `CLEANER_INTERVAL`.
+pub const CLEANER_TRIGGER_BYTES: u64 = 8 << 20;
 use std::time::Instant;
 
 /// Bytes of scenario data the CPU primitives are measured on.
@@ -215,6 +234,8 @@ pub struct ScenarioResult {
     pub stats: Option<Stats>,
     /// Device bytes by category written in the timed phase.
     pub io: Option<IoBreakdown>,
+    /// Overwrite runs: one more cleaner pass after the timed phase.
+    pub final_clean: Option<FinalClean>,
     /// Estimator on the same bytes (the ideal).
     pub estimate: Option<EstimateReport>,
     /// Ideal bytes of the timed phase: unique chunks at their stored (compressed) size.
@@ -466,7 +487,7 @@ pub fn run_scenario(
             let model = ContentModel::new(data.clone())?;
             let size = size_bytes.div_ceil(opts.request_bytes as u64) * opts.request_bytes as u64;
             let bytes = generate(&model, 0, size, threads);
-            let mut est = Estimator::new(est_opts)?;
+            let mut est = Estimator::new(est_opts.clone())?;
             est.feed(&bytes);
             let sample = bytes[..bytes.len().min(PRIMITIVE_SAMPLE_BYTES)].to_vec();
             let desc = format!(
@@ -484,7 +505,7 @@ pub fn run_scenario(
             let blocks = range_bytes / BLOCK_BYTES as u64;
             // Prefill takes lane 0 indices 0..blocks; overwrites continue in the same lane so
             // their duplicates are drawn from the prefill and each other.
-            let mut est = Estimator::new(est_opts)?;
+            let mut est = Estimator::new(est_opts.clone())?;
             let mut buf = vec![0u8; 8 << 20];
             let mut i = 0;
             while i < blocks {
@@ -521,7 +542,7 @@ pub fn run_scenario(
         Scenario::Ingest { paths } => {
             let mut files = Vec::new();
             let mut base = 0u64;
-            let mut est = Estimator::new(est_opts)?;
+            let mut est = Estimator::new(est_opts.clone())?;
             let mut sample = Vec::new();
             for path in paths {
                 let file = File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
@@ -583,6 +604,7 @@ pub fn run_scenario(
         raw_file: None,
         stats: None,
         io: None,
+        final_clean: None,
         estimate: Some(estimate),
         ideal_bytes: ideal,
         write_amp_logical: None,
@@ -599,8 +621,41 @@ pub fn run_scenario(
             phase("engine volume prefilled");
         }
         let before = vol.stats().io;
+        // The cleaner runs beside the writers, as it does under `serve`.
+        let cleaner = dedupvol_core::Cleaner::spawn(
+            &vol,
+            CLEANER_INTERVAL,
+            CLEANER_TRIGGER_BYTES,
+            dedupvol_core::CleanOptions::default(),
+        );
         let (secs, flush) = timed_volume_writes(&vol, &source, threads)?;
+        drop(cleaner);
         phase("engine timed phase done");
+        if is_overwrite {
+            // What the cleaner reaches once it has caught up with the writers: one more
+            // pass, untimed, reported beside the timed figures.
+            let before_final = vol.stats();
+            let pass = vol.clean(&dedupvol_core::CleanOptions::default()).map_err(|e| format!("cleaner: {e}"))?;
+            vol.flush().map_err(|e| format!("flush: {e}"))?;
+            // The ideal of what the volume holds now: its live content read back and
+            // estimated (the estimate of the written stream counts overwritten data too).
+            let mut live = Estimator::new(est_opts.clone())?;
+            let mut buf = vec![0u8; 4 << 20];
+            let mut at = 0u64;
+            while at < logical {
+                let n = (logical - at).min(buf.len() as u64) as usize;
+                let chunk = buf.get_mut(..n).unwrap_or_default();
+                vol.read(at, chunk).map_err(|e| format!("reading the volume back: {e}"))?;
+                live.feed(chunk);
+                at += n as u64;
+            }
+            result.final_clean = Some(FinalClean {
+                reduction_before: before_final.reduction_ratio,
+                reduction_after: vol.stats().reduction_ratio,
+                bytes_moved: pass.bytes_moved,
+                live_estimate: live.finish().reduction_ratio,
+            });
+        }
         let stats = vol.stats();
         let io = IoBreakdown::between(&before, &stats.io);
         if let Ok(v) = Arc::try_unwrap(vol) {
@@ -663,6 +718,7 @@ pub fn primitives_only(name: &str, data: &DataSpec) -> Result<ScenarioResult, St
         raw_file: None,
         stats: None,
         io: None,
+        final_clean: None,
         estimate: None,
         ideal_bytes: 0,
         write_amp_logical: None,

@@ -5,22 +5,21 @@
 //! 1. all zeros → a zero chunk (no space, no I/O);
 //! 2. else its BLAKE3 fingerprint (first 16 bytes, in a `HashSet`) was seen before → a
 //!    duplicate;
-//! 3. else unique: compress it with the volume's codec and level (default zstd at level 1;
-//!    4 KiB chunks through the engine's own `fragment_size`, so its incompressible check
-//!    too). The engine stores a compressed fragment only when it is
-//!    at most [`FRAGMENT_BYTES_MAX`] bytes, packing fragments into 4 KiB blocks whose
-//!    [`PACKED_HEADER_BYTES`]-byte header describes at most [`PACKED_FRAGMENTS_MAX`]
-//!    fragments; otherwise the chunk is stored raw.
+//! 3. else unique: compressed with the volume's codec and level (default zstd at level 1)
+//!    as the engine's write path does (`units`): runs of consecutive unique chunks inside
+//!    one 128 KiB request (an import's request size) that pass the engine's
+//!    incompressibility probe are compressed as extents of up to 16 chunks
+//!    (`dedupvol_core::extent_size`); every other chunk alone (`fragment_size`, probe
+//!    included), stored raw when that does not save at least 1/16.
 //!
-//! Packing is modelled as the engine's packer does it: up to [`PACKED_OPEN_BLOCKS_MAX`]
-//! blocks are open; a fragment goes to the open block it fits best (least room left); when
-//! it fits none, a new block is opened, after sealing the oldest one if all are open. The
-//! engine also seals every open block at each group commit, which depends on timing, so
-//! the estimate can be slightly optimistic for workloads with frequent flushes.
+//! Fragments are packed back to back, byte for byte, into runs of at most 32 blocks, as
+//! the engine's are: the physical bytes are the raw chunks plus the blocks the runs fill.
+//! The engine also closes a run at each group commit and when the block after it is
+//! taken, which depends on timing, so the estimate can be slightly optimistic for
+//! workloads with frequent flushes.
 //!
-//! Chunks larger than 4 KiB model a hypothetical engine with bigger chunks: a compressed
-//! chunk that fits a fragment is packed; else it takes `ceil(compressed / 4096)` whole
-//! blocks, or is stored raw when that saves nothing.
+//! Chunks larger than 4 KiB model a hypothetical engine with bigger chunks, each
+//! compressed alone and packed the same way.
 //!
 //! With `policies` on (4 KiB chunks only), the scan also prices the unique chunks under
 //! other ways of storing compressed data ([`POLICY_EXTENT_BYTES`]): each 4 KiB fragment
@@ -47,14 +46,8 @@ use std::time::Instant;
 
 /// Physical block size of the engine, in bytes.
 pub const PHYSICAL_BLOCK_BYTES: u64 = 4096;
-/// Header of a packed block, in bytes.
-pub const PACKED_HEADER_BYTES: u64 = 72;
-/// Fragments one packed block can describe.
-pub const PACKED_FRAGMENTS_MAX: u32 = 14;
-/// Largest compressed fragment the engine packs, in bytes (a block minus its header).
-pub const FRAGMENT_BYTES_MAX: u64 = PHYSICAL_BLOCK_BYTES - PACKED_HEADER_BYTES;
-/// Packed blocks the engine keeps open at once.
-pub const PACKED_OPEN_BLOCKS_MAX: usize = dedupvol_core::format::OPEN_BLOCKS_MAX;
+/// Largest compressed chunk of 4 KiB the engine stores compressed (it must save 1/16).
+pub const FRAGMENT_BYTES_MAX: u64 = PHYSICAL_BLOCK_BYTES - PHYSICAL_BLOCK_BYTES / 16;
 /// Smallest and largest chunk sizes accepted, in bytes.
 pub const CHUNK_BYTES_MIN: usize = 4096;
 /// See [`CHUNK_BYTES_MIN`].
@@ -134,7 +127,7 @@ pub struct EstimateReport {
     pub raw_chunks: u64,
     /// Sum of the compressed sizes of the compressed chunks, in bytes.
     pub compressed_payload_bytes: u64,
-    /// Packed 4 KiB blocks the fragments need.
+    /// 4 KiB blocks the fragments fill, packed back to back.
     pub packed_blocks: u64,
     /// Physical data bytes the engine would use (raw + packed blocks).
     pub physical_bytes: u64,
@@ -147,7 +140,7 @@ pub struct EstimateReport {
     pub savings_compression_bytes: u64,
     /// Bytes compression saves before packing (chunk size minus compressed size, summed).
     pub compression_gross_bytes: u64,
-    /// Unused bytes of packed blocks (headers and free tails).
+    /// Unused bytes of the blocks the fragments fill (the last one's free tail).
     pub packing_overhead_bytes: u64,
     /// (scanned - zero) / physical: comparable to the engine's `reduction_ratio`.
     pub reduction_ratio: f64,
@@ -201,8 +194,12 @@ pub struct Estimator {
     opts: EstimateOptions,
     seen: HashSet<u128, BuildHasherDefault<PrefixHasher>>,
     report: EstimateReport,
-    /// Open packed blocks: (payload bytes used, fragments).
-    open_blocks: Vec<(u64, u32)>,
+    /// Bytes of raw chunks stored.
+    raw_bytes: u64,
+    /// Blocks of the runs closed so far, and the bytes of the open one (the engine's runs
+    /// hold at most `RUN_BLOCKS_MAX` blocks; a fragment that does not fit closes one).
+    closed_blocks: u64,
+    run_bytes: u64,
     /// Physical bytes per policy, in the order of `policy_names`.
     policy_bytes: Vec<u64>,
     started: Instant,
@@ -236,7 +233,9 @@ impl Estimator {
             opts,
             seen: HashSet::default(),
             report,
-            open_blocks: Vec::with_capacity(PACKED_OPEN_BLOCKS_MAX),
+            raw_bytes: 0,
+            closed_blocks: 0,
+            run_bytes: 0,
             started: Instant::now(),
         })
     }
@@ -290,7 +289,9 @@ impl Estimator {
         });
         // Phase 2 (in order, so "first occurrence" is well defined): dedup.
         let mut new_chunks = Vec::new();
+        let mut new_at: Vec<u64> = Vec::new();
         for (ch, fp) in chunks.iter().zip(&fps) {
+            let at = self.report.chunks;
             self.report.chunks += 1;
             self.report.scanned_bytes += c as u64;
             match fp {
@@ -302,16 +303,51 @@ impl Estimator {
                     self.report.dup_chunks += 1;
                     self.report.savings_dedup_bytes += c as u64;
                 }
-                Some(_) => new_chunks.push(*ch),
+                Some(_) => {
+                    new_chunks.push(*ch);
+                    new_at.push(at);
+                }
             }
         }
-        // Phase 3 (parallel): compress the unique chunks; then pack in order.
+        // Phase 3 (parallel): the engine's units (see `units`), compressed; then stored in
+        // order, back to back.
         let (codec, level) = (self.opts.compression, self.opts.compression_level);
-        let sizes: Vec<u64> = par_map(&new_chunks, self.opts.threads, |ch| compressed_size(codec, level, ch));
-        for &s in &sizes {
-            self.store_unique(s);
+        let probe = par_map(&new_chunks, self.opts.threads, |ch| {
+            c == PHYSICAL_BLOCK_BYTES as usize && !dedupvol_core::incompressible(codec, ch)
+        });
+        let units = units(&new_at, &probe);
+        let stored: Vec<Vec<Option<u64>>> = par_map(&units, self.opts.threads, |&(first, n)| {
+            let members = new_chunks.get(first..first + n).unwrap_or_default();
+            if n >= 2 {
+                if let Some(len) = dedupvol_core::extent_size(codec, level, &members.concat()) {
+                    return vec![Some(len as u64)];
+                }
+            }
+            members
+                .iter()
+                .map(|ch| {
+                    let s = compressed_size(codec, level, ch);
+                    // Stored compressed only when that saves 1/16 of the chunk.
+                    (s <= ch.len() as u64 - ch.len() as u64 / 16).then_some(s)
+                })
+                .collect()
+        });
+        for ((first, n), sizes) in units.iter().zip(&stored) {
+            match sizes.as_slice() {
+                [Some(len)] if *n >= 2 => self.store_fragment(*n as u64, *len),
+                _ => {
+                    for s in sizes {
+                        match s {
+                            Some(len) => self.store_fragment(1, *len),
+                            None => self.store_raw(),
+                        }
+                    }
+                }
+            }
+            let _ = first;
         }
         if self.opts.policies {
+            let sizes: Vec<u64> = par_map(&new_chunks, self.opts.threads, |ch| compressed_size(codec, level, ch));
             self.price_policies(&new_chunks, &sizes);
         }
     }
@@ -335,52 +371,38 @@ impl Estimator {
         }
     }
 
-    fn store_unique(&mut self, compressed: u64) {
+    /// A unique chunk stored raw.
+    fn store_raw(&mut self) {
         let c = self.opts.chunk_bytes as u64;
         let r = &mut self.report;
         r.unique_chunks += 1;
-        if compressed <= FRAGMENT_BYTES_MAX {
-            r.compressed_chunks += 1;
-            r.compressed_payload_bytes += compressed;
-            r.compression_gross_bytes += c - compressed;
-            let best = self
-                .open_blocks
-                .iter()
-                .enumerate()
-                .filter(|(_, (used, n))| *n < PACKED_FRAGMENTS_MAX && used + compressed <= FRAGMENT_BYTES_MAX)
-                .min_by_key(|(_, (used, _))| FRAGMENT_BYTES_MAX - used)
-                .map(|(i, _)| i);
-            let i = match best {
-                Some(i) => i,
-                None => {
-                    if self.open_blocks.len() >= PACKED_OPEN_BLOCKS_MAX {
-                        // Seal the oldest, as the engine does.
-                        self.open_blocks.remove(0);
-                    }
-                    r.packed_blocks += 1;
-                    r.physical_bytes += PHYSICAL_BLOCK_BYTES;
-                    r.packing_overhead_bytes += PHYSICAL_BLOCK_BYTES;
-                    self.open_blocks.push((0, 0));
-                    self.open_blocks.len() - 1
-                }
-            };
-            if let Some(b) = self.open_blocks.get_mut(i) {
-                b.0 += compressed;
-                b.1 += 1;
-            }
-            r.packing_overhead_bytes -= compressed;
-        } else {
-            let blocks = compressed.div_ceil(PHYSICAL_BLOCK_BYTES);
-            let stored = if blocks * PHYSICAL_BLOCK_BYTES < c { blocks * PHYSICAL_BLOCK_BYTES } else { c };
-            if stored < c {
-                r.compressed_chunks += 1;
-                r.compressed_payload_bytes += compressed;
-            } else {
-                r.raw_chunks += 1;
-            }
-            r.compression_gross_bytes += c - stored;
-            r.physical_bytes += stored;
+        r.raw_chunks += 1;
+        self.raw_bytes += c;
+        self.update_physical();
+    }
+
+    /// `n` unique chunks stored as one fragment of `len` bytes, packed byte for byte.
+    fn store_fragment(&mut self, n: u64, len: u64) {
+        let c = self.opts.chunk_bytes as u64;
+        let r = &mut self.report;
+        r.unique_chunks += n;
+        r.compressed_chunks += n;
+        r.compressed_payload_bytes += len;
+        r.compression_gross_bytes += n * c - len;
+        if self.run_bytes + len > dedupvol_core::format::RUN_BLOCKS_MAX * PHYSICAL_BLOCK_BYTES {
+            self.closed_blocks += self.run_bytes.div_ceil(PHYSICAL_BLOCK_BYTES);
+            self.run_bytes = 0;
         }
+        self.run_bytes += len;
+        self.update_physical();
+    }
+
+    /// Physical bytes: raw chunks, and the blocks the fragments fill back to back.
+    fn update_physical(&mut self) {
+        let r = &mut self.report;
+        r.packed_blocks = self.closed_blocks + self.run_bytes.div_ceil(PHYSICAL_BLOCK_BYTES);
+        r.physical_bytes = self.raw_bytes + r.packed_blocks * PHYSICAL_BLOCK_BYTES;
+        r.packing_overhead_bytes = r.packed_blocks * PHYSICAL_BLOCK_BYTES - r.compressed_payload_bytes;
     }
 
     /// The figures so far (ratios are filled in by [`Estimator::finish`]).
@@ -430,6 +452,41 @@ fn compressed_size(codec: dedupvol_core::Compression, level: i8, chunk: &[u8]) -
         }
     };
     (n as u64).min(raw)
+}
+
+/// The engine's compression units over a batch's unique chunks (`at`: each one's position
+/// in the stream; `probe`: it may join an extent): runs of consecutive chunks inside one
+/// 128 KiB request (the engine forms extents per write request; an import writes 128 KiB
+/// ones), cut into near-equal units of at most `UNIT_BLOCKS_MAX`; every other chunk a
+/// unit of its own. Returns (first index, chunks) per unit, in order.
+fn units(at: &[u64], probe: &[bool]) -> Vec<(usize, usize)> {
+    const REQUEST_CHUNKS: u64 = (128 << 10) / PHYSICAL_BLOCK_BYTES;
+    let max = usize::from(dedupvol_core::format::UNIT_BLOCKS_MAX);
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < at.len() {
+        let joins = |k: usize| probe.get(k).copied().unwrap_or(false);
+        let mut run = 1;
+        if joins(i) {
+            while i + run < at.len()
+                && joins(i + run)
+                && at.get(i + run).copied() == at.get(i + run - 1).map(|p| p + 1)
+                && at.get(i + run).map(|p| p / REQUEST_CHUNKS) == at.get(i).map(|p| p / REQUEST_CHUNKS)
+            {
+                run += 1;
+            }
+        }
+        let pieces = run.div_ceil(max);
+        let size = run.div_ceil(pieces);
+        let mut k = i;
+        while k < i + run {
+            let n = size.min(i + run - k);
+            out.push((k, n));
+            k += n;
+        }
+        i += run;
+    }
+    out
 }
 
 /// Maps `f` over `items` on up to `threads` scoped threads, keeping the order.
@@ -484,11 +541,11 @@ mod tests {
         let dup = r.dup_chunks as f64 / 4000.0;
         assert!((dup - 0.75).abs() < 0.03, "dup {dup}");
         assert_eq!(r.raw_chunks, 0);
-        // 50% compressible: fragments of ~2048 bytes, just over half of the 4024-byte payload,
-        // so mostly one per packed block — compression saves little space at exactly 50%.
+        // 50% compressible: fragments of about half a block, packed back to back, so
+        // about two unique chunks per block on top of the 4x of dedup.
         let ratio = r.reduction_ratio;
-        assert!(ratio > 3.8 && ratio < 4.5, "ratio {ratio}");
-        assert!(r.packed_blocks as f64 > 0.9 * r.unique_chunks as f64);
+        assert!(ratio > 7.0 && ratio < 9.0, "ratio {ratio}");
+        assert!((r.packed_blocks as f64) < 0.6 * r.unique_chunks as f64);
     }
 
     #[test]
@@ -504,41 +561,36 @@ mod tests {
     }
 
     #[test]
-    fn packing_respects_the_fragment_slot_limit() {
+    fn fragments_pack_back_to_back() {
         let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
             .expect("estimator");
-        // Highly compressible unique chunks: tiny fragments, so the 14-slot limit binds.
-        e.feed(&generated(0.0, 0.98, 1400));
+        for size in [3000, 3000, 1000, 1000] {
+            e.store_fragment(1, size);
+        }
+        // 8000 bytes fill two blocks, the second with 192 bytes to spare.
+        assert_eq!(e.report().packed_blocks, 2);
+        assert_eq!(e.report().packing_overhead_bytes, 192);
+        e.store_fragment(16, 20_000);
+        e.store_raw();
+        // The chunks the calls above stand for, as a scan would have counted them.
+        e.report.chunks = 21;
+        e.report.scanned_bytes = 21 * 4096;
         let r = e.finish();
         r.check_balance().expect("balance");
-        assert_eq!(r.packed_blocks, 100);
+        assert_eq!(r.packed_blocks, 28_000u64.div_ceil(4096));
+        assert_eq!((r.unique_chunks, r.compressed_chunks, r.raw_chunks), (21, 20, 1));
     }
 
     #[test]
-    fn packing_is_best_fit_and_seals_the_oldest() {
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
-            .expect("estimator");
-        // One open block would need four blocks; best fit over several needs two.
-        for size in [3000, 3000, 1000, 1000] {
-            e.store_unique(size);
-        }
-        assert_eq!(e.report().packed_blocks, 2);
-        // As many large fragments as blocks can be open, each in its own block; one more
-        // seals the oldest (the 3900-byte block), as the engine does.
-        let mut e = Estimator::new(EstimateOptions { chunk_bytes: 4096, threads: 1, ..EstimateOptions::default() })
-            .expect("estimator");
-        let n = PACKED_OPEN_BLOCKS_MAX as u64;
-        for i in 0..n {
-            e.store_unique(3900 - i);
-        }
-        e.store_unique(3000);
-        assert_eq!(e.report().packed_blocks, n + 1);
-        assert_eq!(e.open_blocks.len(), PACKED_OPEN_BLOCKS_MAX);
-        assert!(e.open_blocks.iter().all(|b| b.0 != 3900));
-        // 100 bytes fit best into the 3899-byte block (least room left that still fits).
-        e.store_unique(100);
-        assert_eq!(e.report().packed_blocks, n + 1);
-        assert_eq!(e.open_blocks.first().map(|b| *b), Some((3999, 2)));
+    fn units_follow_requests_and_split_evenly() {
+        // 20 consecutive chunks in one request: two units of 10. A chunk that fails the
+        // probe, a gap, and a request boundary each end a run.
+        let at: Vec<u64> = (0..20).chain([20, 21, 23, 31, 32]).collect();
+        let mut probe = vec![true; at.len()];
+        probe[20] = false;
+        assert_eq!(units(&at, &probe), vec![(0, 10), (10, 10), (20, 1), (21, 1), (22, 1), (23, 1), (24, 1)]);
+        let at: Vec<u64> = (32..64).collect();
+        assert_eq!(units(&at, &[true; 32]), vec![(0, 16), (16, 16)]);
     }
 
     #[test]

@@ -257,6 +257,27 @@ pub fn render_bench(r: &BenchReport) -> String {
                 st.index_entries,
                 st.index_memory_bytes >> 20
             ));
+            if let Some(fc) = &s.final_clean {
+                out.push_str(&format!(
+                    "  after the timed phase, one more cleaner pass: reduction {:.2}x -> {:.2}x ({:.1} MiB moved); \
+                     the estimate of the volume's live content (read back): {:.2}x\n",
+                    fc.reduction_before,
+                    fc.reduction_after,
+                    fc.bytes_moved as f64 / 1048576.0,
+                    fc.live_estimate
+                ));
+            }
+            if st.counters.cleaner_passes > 0 {
+                let client = st.lifetime.data_write_bytes.saturating_sub(st.counters.cleaner_bytes_moved).max(1);
+                out.push_str(&format!(
+                    "  cleaner: {} passes, {} fragments moved ({:.1} MiB, {:.3}x the client's data bytes written), {} blocks remapped\n",
+                    st.counters.cleaner_passes,
+                    st.counters.cleaner_fragments_moved,
+                    st.counters.cleaner_bytes_moved as f64 / 1048576.0,
+                    st.counters.cleaner_bytes_moved as f64 / client as f64,
+                    st.counters.cleaner_blocks_remapped
+                ));
+            }
         }
         if let Some(e) = &s.engine_error {
             out.push_str(&format!("  engine error: {e}\n"));

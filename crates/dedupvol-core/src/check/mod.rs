@@ -57,32 +57,33 @@ pub enum Problem {
         /// Where it points.
         pbn: u64,
     },
-    /// A physical block is referenced both as a raw block and as a packed block.
+    /// A physical block is referenced both as a raw block and as holding fragments.
     RawAndPacked {
         /// The physical block.
         pbn: u64,
     },
-    /// A physical block (or packed slot) is referenced with two different contents. After
-    /// a lost or misdirected data write this is the trace of a stale dedup match.
+    /// A physical block (or a block of a fragment) is referenced with two different
+    /// contents, or two fragments overlap. After a lost or misdirected data write this is
+    /// the trace of a stale dedup match.
     UsedTwice {
-        /// The physical block.
+        /// The physical block (the fragment's first).
         pbn: u64,
-        /// The packed slot, for a packed block.
-        slot: Option<u8>,
+        /// The fragment's offset and block in its unit (`Frag::key`), for a fragment.
+        slot: Option<u16>,
     },
     /// A block has a reference count but no references.
     Leaked {
         /// The physical block.
         pbn: u64,
         /// Its recorded count.
-        count: u8,
+        count: u16,
     },
     /// A block's reference count differs from its references.
     WrongCount {
         /// The physical block.
         pbn: u64,
         /// Its recorded count.
-        count: u8,
+        count: u16,
         /// References counted in the block map.
         references: u32,
     },
@@ -108,8 +109,8 @@ pub enum Problem {
     ChecksumMismatch {
         /// The physical block.
         pbn: u64,
-        /// The packed slot, for a packed block.
-        slot: Option<u8>,
+        /// The fragment block (`Frag::key`), for a fragment.
+        slot: Option<u16>,
         /// Some of the logical blocks that map to it (at most `PROBLEM_LBAS_MAX`).
         lbas: Vec<u64>,
     },
@@ -128,9 +129,9 @@ impl Problem {
     }
 }
 
-fn block_name(pbn: u64, slot: Option<u8>) -> String {
+fn block_name(pbn: u64, slot: Option<u16>) -> String {
     match slot {
-        Some(s) => format!("physical block {pbn} slot {s}"),
+        Some(k) => format!("fragment at offset {} of physical block {pbn}, block {}", k & 0x0fff, k >> 12),
         None => format!("physical block {pbn}"),
     }
 }
@@ -144,7 +145,7 @@ impl std::fmt::Display for Problem {
                 write!(f, "logical block {lba} maps to physical block {pbn} beyond the data region")
             }
             Problem::RawAndPacked { pbn } => {
-                write!(f, "physical block {pbn} is used twice: as a raw block and as a packed block")
+                write!(f, "physical block {pbn} is used twice: as a raw block and for compressed fragments")
             }
             Problem::UsedTwice { pbn, slot } => {
                 write!(f, "{} is used twice: referenced with different contents", block_name(*pbn, *slot))
@@ -177,10 +178,16 @@ impl std::fmt::Display for Problem {
 /// A damaged location found by the audit.
 struct Damage {
     pbn: u64,
-    /// The packed slot whose fragment failed its checksum (None: a raw block).
-    slot: Option<u8>,
-    /// The block could not be read at all: every slot is lost.
+    /// The fragment block that failed its checksum (`Frag::key`; None: a raw block).
+    slot: Option<u16>,
+    /// The block could not be read at all: everything touching it is lost.
     unreadable: bool,
+}
+
+/// A fragment as the block map uses it: its shape and each referenced block's crc.
+struct FragUse {
+    frag: crate::metadata::block_map::Frag,
+    crcs: Vec<Option<u32>>,
 }
 
 /// A run of logical blocks whose data is lost, in bytes.
@@ -325,9 +332,9 @@ impl Volume {
         let nblocks = geo.data_blocks as usize;
         let mut refs = vec![0u32; nblocks];
         let mut raw_crc: HashMap<u64, u32> = HashMap::new();
-        let mut frag_crc: HashMap<(u64, u8), u32> = HashMap::new();
-        let mut kind = vec![0u8; nblocks]; // 0 none, 1 raw, 2 packed
-        let mut max_slot = vec![0u8; nblocks];
+        // Fragments by first block and offset: their shape and each referenced block's crc.
+        let mut frags: std::collections::BTreeMap<(u64, u16), FragUse> = std::collections::BTreeMap::new();
+        let mut kind = vec![0u8; nblocks]; // 0 none, 1 raw, 2 fragments
         let mut counted = Counters::default();
         let mut referers: HashMap<u64, Vec<(u64, MapEntry)>> = HashMap::new();
         let mut st = self.state.lock();
@@ -347,20 +354,24 @@ impl Volume {
             if !e.is_data() {
                 continue;
             }
-            let Some(r) = refs.get_mut(e.pbn as usize) else {
+            if e.pbn.checked_add(e.span()).is_none_or(|end| end > geo.data_blocks) {
                 report.problem(Problem::BeyondDataRegion { lba, pbn: e.pbn });
                 continue;
-            };
-            *r += 1;
-            let k = if e.slot().is_some() { 2 } else { 1 };
-            let prev = kind.get(e.pbn as usize).copied().unwrap_or(0);
-            if prev != 0 && prev != k {
-                report.problem(Problem::RawAndPacked { pbn: e.pbn });
             }
-            if let Some(kk) = kind.get_mut(e.pbn as usize) {
-                *kk = k;
+            let k = if e.fragment_of().is_some() { 2 } else { 1 };
+            for p in e.blocks() {
+                if let Some(r) = refs.get_mut(p as usize) {
+                    *r += 1;
+                }
+                let prev = kind.get(p as usize).copied().unwrap_or(0);
+                if prev != 0 && prev != k {
+                    report.problem(Problem::RawAndPacked { pbn: p });
+                }
+                if let Some(kk) = kind.get_mut(p as usize) {
+                    *kk = k;
+                }
             }
-            match e.slot() {
+            match e.fragment_of() {
                 None => {
                     if let Some(&c) = raw_crc.get(&e.pbn) {
                         if c != e.crc {
@@ -369,15 +380,17 @@ impl Volume {
                     }
                     raw_crc.insert(e.pbn, e.crc);
                 }
-                Some(s) => {
-                    if let Some(&c) = frag_crc.get(&(e.pbn, s)) {
-                        if c != e.crc {
-                            report.problem(Problem::UsedTwice { pbn: e.pbn, slot: Some(s) });
+                Some(f) => {
+                    let u = frags
+                        .entry((e.pbn, f.off))
+                        .or_insert_with(|| FragUse { frag: f, crcs: vec![None; f.unit_blocks()] });
+                    let same_shape = u.frag.with_sub(0) == f.with_sub(0);
+                    match u.crcs.get_mut(f.sub()) {
+                        Some(Some(c)) if *c != e.crc || !same_shape => {
+                            report.problem(Problem::UsedTwice { pbn: e.pbn, slot: Some(f.key()) })
                         }
-                    }
-                    frag_crc.insert((e.pbn, s), e.crc);
-                    if let Some(m) = max_slot.get_mut(e.pbn as usize) {
-                        *m = (*m).max(s + 1);
+                        Some(slot) if same_shape => *slot = Some(e.crc),
+                        _ => report.problem(Problem::UsedTwice { pbn: e.pbn, slot: Some(f.key()) }),
                     }
                 }
             }
@@ -385,15 +398,23 @@ impl Volume {
                 referers.entry(e.pbn).or_default().push((lba, e));
             }
         }
+        // Fragments lie back to back in their runs: one that starts inside another is the
+        // trace of a stale or misdirected mapping.
+        let mut end_of_last = 0u64;
+        for (&(pbn, off), u) in &frags {
+            let start = pbn * BLOCK_SIZE_U64 + u64::from(off);
+            if start < end_of_last {
+                report.problem(Problem::UsedTwice { pbn, slot: Some(u.frag.key()) });
+            }
+            end_of_last = end_of_last.max(start + u64::from(u.frag.len));
+        }
         report.mapped_blocks = counted.mapped_blocks;
         report.zero_blocks = counted.zero_blocks;
         // Reference counts.
-        let mut fixes: Vec<(u64, u8, u8)> = Vec::new();
+        let mut fixes: Vec<(u64, u16)> = Vec::new();
         for (pbn, &r) in refs.iter().enumerate() {
             let pbn = pbn as u64;
             let have = st.rc.get(pbn);
-            let frags =
-                if kind.get(pbn as usize) == Some(&2) { max_slot.get(pbn as usize).copied().unwrap_or(1) } else { 1 };
             if r > 0 {
                 report.used_blocks += 1;
             }
@@ -404,7 +425,7 @@ impl Volume {
                     report.problem(Problem::WrongCount { pbn, count: have, references: r });
                 }
                 if r <= u32::from(REFCOUNT_MAX) {
-                    fixes.push((pbn, r as u8, frags));
+                    fixes.push((pbn, r as u16));
                 } else {
                     report
                         .unrepaired
@@ -423,7 +444,7 @@ impl Volume {
         // The index's records, by location, to compare with the data read below.
         let (chapters, source) = (st.dedup.index().window_chapters(), st.dedup.index().source());
         drop(st);
-        let mut records: HashMap<(u64, u8), Vec<[u8; 32]>> = HashMap::new();
+        let mut records: HashMap<(u64, Option<u16>), Vec<[u8; 32]>> = HashMap::new();
         for vcn in chapters {
             if report.index.records as usize >= INDEX_RECORDS_AUDITED_MAX {
                 report.index.not_audited += source.chapter_records(vcn).0.len() as u64;
@@ -437,7 +458,8 @@ impl Volume {
                 if r.loc.pbn >= geo.data_blocks {
                     report.index.beyond_data_region += 1;
                 } else if refs.get(r.loc.pbn as usize).is_some_and(|&n| n > 0) {
-                    records.entry((r.loc.pbn, r.loc.state)).or_default().push(r.hash);
+                    let key = r.loc.entry(0).fragment_of().map(|f| f.key());
+                    records.entry((r.loc.pbn, key)).or_default().push(r.hash);
                 } else {
                     report.index.stale_freed += 1;
                 }
@@ -445,13 +467,13 @@ impl Volume {
         }
         // Data checksums: every referenced block is read and every referenced fragment decoded.
         let mut buf = vec![0u8; BLOCK_SIZE];
-        let mut out = vec![0u8; BLOCK_SIZE];
         let mut damaged: Vec<Damage> = Vec::new();
         // Used blocks are read in runs of up to CHECK_READ_BLOCKS_MAX (one request each, not
         // one per 4 KiB: under direct I/O that is 10x faster); a run that fails to read is
         // read again block by block, to name the unreadable ones.
         let mut run = vec![0u8; CHECK_READ_BLOCKS_MAX * BLOCK_SIZE];
         let mut run_pbns = 0u64..0u64;
+        let mut unreadable: std::collections::HashSet<u64> = std::collections::HashSet::new();
         let used = |p: u64| refs.get(p as usize).is_some_and(|&r| r > 0);
         for pbn in 0..geo.data_blocks {
             if !used(pbn) {
@@ -477,39 +499,66 @@ impl Volume {
                 Some(b) => buf.copy_from_slice(b),
                 None => {
                     if let Err(e) = self.data.read(IoKind::Verify, pbn, &mut buf, "block map entry") {
-                        let unreadable: u64 = records.extract_if(|k, _| k.0 == pbn).map(|(_, v)| v.len() as u64).sum();
-                        report.index.stale_damaged += unreadable;
+                        let lost: u64 = records.extract_if(|k, _| k.0 == pbn).map(|(_, v)| v.len() as u64).sum();
+                        report.index.stale_damaged += lost;
                         report.problem(Problem::Unreadable { pbn, error: e.to_string() });
                         damaged.push(Damage { pbn, slot: None, unreadable: true });
+                        unreadable.insert(pbn);
                         continue;
                     }
                 }
             }
-            let mut check = |slot: Option<u8>, crc: u32, report: &mut CheckReport| {
-                let ok = match slot {
-                    None => crc32c::crc32c(&buf) == crc,
-                    Some(s) => packer::unpack(&buf, pbn, s, &mut out).is_ok() && crc32c::crc32c(&out) == crc,
-                };
-                if !ok {
-                    let lbas: Vec<u64> = referers
-                        .get(&pbn)
-                        .map(|v| {
-                            v.iter().filter(|(_, e)| e.slot() == slot).take(PROBLEM_LBAS_MAX).map(|(l, _)| *l).collect()
-                        })
-                        .unwrap_or_default();
-                    report.problem(Problem::ChecksumMismatch { pbn, slot, lbas });
-                    damaged.push(Damage { pbn, slot, unreadable: false });
-                }
+            let lbas_of = |slot: Option<u16>| -> Vec<u64> {
+                referers
+                    .get(&pbn)
+                    .map(|v| {
+                        v.iter()
+                            .filter(|(_, e)| e.fragment_of().map(|f| f.key()) == slot)
+                            .take(PROBLEM_LBAS_MAX)
+                            .map(|(l, _)| *l)
+                            .collect()
+                    })
+                    .unwrap_or_default()
             };
+            let mut contents: Vec<(Option<u16>, Option<Vec<u8>>)> = Vec::new();
             if let Some(&crc) = raw_crc.get(&pbn) {
-                check(None, crc, &mut report);
+                let ok = crc32c::crc32c(&buf) == crc;
+                if !ok {
+                    report.problem(Problem::ChecksumMismatch { pbn, slot: None, lbas: lbas_of(None) });
+                    damaged.push(Damage { pbn, slot: None, unreadable: false });
+                }
+                contents.push((None, ok.then(|| buf.clone())));
             }
-            audit_records(&mut records, &mut report.index, pbn, &buf, &raw_crc, &frag_crc);
-            for s in 0..max_slot.get(pbn as usize).copied().unwrap_or(0) {
-                if let Some(&crc) = frag_crc.get(&(pbn, s)) {
-                    check(Some(s), crc, &mut report);
+            // The fragments starting in this block: their blocks from the run, else read.
+            for (&(_, off), u) in frags.range((pbn, 0)..=(pbn, u16::MAX)) {
+                let span_len = u.frag.span() as usize * BLOCK_SIZE;
+                let from_run = run_pbns.contains(&pbn) && run_pbns.contains(&(pbn + u.frag.span() - 1));
+                let span: Option<Vec<u8>> = if from_run {
+                    run.get(at..at + span_len).map(<[u8]>::to_vec)
+                } else {
+                    let mut b = vec![0u8; span_len];
+                    self.data.read(IoKind::Verify, pbn, &mut b, "block map entry").ok().map(|()| b)
+                };
+                let mut unit = vec![0u8; u.frag.unit_blocks() * BLOCK_SIZE];
+                let decoded = span.as_deref().is_some_and(|sp| {
+                    packer::fragment_bytes(pbn, &u.frag, sp)
+                        .and_then(|bytes| packer::decompress(pbn, &u.frag, bytes, &mut unit))
+                        .is_ok()
+                });
+                for (sub, crc) in u.crcs.iter().enumerate() {
+                    let Some(crc) = *crc else { continue };
+                    let key = u.frag.with_sub(sub).key();
+                    let block = unit.get(sub * BLOCK_SIZE..(sub + 1) * BLOCK_SIZE);
+                    let ok = decoded && block.is_some_and(|b| crc32c::crc32c(b) == crc);
+                    if !ok {
+                        debug_assert_eq!(off, u.frag.off);
+                        report.problem(Problem::ChecksumMismatch { pbn, slot: Some(key), lbas: lbas_of(Some(key)) });
+                        damaged.push(Damage { pbn, slot: Some(key), unreadable: false });
+                    }
+                    contents.push((Some(key), if ok { block.map(<[u8]>::to_vec) } else { None }));
                 }
             }
+            audit_records(&mut records, &mut report.index, pbn, &contents);
         }
         // Records left name a referenced block in a form (raw, or a slot) nobody uses.
         report.index.stale_freed += records.values().map(|v| v.len() as u64).sum::<u64>();
@@ -545,8 +594,8 @@ impl Volume {
             // Repaired pages need a sequence above every journal entry, so that neither a
             // replay nor the older copy in the other slot (same seq) can win over them.
             let seq = st.journal.assign_written_seq();
-            for &(pbn, count, frags) in &fixes {
-                st.rc.set_for_repair(pbn, count, frags, seq);
+            for &(pbn, count) in &fixes {
+                st.rc.set_for_repair(pbn, count, seq);
                 report.repaired.push(format!("physical block {pbn}: reference count set to {count}"));
             }
             if counted != st.counters {
@@ -581,9 +630,11 @@ impl Volume {
     /// Every logical block mapped to a damaged location, as merged runs of block numbers.
     fn lost_lbas(&self, damaged: &[Damage]) -> Result<Vec<std::ops::Range<u64>>> {
         // (pbn, None) stands for the whole block: a raw block, or one that cannot be read.
-        let lost: std::collections::HashSet<(u64, Option<u8>)> =
+        let lost: std::collections::HashSet<(u64, Option<u16>)> =
             damaged.iter().map(|d| (d.pbn, if d.unreadable { None } else { d.slot })).collect();
-        let hit = |e: &MapEntry| lost.contains(&(e.pbn, None)) || lost.contains(&(e.pbn, e.slot()));
+        let hit = |e: &MapEntry| {
+            e.blocks().any(|p| lost.contains(&(p, None))) || lost.contains(&(e.pbn, e.fragment_of().map(|f| f.key())))
+        };
         let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
         let mut st = self.state.lock();
         for lba in 0..self.logical_blocks() {
@@ -605,32 +656,22 @@ impl Volume {
     }
 }
 
-/// Compares the records naming physical block `pbn` (content in `block`) with what it
-/// holds: live when the content at their location is referenced, matches its checksum and
-/// has their fingerprint; counted stale otherwise. Audited records leave `records`.
+/// Compares the records naming physical block `pbn` with what it holds (`contents`: per
+/// raw block or fragment block starting there, its content when it matched its checksum):
+/// live when the content at their location is referenced, matches its checksum and has
+/// their fingerprint; counted stale otherwise. Audited records leave `records`.
 fn audit_records(
-    records: &mut HashMap<(u64, u8), Vec<[u8; 32]>>,
+    records: &mut HashMap<(u64, Option<u16>), Vec<[u8; 32]>>,
     audit: &mut IndexAudit,
     pbn: u64,
-    block: &[u8],
-    raw_crc: &HashMap<u64, u32>,
-    frag_crc: &HashMap<(u64, u8), u32>,
+    contents: &[(Option<u16>, Option<Vec<u8>>)],
 ) {
     if records.is_empty() {
         return;
     }
-    let mut out = vec![0u8; BLOCK_SIZE];
-    let slots = 0..crate::metadata::block_map::PACKED_SLOTS_MAX;
-    for state in std::iter::once(MapEntry::raw(pbn, 0).state).chain(slots.map(|s| MapEntry::packed(pbn, s, 0).state)) {
-        let Some(hashes) = records.remove(&(pbn, state)) else { continue };
-        let slot = MapEntry { pbn, state, crc: 0 }.slot();
-        // The content at the location, if it is referenced and matches its checksum.
-        let content: Option<Option<&[u8]>> = match slot {
-            None => raw_crc.get(&pbn).map(|&c| (crc32c::crc32c(block) == c).then_some(block)),
-            Some(s) => frag_crc.get(&(pbn, s)).map(|&c| {
-                (packer::unpack(block, pbn, s, &mut out).is_ok() && crc32c::crc32c(&out) == c).then_some(out.as_slice())
-            }),
-        };
+    for (key, content) in contents {
+        let Some(hashes) = records.remove(&(pbn, *key)) else { continue };
+        let content: Option<Option<&[u8]>> = Some(content.as_deref());
         let n = hashes.len() as u64;
         match content {
             None => audit.stale_freed += n,

@@ -118,8 +118,8 @@ pub struct ScrubStatus {
 pub struct ScrubDamage {
     /// The physical block.
     pub pbn: u64,
-    /// The packed slot, for a fragment of a packed block.
-    pub slot: Option<u8>,
+    /// The fragment block (`Frag::key`: offset, block in its unit), for a fragment.
+    pub slot: Option<u16>,
     /// The block could not be read at all.
     pub unreadable: bool,
     /// Where the good copy came from ("tier", "content cache"), when repaired.
@@ -159,11 +159,12 @@ struct Ref {
     e: MapEntry,
 }
 
-/// Checks `block`'s content for `e`: a raw block's crc, or the fragment's decoded crc.
-fn matches(block: &[u8], e: &MapEntry, out: &mut [u8]) -> bool {
-    match e.slot() {
-        None => crc32c::crc32c(block) == e.crc,
-        Some(s) => packer::unpack(block, e.pbn, s, out).is_ok() && crc32c::crc32c(out) == e.crc,
+/// Checks the content of `e`'s blocks (`span`, from its first block on) for `e`: a raw
+/// block's crc, or the fragment's decoded crc.
+fn matches(span: &[u8], e: &MapEntry, out: &mut [u8]) -> bool {
+    match e.fragment_of() {
+        None => span.get(..BLOCK_SIZE).is_some_and(|b| crc32c::crc32c(b) == e.crc),
+        Some(f) => packer::decode_block(e.pbn, &f, span, out).is_ok() && crc32c::crc32c(out) == e.crc,
     }
 }
 
@@ -382,11 +383,25 @@ impl Run<'_> {
             for k in 0..n {
                 let pbn = first + k as u64;
                 let refs = by_pbn.get(&pbn).map_or(&[][..], |v| v.as_slice());
-                #[expect(clippy::indexing_slicing, reason = "k < n, the blocks read into `buf`")]
-                let block = &buf[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE];
-                // A run that failed to read is confirmed block by block under the lock.
-                let bad: Vec<Ref> =
-                    refs.iter().filter(|r| !whole || !matches(block, &r.e, &mut out)).copied().collect();
+                // A run that failed to read is confirmed block by block under the lock; a
+                // fragment running on past the run is read on its own.
+                let mut bad: Vec<Ref> = Vec::new();
+                for r in refs {
+                    let span = r.e.span() as usize;
+                    let ok = match buf.get(k * BLOCK_SIZE..(k + span) * BLOCK_SIZE).filter(|_| whole) {
+                        Some(b) => matches(b, &r.e, &mut out),
+                        None if whole => {
+                            let mut b = vec![0u8; span * BLOCK_SIZE];
+                            let read = vol.data.read(IoKind::Scrub, pbn, &mut b, "block map entry").is_ok();
+                            self.read_bytes((span * BLOCK_SIZE) as u64);
+                            read && matches(&b, &r.e, &mut out)
+                        }
+                        None => false,
+                    };
+                    if !ok {
+                        bad.push(*r);
+                    }
+                }
                 if !bad.is_empty() {
                     self.confirm(pbn, &bad)?;
                 }
@@ -399,7 +414,8 @@ impl Run<'_> {
     /// Steps 3 and 4 for the suspect references of one physical block.
     fn confirm(&mut self, pbn: u64, suspects: &[Ref]) -> Result<()> {
         let vol = self.vol;
-        let mut block = vec![0u8; BLOCK_SIZE];
+        let span = suspects.iter().map(|r| r.e.span()).max().unwrap_or(1).max(1) as usize;
+        let mut block = vec![0u8; span * BLOCK_SIZE];
         let mut out = vec![0u8; BLOCK_SIZE];
         let mut st = vol.state.lock();
         // Still referenced as found, and on the device: then the read below sees the
@@ -414,17 +430,19 @@ impl Run<'_> {
             return Ok(());
         }
         let readable = vol.data.read(IoKind::Scrub, pbn, &mut block, "block map entry").is_ok();
-        self.read_bytes(BLOCK_SIZE_U64);
+        self.read_bytes((span * BLOCK_SIZE) as u64);
         let damaged: Vec<Ref> = still.into_iter().filter(|r| !readable || !matches(&block, &r.e, &mut out)).collect();
         if damaged.is_empty() {
             return Ok(());
         }
         // One finding per damaged location (the raw block, or each damaged slot).
-        let mut slots: BTreeMap<Option<u8>, Vec<u64>> = BTreeMap::new();
+        let mut slots: BTreeMap<Option<u16>, Vec<u64>> = BTreeMap::new();
         for r in &damaged {
-            slots.entry(if readable { r.e.slot() } else { None }).or_default().push(r.lba);
+            slots.entry(if readable { r.e.fragment_of().map(|f| f.key()) } else { None }).or_default().push(r.lba);
         }
-        let source = if self.opts.repair { self.good_copy(pbn, &damaged, &mut out) } else { None };
+        // Copies are of whole blocks: a fragment running on into further blocks is not
+        // repaired from one.
+        let source = if self.opts.repair && span == 1 { self.good_copy(pbn, &damaged, &mut out) } else { None };
         let repaired = match source {
             Some((from, copy)) => {
                 let ok = vol.rewrite_in_place(pbn, &copy).is_ok()

@@ -1,57 +1,72 @@
-//! Compression and packing: several compressed 4 KiB blocks ("fragments") share one
-//! physical block.
+//! Compression and packing: compressed units ("fragments") are appended back to back to
+//! an open *run* of consecutive physical blocks, byte by byte, and may cross from one
+//! block into the next; a map entry names its fragment by first block, offset and length
+//! (docs/format.md, "Fragments"), so packed data carries no header of its own.
 //!
-//! Packed block layout (4096 bytes):
-//! `magic "DVPK" (4) | crc32c of the block (4) | count (1) | codec (1) | reserved (2) |
-//!  14 × (offset u16, length u16) (56) | reserved (4) | fragment bytes from offset 72`.
+//! A fragment is one logical block compressed alone, or an *extent*: up to
+//! `UNIT_BLOCKS_MAX` logical blocks written together, compressed as one unit; each of its
+//! blocks is mapped to the fragment and its index in the unit.
 //!
 //! Invariants:
-//! - Fragments lie inside the data area (72..4096), do not overlap, and appear in slot order.
-//! - A packed block is immutable once written; the open block lives only in memory and is
-//!   written ("sealed") when full or when a commit needs its data durable.
-//! - A fragment decompresses to exactly 4096 bytes, or the block is reported corrupt.
-//! - At most `OPEN_BLOCKS_MAX` blocks are open, each at a distinct pbn, each holding at
-//!   most `PACKED_SLOTS_MAX` fragments that end at or before its `used` mark (asserted as
-//!   they change; the `verify` audit decodes every open block's header and fragments).
+//! - The open run's blocks are reserved, consecutive, and at most `RUN_BLOCKS_MAX`; its
+//!   fragments lie back to back from byte 0 of its first block, and `buf` holds exactly
+//!   the bytes used so far (asserted as it grows; the `verify` audit decodes them all).
+//! - Sealing hands out every block the run filled, the last one zero-padded, and the
+//!   reserved blocks it did not reach, to be unreserved: a run's blocks are staged
+//!   together, so a fragment is never half on the device and half in memory.
+//! - A fragment decodes to exactly its unit's blocks, or is reported corrupt.
 
-use crate::codec::{get_u16, put_u16, put_u32, seal_crc};
-use crate::config::{Compression, BLOCK_SIZE};
+use crate::config::{Compression, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
-use crate::metadata::block_map::PACKED_SLOTS_MAX;
+use crate::metadata::block_map::{Frag, UNIT_BLOCKS_MAX};
 
-/// Magic of a packed block.
-pub const PACKED_MAGIC: u32 = u32::from_le_bytes(*b"DVPK");
-/// Bytes before the fragment area.
-pub const PACKED_HEADER_BYTES: usize = 72;
-/// Largest fragment that can be packed.
-pub const FRAGMENT_BYTES_MAX: usize = BLOCK_SIZE - PACKED_HEADER_BYTES;
-const CRC_OFFSET: usize = 4;
+/// Blocks an open run holds at most (128 KiB): bounds its memory and how long its data
+/// waits for the device; twice the largest extent, so an extent always fits a fresh run.
+pub const RUN_BLOCKS_MAX: u64 = 32;
 
-const _: () = assert!(12 + 4 * PACKED_SLOTS_MAX as usize <= PACKED_HEADER_BYTES);
+/// Largest compressed size worth storing for a unit of `blocks` logical blocks: it must
+/// save at least 1/16 of the unit, else the unit is stored raw (a read would pay the
+/// decompression for almost nothing).
+pub fn fragment_limit(blocks: usize) -> usize {
+    let raw = blocks * BLOCK_SIZE;
+    raw - raw / 16
+}
 
-/// Compresses a 4 KiB block with `codec` at `level` (zstd; 0 is `ZSTD_LEVEL_DEFAULT`);
-/// None when the result would not fit in a packed block, and the block is stored raw.
+/// Largest fragment of a single block.
+pub const FRAGMENT_BYTES_MAX: usize = BLOCK_SIZE - BLOCK_SIZE / 16;
+
+const _: () = assert!(RUN_BLOCKS_MAX as usize * BLOCK_SIZE >= 2 * UNIT_BLOCKS_MAX as usize * BLOCK_SIZE);
+
+/// Compresses `src` (one or more whole 4 KiB blocks) with `codec` at `level` (zstd; 0 is
+/// `ZSTD_LEVEL_DEFAULT`); None when the result would not save enough
+/// (`fragment_limit`), and the blocks are stored raw.
 ///
-/// zstd first asks [`cannot_fit`] whether the block is incompressible: on random data
-/// that costs a byte histogram and an LZ4 attempt instead of a zstd attempt (LZ4 runs at
-/// 5 GB/s on random data, zstd at 690 MB/s at level 1). Of the 37,371 blocks of a 1 GiB
-/// /usr tar it turned away, zstd would have fit 948, every one in 3.5–3.9 KiB: 0.01 % of
-/// the input, and each would have filled a packed block alone.
+/// zstd first asks [`cannot_fit`] whether a single block is incompressible: on random
+/// data that costs a byte histogram and an LZ4 attempt instead of a zstd attempt (LZ4 runs
+/// at 5 GB/s on random data, zstd at 690 MB/s at level 1). Units of several blocks are
+/// probed block by block by the caller before they are formed.
 pub fn compress(codec: Compression, level: i8, src: &[u8]) -> Option<Vec<u8>> {
+    compress_probed(codec, level, src, true)
+}
+
+/// `compress`, with the incompressibility probe of a single block skipped when `probe`
+/// is false (the caller ran it already: `incompressible`).
+pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -> Option<Vec<u8>> {
     // Compress into a per-thread scratch buffer (sized for lz4_flex's worst case) and copy
-    // out only the fragment: no zeroed 4 KiB allocation per chunk. zstd keeps one context
-    // per thread: making one per block cost more than compressing the block.
+    // out only the fragment: no zeroed allocation per chunk. zstd keeps one context per
+    // thread: making one per block cost more than compressing the block.
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         static ZSTD: std::cell::RefCell<Option<(i8, zstd::bulk::Compressor<'static>)>> =
             const { std::cell::RefCell::new(None) };
     }
-    if codec == Compression::None {
+    if codec == Compression::None || src.is_empty() || !src.len().is_multiple_of(BLOCK_SIZE) {
         return None;
     }
+    let limit = fragment_limit(src.len() / BLOCK_SIZE);
     SCRATCH.with(|cell| {
         let mut out = cell.borrow_mut();
-        let want = lz4_flex::block::get_maximum_output_size(src.len()).max(FRAGMENT_BYTES_MAX);
+        let want = lz4_flex::block::get_maximum_output_size(src.len()).max(limit);
         if out.len() < want {
             out.resize(want, 0);
         }
@@ -59,7 +74,7 @@ pub fn compress(codec: Compression, level: i8, src: &[u8]) -> Option<Vec<u8>> {
             Compression::None => return None,
             Compression::Lz4 => lz4_flex::block::compress_into(src, &mut out).ok()?,
             Compression::Zstd => {
-                if cannot_fit(src, &mut out) {
+                if probe && src.len() == BLOCK_SIZE && cannot_fit(src, &mut out, FRAGMENT_BYTES_MAX) {
                     return None;
                 }
                 let level = crate::config::effective_level(codec, level);
@@ -69,15 +84,33 @@ pub fn compress(codec: Compression, level: i8, src: &[u8]) -> Option<Vec<u8>> {
                         *z = Some((level, zstd::bulk::Compressor::new(i32::from(level)).ok()?));
                     }
                     let (_, c) = z.as_mut()?;
-                    // A block that does not fit the fragment area is an error here: stored raw.
-                    c.compress_to_buffer(src, out.get_mut(..FRAGMENT_BYTES_MAX)?).ok()
+                    // Output past the limit is an error here: the unit is stored raw.
+                    c.compress_to_buffer(src, out.get_mut(..limit)?).ok()
                 })?
             }
         };
-        if n == 0 || n > FRAGMENT_BYTES_MAX {
+        if n == 0 || n > limit {
             return None;
         }
         out.get(..n).map(<[u8]>::to_vec)
+    })
+}
+
+/// True when a 4 KiB block is worth no compression attempt, alone or in an extent (see
+/// [`cannot_fit`]): a cheap probe the write path runs before forming extents. (A higher
+/// bar, near-random data only, stored a 1 GiB tar of /usr at the same 2.09x: the blocks
+/// this one turns away do not shrink in a 64 KiB unit either.)
+pub fn incompressible(src: &[u8]) -> bool {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|cell| {
+        let mut out = cell.borrow_mut();
+        let want = lz4_flex::block::get_maximum_output_size(src.len());
+        if out.len() < want {
+            out.resize(want, 0);
+        }
+        cannot_fit(src, &mut out, FRAGMENT_BYTES_MAX)
     })
 }
 
@@ -88,7 +121,7 @@ pub fn compress(codec: Compression, level: i8, src: &[u8]) -> Option<Vec<u8>> {
 /// below `FRAGMENT_BYTES_MAX` alone is left to zstd only if its matcher finds repeats
 /// LZ4's missed, which the measurement above puts at a few bytes a block. `scratch`
 /// holds LZ4's output.
-fn cannot_fit(src: &[u8], scratch: &mut [u8]) -> bool {
+fn cannot_fit(src: &[u8], scratch: &mut [u8], limit: usize) -> bool {
     // Four interleaved histograms, so consecutive equal bytes do not wait on each other.
     let mut h = [[0u16; 256]; 4];
     let mut quads = src.chunks_exact(4);
@@ -119,23 +152,33 @@ fn cannot_fit(src: &[u8], scratch: &mut [u8]) -> bool {
         }
     }
     let entropy_bytes = (n * n.log2() - sum_c_log_c) / 8.0;
-    if entropy_bytes < FRAGMENT_BYTES_MAX as f64 {
+    if entropy_bytes < limit as f64 {
         return false;
     }
     // LZ4 on data without repeats runs at several GB/s (it skips ahead faster the longer
     // it finds nothing).
-    !matches!(lz4_flex::block::compress_into(src, scratch), Ok(k) if k <= FRAGMENT_BYTES_MAX)
+    !matches!(lz4_flex::block::compress_into(src, scratch), Ok(k) if k <= limit)
 }
 
-/// Packed block `pbn` is not what it must be (`pbn` only names it in the error).
+/// A fragment starting in physical block `pbn` is not what it must be (`pbn` only names
+/// it in the error).
 fn damaged(pbn: u64, expected: impl Into<String>, found: impl Into<String>) -> Error {
-    Error::corruption("packed block", pbn, expected, found)
+    Error::corruption("compressed fragment in physical block", pbn, expected, found)
 }
 
-/// Decompresses a fragment of packed block `pbn` into exactly 4096 bytes.
-pub fn decompress(pbn: u64, slot: u8, codec: Compression, frag: &[u8], out: &mut [u8]) -> Result<()> {
+/// Decompresses fragment `f` (its bytes `frag`, first block `pbn`) into `out`, which must
+/// be exactly its unit's blocks long.
+pub fn decompress(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8]) -> Result<()> {
+    let want = f.unit_blocks() * BLOCK_SIZE;
+    if out.len() != want {
+        return Err(Error::internal(
+            "decompression buffer of the wrong size",
+            format!("{} for {want} bytes", out.len()),
+        ));
+    }
+    let codec = Compression::from_code(f.codec).unwrap_or(Compression::None);
     let decoded = match codec {
-        Compression::None => return Err(damaged(pbn, "a compression codec", "codec none")),
+        Compression::None => return Err(damaged(pbn, "a compression codec", format!("codec {}", f.codec))),
         Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| e.to_string()),
         Compression::Zstd => {
             thread_local! {
@@ -155,234 +198,238 @@ pub fn decompress(pbn: u64, slot: u8, codec: Compression, frag: &[u8], out: &mut
         }
     };
     match decoded {
-        Ok(BLOCK_SIZE) => Ok(()),
-        Ok(n) => Err(damaged(pbn, format!("slot {slot} to decompress to {BLOCK_SIZE} bytes"), format!("{n} bytes"))),
-        Err(e) => Err(damaged(pbn, format!("slot {slot} to decompress ({codec:?})"), e)),
+        Ok(n) if n == want => Ok(()),
+        Ok(n) => {
+            Err(damaged(pbn, format!("a fragment at offset {} decoding to {want} bytes", f.off), format!("{n} bytes")))
+        }
+        Err(e) => Err(damaged(pbn, format!("a fragment at offset {} that decodes ({codec:?})", f.off), e)),
     }
 }
 
-/// Returns the compressed bytes of `slot` and the codec, validating the header bounds. The
-/// block crc is not checked: callers check the decoded slot against its own crc (format.md).
-pub fn fragment(block: &[u8], pbn: u64, slot: u8) -> Result<(Compression, &[u8])> {
-    let magic = crate::codec::get_u32(block, 0);
-    if block.len() != BLOCK_SIZE || magic != PACKED_MAGIC {
-        return Err(damaged(
-            pbn,
-            format!("a {BLOCK_SIZE}-byte block with magic {PACKED_MAGIC:#010x}"),
-            format!("{} bytes with magic {magic:#010x} (not a packed block)", block.len()),
-        ));
+/// Decodes the first `out.len() / 4096` blocks of fragment `f`'s unit into `out`: a read
+/// of block k of an extent needs only its first k + 1 blocks, and zstd stops there (a
+/// random 4 KiB read of 64 KiB extents then decompresses half a unit on average). LZ4
+/// blocks decode whole.
+pub fn decompress_prefix(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8]) -> Result<()> {
+    let unit = f.unit_blocks() * BLOCK_SIZE;
+    if out.len() == unit || Compression::from_code(f.codec) != Some(Compression::Zstd) {
+        if out.len() == unit {
+            return decompress(pbn, f, frag, out);
+        }
+        let mut whole = vec![0u8; unit];
+        decompress(pbn, f, frag, &mut whole)?;
+        return match whole.get(..out.len()) {
+            Some(p) => {
+                out.copy_from_slice(p);
+                Ok(())
+            }
+            None => Err(Error::internal("decompression prefix longer than its unit", format!("{} bytes", out.len()))),
+        };
     }
-    let count = block.get(8).copied().unwrap_or(0);
-    let code = block.get(9).copied().unwrap_or(0xff);
-    let codec = Compression::from_code(code).ok_or_else(|| damaged(pbn, "a known codec", format!("codec {code}")))?;
-    if slot >= count || count > PACKED_SLOTS_MAX {
-        return Err(damaged(
-            pbn,
-            format!("slot {slot} among at most {PACKED_SLOTS_MAX} fragments"),
-            format!("{count} fragments"),
-        ));
+    thread_local! {
+        static DCTX: std::cell::RefCell<Option<zstd::zstd_safe::DCtx<'static>>> = const { std::cell::RefCell::new(None) };
     }
-    let off = usize::from(get_u16(block, 12 + 4 * usize::from(slot)));
-    let len = usize::from(get_u16(block, 14 + 4 * usize::from(slot)));
-    match block.get(off..off + len) {
-        Some(frag) if off >= PACKED_HEADER_BYTES && len > 0 => Ok((codec, frag)),
-        _ => Err(damaged(
+    let want = out.len();
+    let got = DCTX.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = zstd::zstd_safe::DCtx::try_create();
+        }
+        let Some(dctx) = d.as_mut() else { return Err("no zstd context".to_string()) };
+        dctx.reset(zstd::zstd_safe::ResetDirective::SessionOnly)
+            .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
+        let mut input = zstd::zstd_safe::InBuffer::around(frag);
+        let mut output = zstd::zstd_safe::OutBuffer::around(&mut *out);
+        loop {
+            let before = (input.pos(), output.pos());
+            let r = dctx
+                .decompress_stream(&mut output, &mut input)
+                .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
+            // Done: the prefix is out, or the frame ended, or nothing moves any more (a
+            // truncated frame).
+            if output.pos() == want || r == 0 || (input.pos(), output.pos()) == before {
+                return Ok(output.pos());
+            }
+        }
+    });
+    match got {
+        Ok(n) if n == want => Ok(()),
+        Ok(n) => Err(damaged(
             pbn,
-            format!("slot {slot} inside the fragment area {PACKED_HEADER_BYTES}..{BLOCK_SIZE}"),
-            format!("{off}+{len} (out of bounds)"),
+            format!("a fragment at offset {} decoding to at least {want} bytes", f.off),
+            format!("{n} bytes"),
         )),
+        Err(e) => Err(damaged(pbn, format!("a fragment at offset {} that decodes (Zstd)", f.off), e)),
     }
 }
 
-/// Decodes the logical 4 KiB content of `slot` of packed block `pbn` (read into `block`).
-pub fn unpack(block: &[u8], pbn: u64, slot: u8, out: &mut [u8]) -> Result<()> {
-    let (codec, frag) = fragment(block, pbn, slot)?;
-    decompress(pbn, slot, codec, frag, out)
+/// The bytes of fragment `f` within `span`, the contents of its blocks back to back.
+pub fn fragment_bytes<'a>(pbn: u64, f: &Frag, span: &'a [u8]) -> Result<&'a [u8]> {
+    let off = usize::from(f.off);
+    span.get(off..off + usize::from(f.len)).ok_or_else(|| {
+        damaged(
+            pbn,
+            format!("{} bytes at offset {off} inside its blocks", f.len),
+            format!("{} bytes of blocks", span.len()),
+        )
+    })
 }
 
-/// Blocks open at once: fragments go to the best-fitting one, so a large fragment does not
-/// close a block that a later small fragment could still fill (bin packing, as VDO's packer).
-/// When a fragment fits none and all are open, the *oldest* is sealed: blocks are opened in
-/// allocation (pbn) order, so sealing them in the same order keeps each staged batch one
-/// contiguous run on the device. Measured on a kernel source tar (1.3 GB): sealing the
-/// fullest of 4 stored 623 MB in 9,000 device writes; the oldest of 32 stores 577 MB in
-/// 1,900 (the ideal packing of the same fragments is 504 MB).
-pub const OPEN_BLOCKS_MAX: usize = 32;
-
-/// A block being filled.
-pub struct OpenBlock {
-    /// Its physical block.
-    pbn: u64,
-    /// Unshared while open (written through `Arc::make_mut`, which then never copies), so sealing hands the block to
-    /// the write path and the content cache without a copy.
-    buf: crate::read::cache::Block,
-    count: u8,
-    used: usize,
-}
-
-impl OpenBlock {
-    fn fits(&self, len: usize) -> bool {
-        self.count < PACKED_SLOTS_MAX && self.used + len <= BLOCK_SIZE && len > 0
+/// Decodes block `f.sub()` of fragment `f` from its blocks' contents `span` into `out`
+/// (4 KiB). Allocates the unit's buffer only for an extent.
+pub fn decode_block(pbn: u64, f: &Frag, span: &[u8], out: &mut [u8]) -> Result<()> {
+    let bytes = fragment_bytes(pbn, f, span)?;
+    if f.unit_blocks() == 1 {
+        return decompress(pbn, f, bytes, out);
+    }
+    let mut unit = vec![0u8; (f.sub() + 1) * BLOCK_SIZE];
+    decompress_prefix(pbn, f, bytes, &mut unit)?;
+    let at = f.sub() * BLOCK_SIZE;
+    match unit.get(at..at + BLOCK_SIZE) {
+        Some(b) if out.len() == BLOCK_SIZE => {
+            out.copy_from_slice(b);
+            Ok(())
+        }
+        _ => Err(Error::internal("extent block outside its unit", format!("block {} of {}", f.sub(), f.unit_blocks()))),
     }
 }
 
-/// The packer: up to `OPEN_BLOCKS_MAX` open blocks.
+/// The open run: consecutive reserved blocks being filled with fragments.
+struct Run {
+    /// Its first block.
+    first: u64,
+    /// Blocks reserved, from `first` on.
+    reserved: u64,
+    /// The bytes used so far, from byte 0 of `first`.
+    buf: Vec<u8>,
+}
+
+/// A sealed run, ready to write: its filled blocks (the last zero-padded) and the
+/// reserved blocks it never reached.
+pub struct Sealed {
+    /// Filled blocks, consecutive from the run's first.
+    pub blocks: Vec<(u64, crate::read::cache::Block)>,
+    /// Reserved blocks left empty.
+    pub unused: Vec<u64>,
+}
+
+/// The packer: at most one open run.
 pub struct Packer {
-    codec: Compression,
-    open: Vec<OpenBlock>,
+    run: Option<Run>,
 }
 
 impl Packer {
-    /// A packer writing fragments compressed with `codec`.
-    pub fn new(codec: Compression) -> Self {
-        Packer { codec, open: Vec::new() }
+    /// A packer with no open run.
+    pub fn new() -> Self {
+        Packer { run: None }
     }
 
-    /// True when `pbn` is an open (unwritten) block.
+    /// True when `pbn` is a block of the open run (filled or only reserved).
     pub fn is_open(&self, pbn: u64) -> bool {
-        self.open.iter().any(|o| o.pbn == pbn)
+        self.run.as_ref().is_some_and(|r| (r.first..r.first + r.reserved).contains(&pbn))
     }
 
-    /// The open blocks' physical blocks.
+    /// The open run's blocks.
     pub fn open_pbns(&self) -> Vec<u64> {
-        self.open.iter().map(|o| o.pbn).collect()
+        self.run.as_ref().map(|r| (r.first..r.first + r.reserved).collect()).unwrap_or_default()
     }
 
-    /// True when some open block holds fragments.
+    /// True when the open run holds fragments.
     pub fn has_fragments(&self) -> bool {
-        self.open.iter().any(|o| o.count > 0)
+        self.run.as_ref().is_some_and(|r| !r.buf.is_empty())
     }
 
-    /// True when another block may be opened.
-    pub fn can_open(&self) -> bool {
-        self.open.len() < OPEN_BLOCKS_MAX
+    /// Where the next fragment would start, and the room left in the reserved blocks;
+    /// None without an open run.
+    pub fn tail(&self) -> Option<(u64, u64)> {
+        self.run.as_ref().map(|r| {
+            let used = r.buf.len() as u64;
+            (r.first + used / BLOCK_SIZE_U64, r.reserved * BLOCK_SIZE_U64 - used)
+        })
     }
 
-    /// Adds a fragment to the open block it fits best (least room left) among those
-    /// `accepts` allows; returns the block and slot, or None when it fits nowhere.
-    ///
-    /// `accepts` lets the caller rule out a block that can take no more references: the
-    /// reference count covers every slot of a packed block, so an open block whose slots
-    /// are already shared up to the cap must not receive a new fragment.
-    pub fn try_add(&mut self, frag: &[u8], accepts: impl Fn(u64) -> bool) -> Option<(u64, u8)> {
-        let o = self
-            .open
-            .iter_mut()
-            .filter(|o| o.fits(frag.len()) && accepts(o.pbn))
-            .min_by_key(|o| BLOCK_SIZE - o.used)?;
-        let slot = o.count;
-        let buf = std::sync::Arc::make_mut(&mut o.buf);
-        buf.get_mut(o.used..o.used + frag.len())?.copy_from_slice(frag);
-        put_u16(buf, 12 + 4 * usize::from(slot), o.used as u16);
-        put_u16(buf, 14 + 4 * usize::from(slot), frag.len() as u16);
-        o.used += frag.len();
-        o.count += 1;
-        assert!(o.count <= PACKED_SLOTS_MAX && o.used <= BLOCK_SIZE, "packer: block {} overfilled", o.pbn);
-        Some((o.pbn, slot))
+    /// The block after the open run's last reserved one, while the run may grow.
+    pub fn next_block(&self) -> Option<u64> {
+        self.run.as_ref().filter(|r| r.reserved < RUN_BLOCKS_MAX).map(|r| r.first + r.reserved)
     }
 
-    /// Opens a new block at `pbn` (the caller checks `can_open`).
+    /// Opens a run at reserved block `pbn` (the caller seals the previous one first).
     pub fn open(&mut self, pbn: u64) {
-        // At most `OPEN_BLOCKS_MAX` compares, once per packed block: cheap enough for release.
-        assert!(self.can_open() && !self.is_open(pbn), "packer: opening block {pbn} (open: {:?})", self.open_pbns());
-        let mut buf: crate::read::cache::Block = std::iter::repeat_n(0u8, BLOCK_SIZE).collect();
-        let b = std::sync::Arc::make_mut(&mut buf);
-        put_u32(b, 0, PACKED_MAGIC);
-        if let Some(c) = b.get_mut(9) {
-            *c = self.codec.code();
-        }
-        self.open.push(OpenBlock { pbn, buf, count: 0, used: PACKED_HEADER_BYTES });
+        assert!(self.run.is_none(), "packer: opening a run at {pbn} while one is open at {:?}", self.open_pbns());
+        self.run = Some(Run { first: pbn, reserved: 1, buf: Vec::with_capacity(RUN_BLOCKS_MAX as usize * BLOCK_SIZE) });
     }
 
-    fn finish(mut o: OpenBlock) -> (u64, crate::read::cache::Block, u8) {
-        // make_mut copies only if the block was shared, which the packer never does.
-        let b = std::sync::Arc::make_mut(&mut o.buf);
-        if let Some(c) = b.get_mut(8) {
-            *c = o.count;
+    /// Adds reserved block `pbn`, the one right after the run (`next_block`).
+    pub fn extend(&mut self, pbn: u64) {
+        let next = self.next_block();
+        assert_eq!(next, Some(pbn), "packer: extending the run with block {pbn}");
+        if let Some(r) = self.run.as_mut() {
+            r.reserved += 1;
         }
-        seal_crc(b, CRC_OFFSET);
-        (o.pbn, o.buf, o.count)
     }
 
-    /// Closes the oldest open block (the first opened, so the lowest-numbered of a
-    /// sequential allocation) and returns it ready to write.
-    pub fn seal_oldest(&mut self) -> Option<(u64, crate::read::cache::Block, u8)> {
-        if self.open.is_empty() {
+    /// Appends a fragment when the reserved room takes it; returns its first block and its
+    /// offset there.
+    pub fn try_add(&mut self, frag: &[u8]) -> Option<(u64, u16)> {
+        let r = self.run.as_mut()?;
+        let used = r.buf.len();
+        if frag.is_empty() || (used + frag.len()) as u64 > r.reserved * BLOCK_SIZE_U64 {
             return None;
         }
-        Some(Self::finish(self.open.remove(0)))
+        r.buf.extend_from_slice(frag);
+        assert!(r.reserved <= RUN_BLOCKS_MAX, "packer: run at {} holds {} blocks", r.first, r.reserved);
+        Some((r.first + (used / BLOCK_SIZE) as u64, (used % BLOCK_SIZE) as u16))
     }
 
-    /// Closes every open block (a commit needs their data durable). A block returned with
-    /// `count == 0` was never used and its pbn can be unreserved.
-    pub fn seal_all(&mut self) -> Vec<(u64, crate::read::cache::Block, u8)> {
-        std::mem::take(&mut self.open).into_iter().map(Self::finish).collect()
+    /// Closes the open run (a commit needs its data durable, or it is full).
+    pub fn seal(&mut self) -> Sealed {
+        let Some(r) = self.run.take() else { return Sealed { blocks: Vec::new(), unused: Vec::new() } };
+        let filled = (r.buf.len() as u64).div_ceil(BLOCK_SIZE_U64);
+        let blocks = r
+            .buf
+            .chunks(BLOCK_SIZE)
+            .zip(r.first..)
+            .map(|(bytes, pbn)| {
+                let mut b = crate::read::cache::new_block();
+                if let Some(dst) = std::sync::Arc::get_mut(&mut b).and_then(|d| d.get_mut(..bytes.len())) {
+                    dst.copy_from_slice(bytes);
+                }
+                (pbn, b)
+            })
+            .collect();
+        Sealed { blocks, unused: (r.first + filled..r.first + r.reserved).collect() }
     }
 
-    /// Checks every open block (the `verify` audit): distinct pbns within the bound, a
-    /// valid header, and fragments in slot order inside the filled area that decompress.
+    /// Decodes block `f.sub()` of a fragment of the open run starting in block `pbn`.
+    /// None when the run does not hold it.
+    pub fn decode_open(&self, pbn: u64, f: &Frag, out: &mut [u8]) -> Option<Result<()>> {
+        let r = self.run.as_ref()?;
+        if !(r.first..r.first + r.reserved).contains(&pbn) {
+            return None;
+        }
+        let start = ((pbn - r.first) * BLOCK_SIZE_U64) as usize;
+        Some(match r.buf.get(start..) {
+            Some(span) => decode_block(pbn, f, span, out),
+            None => Err(damaged(pbn, "a fragment inside the open run's filled bytes", "offset beyond them")),
+        })
+    }
+
+    /// Checks the open run (the `verify` audit): within its bounds, its bytes inside the
+    /// reserved blocks.
     #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> std::result::Result<(), String> {
-        if self.open.len() > OPEN_BLOCKS_MAX {
-            return Err(format!("{} packed blocks open, more than {OPEN_BLOCKS_MAX}", self.open.len()));
-        }
-        let mut out = vec![0u8; BLOCK_SIZE];
-        for (i, o) in self.open.iter().enumerate() {
-            let pbn = o.pbn;
-            if self.open.iter().skip(i + 1).any(|x| x.pbn == pbn) {
-                return Err(format!("packed block {pbn} is open twice"));
-            }
-            let header_ok = o.buf.len() == BLOCK_SIZE
-                && crate::codec::get_u32(&o.buf, 0) == PACKED_MAGIC
-                && o.buf.get(9).copied() == Some(self.codec.code());
-            if !header_ok || o.count > PACKED_SLOTS_MAX || o.used > BLOCK_SIZE || o.used < PACKED_HEADER_BYTES {
-                return Err(format!(
-                    "open packed block {pbn}: bad header, {} fragments, {} bytes used",
-                    o.count, o.used
-                ));
-            }
-            let mut end = PACKED_HEADER_BYTES;
-            for slot in 0..o.count {
-                let off = usize::from(get_u16(&o.buf, 12 + 4 * usize::from(slot)));
-                let len = usize::from(get_u16(&o.buf, 14 + 4 * usize::from(slot)));
-                if off != end || len == 0 || off + len > o.used {
-                    return Err(format!("open packed block {pbn}: slot {slot} at {off}+{len}, expected at {end}"));
-                }
-                end = off + len;
-                match self.unpack_open(pbn, slot, &mut out) {
-                    Some(Ok(())) => {}
-                    _ => return Err(format!("open packed block {pbn}: slot {slot} does not decompress")),
-                }
-            }
-            if end != o.used {
-                return Err(format!("open packed block {pbn}: fragments end at {end}, used mark at {}", o.used));
+        if let Some(r) = &self.run {
+            if r.reserved == 0 || r.reserved > RUN_BLOCKS_MAX || r.buf.len() as u64 > r.reserved * BLOCK_SIZE_U64 {
+                return Err(format!("open run at {}: {} blocks, {} bytes", r.first, r.reserved, r.buf.len()));
             }
         }
         Ok(())
     }
+}
 
-    /// Decodes a fragment of an open block (reads and verification of data not yet written).
-    pub fn unpack_open(&self, pbn: u64, slot: u8, out: &mut [u8]) -> Option<Result<()>> {
-        let o = self.open.iter().find(|o| o.pbn == pbn)?;
-        if slot >= o.count {
-            // A mapping names a slot the open block has not filled yet: a stale or damaged
-            // map entry, since slots are mapped only after they are added.
-            return Some(Err(Error::corruption(
-                "map entry to open packed block",
-                pbn,
-                format!("one of its {} filled slots", o.count),
-                format!("slot {slot}"),
-            )));
-        }
-        let off = usize::from(get_u16(&o.buf, 12 + 4 * usize::from(slot)));
-        let len = usize::from(get_u16(&o.buf, 14 + 4 * usize::from(slot)));
-        Some(match o.buf.get(off..off + len) {
-            Some(f) => decompress(pbn, slot, self.codec, f, out),
-            None => Err(Error::internal(
-                "open packed block slot outside its buffer",
-                format!("block {pbn} slot {slot}: {off}+{len}"),
-            )),
-        })
+impl Default for Packer {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -390,65 +437,91 @@ impl Packer {
 mod tests {
     use super::*;
 
+    fn span_of(sealed: &Sealed) -> Vec<u8> {
+        sealed.blocks.iter().flat_map(|(_, b)| b.iter().copied()).collect()
+    }
+
     #[test]
-    fn pack_seal_unpack_round_trip() {
-        let mut p = Packer::new(Compression::Lz4);
+    fn fragments_cross_blocks_and_decode_from_the_open_run_and_the_sealed_blocks() {
+        let mut p = Packer::new();
         p.open(9);
-        let blocks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; BLOCK_SIZE]).collect();
-        for (i, b) in blocks.iter().enumerate() {
-            let f = compress(Compression::Lz4, 0, b).expect("compressible");
-            assert_eq!(p.try_add(&f, |_| true), Some((9, i as u8)));
+        for pbn in 10..14 {
+            p.extend(pbn);
         }
+        let blocks: Vec<Vec<u8>> =
+            (0..6u8).map(|i| (0..BLOCK_SIZE).map(|k| (k % (17 + usize::from(i))) as u8 ^ i).collect()).collect();
+        let mut placed = Vec::new();
+        for b in &blocks {
+            let f = compress(Compression::Zstd, 1, b).expect("compressible");
+            let (pbn, off) = p.try_add(&f).expect("room");
+            placed.push(Frag::new(Compression::Zstd.code(), off, f.len() as u16, 1, 0).with_sub(0));
+            let first = placed.len() - 1;
+            placed[first] = Frag { off, ..placed[first] };
+            assert!((9..14).contains(&pbn));
+        }
+        // An extent of four blocks, compressed as one unit, after them.
+        let extent: Vec<u8> = blocks[..4].concat();
+        let ef = compress(Compression::Zstd, 1, &extent).expect("compressible");
+        let (epbn, eoff) = p.try_add(&ef).expect("room");
         let mut out = vec![0u8; BLOCK_SIZE];
-        p.unpack_open(9, 3, &mut out).expect("open").expect("unpack");
-        assert_eq!(out, blocks[3]);
-        let (pbn, buf, count) = p.seal_all().pop().expect("sealed");
-        assert_eq!((pbn, count), (9, 5));
-        for (i, b) in blocks.iter().enumerate() {
-            unpack(&buf, 9, i as u8, &mut out).expect("unpack");
-            assert_eq!(&out, b);
-        }
-        assert!(unpack(&buf, 9, 5, &mut out).is_err());
-        // A slot whose offset points outside the data area is refused, not decoded.
-        let mut bad = buf.to_vec();
-        put_u16(&mut bad, 12, 4090);
-        assert!(unpack(&bad, 9, 0, &mut out).is_err());
-        // Damage inside one fragment never decodes to its original content (the caller's
-        // crc catches it) and leaves the other fragments readable.
-        let mut bad = buf.to_vec();
-        let off = usize::from(get_u16(&bad, 12 + 4));
-        bad[off + 1] ^= 0x55;
-        assert!(unpack(&bad, 9, 1, &mut out).map_or(true, |()| out != blocks[1]));
-        for i in [0usize, 2, 3, 4] {
-            unpack(&bad, 9, i as u8, &mut out).expect("undamaged slot");
+        let starts: Vec<u64> = {
+            let mut at = 0u64;
+            placed
+                .iter()
+                .map(|f| {
+                    let s = 9 + at / BLOCK_SIZE_U64;
+                    at += u64::from(f.len);
+                    s
+                })
+                .collect()
+        };
+        for (i, f) in placed.iter().enumerate() {
+            p.decode_open(starts[i], f, &mut out).expect("open run").expect("decodes");
             assert_eq!(out, blocks[i]);
         }
+        let sealed = p.seal();
+        assert_eq!(sealed.blocks.first().map(|(b, _)| *b), Some(9));
+        let span = span_of(&sealed);
+        for (i, f) in placed.iter().enumerate() {
+            let from = ((starts[i] - 9) * BLOCK_SIZE_U64) as usize;
+            decode_block(starts[i], f, &span[from..], &mut out).expect("decodes");
+            assert_eq!(out, blocks[i]);
+        }
+        for sub in 0..4 {
+            let f = Frag::new(Compression::Zstd.code(), eoff, ef.len() as u16, 4, sub);
+            let from = ((epbn - 9) * BLOCK_SIZE_U64) as usize;
+            decode_block(epbn, &f, &span[from..], &mut out).expect("extent block decodes");
+            assert_eq!(out, blocks[usize::from(sub)]);
+        }
+        // Reserved blocks the run never reached are handed back.
+        let filled = sealed.blocks.len() as u64;
+        assert_eq!(sealed.unused, (9 + filled..14).collect::<Vec<_>>());
+        // A fragment whose bytes would run past its blocks is refused, not decoded.
+        let bad = Frag { len: ef.len() as u16 + 9000, ..Frag::new(Compression::Zstd.code(), eoff, 1, 4, 0) };
+        assert!(decode_block(epbn, &bad, &span[((epbn - 9) * BLOCK_SIZE_U64) as usize..], &mut out).is_err());
+        // Damage inside one fragment never decodes to its original content.
+        let mut bad_span = span.clone();
+        bad_span[usize::from(placed[1].off) + BLOCK_SIZE * ((starts[1] - 9) as usize) + 2] ^= 0x55;
+        let from = ((starts[1] - 9) * BLOCK_SIZE_U64) as usize;
+        assert!(decode_block(starts[1], &placed[1], &bad_span[from..], &mut out).map_or(true, |()| out != blocks[1]));
     }
 
     #[test]
-    fn best_fit_fills_the_block_with_least_room() {
-        let mut p = Packer::new(Compression::Lz4);
+    fn a_run_takes_fragments_only_within_its_reserved_blocks() {
+        let mut p = Packer::new();
+        assert!(p.try_add(&[1u8; 10]).is_none(), "no run open");
         p.open(1);
-        p.open(2);
-        assert_eq!(p.try_add(&[1u8; 3000], |_| true).map(|(b, _)| b), Some(1));
-        // 1000 bytes fit both blocks; block 1 has less room left, so it takes them.
-        assert_eq!(p.try_add(&[2u8; 1000], |_| true), Some((1, 1)));
-        assert_eq!(p.try_add(&[3u8; 2000], |_| true), Some((2, 0)));
-        // The oldest is sealed first, whichever is fuller.
-        p.open(3);
-        assert_eq!(p.try_add(&[4u8; 3900], |_| true), Some((3, 0)));
-        assert_eq!(p.seal_oldest().map(|(b, _, c)| (b, c)), Some((1, 2)));
-        assert_eq!(p.seal_oldest().map(|(b, _, c)| (b, c)), Some((2, 1)));
-        assert!(p.is_open(3) && !p.is_open(1) && !p.is_open(2));
-    }
-
-    #[test]
-    fn a_refused_block_gets_no_fragment() {
-        let mut p = Packer::new(Compression::Lz4);
-        p.open(1);
-        p.open(2);
-        assert_eq!(p.try_add(&[1u8; 100], |b| b != 1), Some((2, 0)));
-        assert_eq!(p.try_add(&[1u8; 100], |_| false), None);
+        assert_eq!(p.try_add(&[1u8; 3000]), Some((1, 0)));
+        assert_eq!(p.try_add(&[2u8; 2000]), None, "past the one reserved block");
+        assert_eq!(p.next_block(), Some(2));
+        p.extend(2);
+        assert_eq!(p.try_add(&[2u8; 2000]), Some((1, 3000)));
+        assert_eq!(p.tail(), Some((2, 2 * BLOCK_SIZE_U64 - 5000)));
+        assert!(p.is_open(2) && !p.is_open(3));
+        let sealed = p.seal();
+        assert_eq!(sealed.blocks.len(), 2);
+        assert!(sealed.unused.is_empty());
+        assert!(!p.is_open(1) && p.tail().is_none());
     }
 
     #[test]
@@ -485,7 +558,7 @@ mod tests {
         let mut scratch = vec![0u8; lz4_flex::block::get_maximum_output_size(BLOCK_SIZE)];
         let mut refused = 0;
         for (i, b) in blocks.iter().enumerate() {
-            if cannot_fit(b, &mut scratch) {
+            if cannot_fit(b, &mut scratch, FRAGMENT_BYTES_MAX) {
                 refused += 1;
                 for level in [1i32, 3, 19] {
                     let z = zstd::bulk::compress(b, level).expect("zstd");

@@ -25,10 +25,10 @@ use crate::dedup::index::Location;
 pub const CHAPTER_MAGIC: u32 = u32::from_le_bytes(*b"DVCP");
 /// Bytes of a record page's header.
 pub const CHAPTER_PAGE_HEADER_BYTES: usize = 32;
-/// Bytes of one record: the 32-byte fingerprint and the 8-byte location word.
-pub const RECORD_BYTES: usize = 40;
+/// Bytes of one record: the 32-byte fingerprint and the 16-byte location.
+pub const RECORD_BYTES: usize = 32 + crate::dedup::index::LOCATION_BYTES;
 /// Records per 4 KiB page.
-pub const RECORDS_PER_PAGE: usize = 101;
+pub const RECORDS_PER_PAGE: usize = 84;
 /// Offset of the page checksum.
 pub const CHAPTER_CRC_OFFSET: usize = 4;
 /// Largest chapter, in pages (the in-memory index keeps the page number in 8 bits).
@@ -148,7 +148,9 @@ pub fn encode_page(uuid_lo: u64, h: PageHeader, records: &[Record]) -> Vec<u8> {
         if let Some(dst) = buf.get_mut(off..off + 32) {
             dst.copy_from_slice(&r.hash);
         }
-        put_u64(&mut buf, off + 32, r.loc.pack());
+        if let Some(dst) = buf.get_mut(off + 32..off + RECORD_BYTES) {
+            r.loc.encode(dst);
+        }
     }
     seal_crc(&mut buf, CHAPTER_CRC_OFFSET);
     buf
@@ -191,7 +193,7 @@ pub fn decode_page(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, Vec<Record>)
         .filter_map(|i| {
             let off = CHAPTER_PAGE_HEADER_BYTES + i * RECORD_BYTES;
             let hash: [u8; 32] = buf.get(off..off + 32)?.try_into().ok()?;
-            Some(Record { hash, loc: Location::unpack(get_u64(buf, off + 32)) })
+            Some(Record { hash, loc: Location::decode(buf.get(off + 32..off + RECORD_BYTES)?) })
         })
         .collect();
     Some((h, records))
@@ -206,7 +208,13 @@ mod tests {
         let recs: Vec<Record> = (0..RECORDS_PER_PAGE as u64)
             .map(|i| Record {
                 hash: *blake3::hash(&i.to_le_bytes()).as_bytes(),
-                loc: Location { pbn: i, state: 1, stamp: 7, current: false },
+                loc: Location {
+                    pbn: i,
+                    state: 2,
+                    frag: crate::metadata::block_map::Frag::ZERO,
+                    stamp: 7,
+                    current: false,
+                },
             })
             .collect();
         let h = PageHeader { vcn: 9, epoch: 3, page: 2, count: RECORDS_PER_PAGE as u16 };

@@ -44,6 +44,7 @@ use super::volume_index::{VolumeIndex, LOAD_PERCENT, SLOT_BYTES};
 use crate::config::{IndexMode, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::Result;
 use crate::io::{Dev, IoKind};
+use crate::metadata::block_map::{Frag, MapEntry};
 use crate::obs::stats::IndexFigures;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -72,10 +73,12 @@ const PAGE_OVERHEAD_BYTES: u64 = 96;
 /// Where a fingerprint's copy lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Location {
-    /// Physical block.
+    /// Physical block (the raw block, or the first block of the fragment).
     pub pbn: u64,
-    /// Map entry state (raw or packed slot).
+    /// Map entry state (raw or fragment).
     pub state: u8,
+    /// The fragment, for a fragment.
+    pub frag: Frag,
     /// Reuse stamp of the block when the record was made (hash verification).
     pub stamp: u16,
     /// The record was made in this epoch, so its stamp can be compared with the block's
@@ -83,14 +86,44 @@ pub struct Location {
     pub current: bool,
 }
 
+/// Bytes of an encoded location.
+pub const LOCATION_BYTES: usize = 16;
+
 impl Location {
-    /// The 8-byte location word: pbn 40 bits | state 8 bits | stamp 16 bits.
-    pub fn pack(&self) -> u64 {
-        (self.pbn & ((1 << 40) - 1)) | (u64::from(self.state) << 40) | (u64::from(self.stamp) << 48)
+    /// The location a map entry names (stamp 0, not current).
+    pub fn of(e: &MapEntry) -> Self {
+        Location { pbn: e.pbn, state: e.state, frag: e.frag, stamp: 0, current: false }
     }
-    /// The location of a word (`current` false: the caller decides).
-    pub fn unpack(w: u64) -> Self {
-        Location { pbn: w & ((1 << 40) - 1), state: (w >> 40) as u8, stamp: (w >> 48) as u16, current: false }
+    /// The map entry of this location with content crc `crc`.
+    pub fn entry(&self, crc: u32) -> MapEntry {
+        MapEntry { pbn: self.pbn, state: self.state, crc, frag: self.frag }
+    }
+    /// Encodes 16 bytes: the map entry's first 12 bytes (pbn, state, codec, unit, offset,
+    /// length), the reuse stamp (u16), 2 zero bytes.
+    pub fn encode(&self, out: &mut [u8]) {
+        let mut b = [0u8; crate::metadata::block_map::MAP_ENTRY_BYTES];
+        self.entry(0).encode(&mut b);
+        if let (Some(dst), Some(src)) = (out.get_mut(..12), b.get(..12)) {
+            dst.copy_from_slice(src);
+        }
+        crate::codec::put_u16(out, 12, self.stamp);
+        if let Some(z) = out.get_mut(14..16) {
+            z.fill(0);
+        }
+    }
+    /// Decodes an encoded location (`current` false: the caller decides). Bytes that do
+    /// not decode as a data entry give a location no block map entry can match (state 0),
+    /// which no lookup trusts.
+    pub fn decode(b: &[u8]) -> Self {
+        let mut e = [0u8; crate::metadata::block_map::MAP_ENTRY_BYTES];
+        if let (Some(dst), Some(src)) = (e.get_mut(..12), b.get(..12)) {
+            dst.copy_from_slice(src);
+        }
+        let stamp = crate::codec::get_u16(b, 12);
+        match MapEntry::decode(&e) {
+            Ok(m) if m.is_data() => Location { stamp, ..Location::of(&m) },
+            _ => Location { pbn: 0, state: 0, frag: Frag::ZERO, stamp, current: false },
+        }
     }
 }
 
@@ -799,7 +832,7 @@ mod tests {
     }
 
     fn loc(i: u64) -> Location {
-        Location { pbn: i, state: 1, stamp: 0, current: true }
+        Location { pbn: i, state: 2, frag: Frag::ZERO, stamp: 0, current: true }
     }
 
     fn dev() -> Dev {
@@ -809,14 +842,17 @@ mod tests {
     #[test]
     fn dense_records_survive_a_rebuild_and_the_ring_drops_the_oldest() {
         let meta = dev();
-        // 8 blocks: 8 chapters of one page (101 records), a window of 808 blocks.
+        // 8 blocks: 8 chapters of one page (R records), a window of 8 R blocks.
+        const R: u64 = RECORDS_PER_PAGE as u64;
         let mut ix = Index::new(IndexMode::Dense, Some(meta.clone()), (16, 8), 7, 1 << 20, false).expect("index");
         assert_eq!(ix.ring().chapters, 8);
+        // 1000 records fill chapters 0..=10 and part of 11; the window is chapters 4..=11.
         for i in 0..1000 {
             ix.insert(&h(i), loc(i));
         }
+        let last = 999 / R;
         assert_eq!(ix.lookup(&h(999)).map(|l| l.pbn), Some(999));
-        assert_eq!(ix.lookup(&h(500)).map(|l| l.pbn), Some(500));
+        assert_eq!(ix.lookup(&h(5 * R)).map(|l| l.pbn), Some(5 * R));
         assert_eq!(ix.lookup(&h(5)), None, "chapter 0 left the window");
         let d = ix.take_dirty();
         ix.write_dirty(&meta, &d);
@@ -824,21 +860,26 @@ mod tests {
         re.rebuild(2, IndexRebuild::Foreground);
         let l = re.lookup(&h(999)).expect("open chapter record written with the commit");
         assert_eq!((l.pbn, l.current), (999, false), "records of an earlier epoch are not current");
-        // The rebuild opened chapter 10, so chapter 2 (records 202..303) left the window.
-        assert_eq!(re.lookup(&h(400)).map(|l| l.pbn), Some(400));
-        assert_eq!(re.lookup(&h(300)), None);
-        assert_eq!(re.stats().rebuild_records, 6 * 101 + 91, "chapters 3..=8 and the 91 records of chapter 9");
+        // The rebuild opened chapter last + 1, so chapter last - 7 left the window.
+        assert_eq!(re.lookup(&h((last - 6) * R)).map(|l| l.pbn), Some((last - 6) * R));
+        assert_eq!(re.lookup(&h((last - 7) * R + 3)), None);
+        assert_eq!(
+            re.stats().rebuild_records,
+            6 * R + (1000 - last * R),
+            "six whole chapters and the last one's records"
+        );
         // A torn page is skipped: the rest of the ring still rebuilds.
+        let torn_chapter = last - 5;
         let mut torn = vec![0u8; BLOCK_SIZE];
-        meta.read(IoKind::Index, &mut torn, re.ring().page_offset(3, 0)).expect("read");
+        meta.read(IoKind::Index, &mut torn, re.ring().page_offset(torn_chapter, 0)).expect("read");
         if let Some(b) = torn.get_mut(2000) {
             *b ^= 0xff;
         }
-        meta.write(IoKind::Index, &torn, re.ring().page_offset(3, 0)).expect("write");
+        meta.write(IoKind::Index, &torn, re.ring().page_offset(torn_chapter, 0)).expect("write");
         let mut re2 = Index::new(IndexMode::Dense, Some(meta), (16, 8), 7, 1 << 20, false).expect("index");
         re2.rebuild(3, IndexRebuild::Foreground);
-        assert_eq!(re2.lookup(&h(3 * 101 + 5)), None, "the torn chapter's records are gone");
-        assert_eq!(re2.lookup(&h(500)).map(|l| l.pbn), Some(500));
+        assert_eq!(re2.lookup(&h(torn_chapter * R + 5)), None, "the torn chapter's records are gone");
+        assert_eq!(re2.lookup(&h((last - 3) * R)).map(|l| l.pbn), Some((last - 3) * R));
     }
 
     #[test]

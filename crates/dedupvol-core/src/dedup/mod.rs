@@ -119,7 +119,9 @@ impl Deduper {
     /// be reallocated before placement without any generation bump), not damaged, and its
     /// stamp matches when the stamp can tell.
     fn usable(&self, loc: &Location, rc: &Refcounts) -> bool {
-        rc.get(loc.pbn) > 0 && !self.damaged.contains(&loc.pbn) && (!self.by_stamp(loc) || self.stamp_matches(loc))
+        rc.min_of(&loc.entry(0)) > 0
+            && !self.damaged.contains(&loc.pbn)
+            && (!self.by_stamp(loc) || self.stamp_matches(loc))
     }
 
     /// Step 1: the candidate for `hash`, from memory. A record proven by its stamp comes
@@ -147,11 +149,12 @@ impl Deduper {
         let stale = self.reuse_gen != looked_up_at;
         match cand {
             Candidate { loc: Some(loc), verified: true } => {
-                let c = rc.get(loc.pbn);
+                let c = rc.max_of(&loc.entry(0));
+                let live = rc.min_of(&loc.entry(0)) > 0;
                 let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { !stale };
                 if c >= REFCOUNT_MAX {
                     red.refcount_cap_copies += 1;
-                } else if c > 0 && !self.damaged.contains(&loc.pbn) && proven {
+                } else if live && !self.damaged.contains(&loc.pbn) && proven {
                     self.refresh(hash, loc);
                     return Claim::Share(loc);
                 }
@@ -167,7 +170,7 @@ impl Deduper {
         let Some(loc) = self.index.lookup_cached(hash, false).loc.filter(|l| Some(*l) != cand.loc) else {
             return Claim::Store;
         };
-        if !self.usable(&loc, rc) || rc.get(loc.pbn) >= REFCOUNT_MAX {
+        if !self.usable(&loc, rc) || rc.max_of(&loc.entry(0)) >= REFCOUNT_MAX {
             return Claim::Store;
         }
         let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { in_memory(loc) };
@@ -192,7 +195,7 @@ impl Deduper {
     /// Records a newly stored chunk under its fingerprint, stamped with its block's stamp.
     pub(crate) fn record(&mut self, hash: &[u8; 32], e: &MapEntry) {
         let stamp = self.stamps.as_ref().and_then(|s| s.get(e.pbn as usize).copied()).unwrap_or(0);
-        self.index.insert(hash, Location { pbn: e.pbn, state: e.state, stamp, current: true });
+        self.index.insert(hash, Location { stamp, current: true, ..Location::of(e) });
     }
 
     /// Freed blocks became reusable: every byte verification done before now is stale.
@@ -205,6 +208,12 @@ impl Deduper {
     /// older record needs byte verification). Returns true when the stamp wrapped.
     pub(crate) fn note_freed(&mut self, pbn: u64) -> bool {
         self.damaged.remove(&pbn);
+        self.void_stamp(pbn)
+    }
+
+    /// Gives `pbn` a new reuse stamp, so records made under the old one need byte
+    /// verification; true when the stamp wrapped (a new epoch began).
+    pub(crate) fn void_stamp(&mut self, pbn: u64) -> bool {
         let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
             *s = s.wrapping_add(1);
             *s == 0
@@ -260,7 +269,7 @@ impl Deduper {
             ));
         }
         self.index.audit(|l| {
-            let e = MapEntry { pbn: l.pbn, state: l.state, crc: 0 };
+            let e = l.entry(0);
             match (e.is_data() && l.pbn < data_blocks) || self.damaged.contains(&l.pbn) {
                 true => Ok(()),
                 false => Err(format!("location {l:?} is not a data block of the volume")),

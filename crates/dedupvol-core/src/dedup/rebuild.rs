@@ -512,7 +512,13 @@ mod tests {
                 let recs: Vec<Record> = (0..RECORDS_PER_PAGE as u64)
                     .map(|i| Record {
                         hash: fp(base + i),
-                        loc: Location { pbn: (base + i) % 1000, state: 2, stamp: 0, current: false },
+                        loc: Location {
+                            pbn: (base + i) % 1000,
+                            state: 2,
+                            frag: crate::metadata::block_map::Frag::ZERO,
+                            stamp: 0,
+                            current: false,
+                        },
                     })
                     .collect();
                 let h = PageHeader { vcn, epoch: 1, page: p as u16, count: RECORDS_PER_PAGE as u16 };

@@ -235,7 +235,7 @@ mod tests {
     fn rec(i: u64) -> Record {
         Record {
             hash: *blake3::hash(&i.to_le_bytes()).as_bytes(),
-            loc: Location { pbn: i, state: 1, stamp: 0, current: false },
+            loc: Location { pbn: i, state: 2, frag: crate::metadata::block_map::Frag::ZERO, stamp: 0, current: false },
         }
     }
 

@@ -11,44 +11,56 @@ use crate::data::packer;
 use crate::data::placement::DataDevice;
 use crate::dedup::index::Location;
 use crate::io::IoKind;
-use crate::metadata::block_map::{MapEntry, STATE_RAW};
-use crate::read::cache::{new_block, ContentCache};
+use crate::metadata::block_map::MapEntry;
+use crate::read::cache::{Block, ContentCache};
 use parking_lot::Mutex;
-use std::sync::Arc;
 
-/// True when `block` (physical block `pbn`, raw or packed per `state`) holds `chunk`.
-pub(crate) fn content_matches(block: &[u8], pbn: u64, state: u8, chunk: &[u8]) -> bool {
-    if state == STATE_RAW {
-        return block == chunk;
+/// The logical content `e` maps to, from the content cache alone: a raw block, a decoded
+/// block of a fragment, or a fragment whose blocks are all cached. None when the cache
+/// lacks any of it.
+pub(crate) fn from_cache(cache: &mut ContentCache, e: &MapEntry) -> Option<Block> {
+    let Some(f) = e.fragment_of() else { return cache.get(e.pbn) };
+    if let Some((b, _)) = cache.get_fragment(e.pbn, f.key()) {
+        return Some(b);
     }
-    match (MapEntry { pbn: 0, state, crc: 0 }).slot() {
-        Some(slot) => {
-            let mut out = [0u8; BLOCK_SIZE];
-            packer::unpack(block, pbn, slot, &mut out).is_ok() && out == chunk
-        }
-        None => false,
+    let blocks: Vec<Block> = e.blocks().map_while(|p| cache.get(p)).collect();
+    if blocks.len() as u64 != e.span() {
+        return None;
     }
+    decode(e, &blocks.concat())
 }
 
-/// Reads the candidate's content (content cache first, else a verification read) and
-/// compares it with `chunk`. Takes no volume lock.
+/// Decodes `e`'s block from the contents of its blocks back to back.
+fn decode(e: &MapEntry, span: &[u8]) -> Option<Block> {
+    let f = e.fragment_of()?;
+    let mut out = crate::read::cache::new_block();
+    let dst = std::sync::Arc::get_mut(&mut out)?;
+    packer::decode_block(e.pbn, &f, span, dst).ok()?;
+    Some(out)
+}
+
+/// Reads the candidate's content (content cache first, else a verification read of the
+/// blocks it touches) and compares it with `chunk`. Takes no volume lock.
 pub(crate) fn by_read(data: &DataDevice, cache: &Mutex<ContentCache>, loc: Location, chunk: &[u8]) -> bool {
-    if !data.contains(loc.pbn) {
+    let e = loc.entry(0);
+    if !e.is_data() || !data.contains(e.pbn) || !data.contains(e.pbn + e.span() - 1) {
         return false;
     }
-    let cached = cache.lock().get(loc.pbn);
-    let block = match cached {
-        Some(b) => b,
-        None => {
-            let mut b = new_block();
-            let Some(buf) = Arc::get_mut(&mut b) else { return false };
-            if data.read(IoKind::Verify, loc.pbn, buf, "fingerprint index entry").is_err() {
-                return false;
-            }
-            let crc = crate::read::cache::block_crc(&b);
-            cache.lock().fill(loc.pbn, b.clone(), crc);
-            b
+    if let Some(b) = from_cache(&mut cache.lock(), &e) {
+        return *b == *chunk;
+    }
+    let mut buf = vec![0u8; e.span() as usize * BLOCK_SIZE];
+    if data.read(IoKind::Verify, e.pbn, &mut buf, "fingerprint index entry").is_err() {
+        return false;
+    }
+    {
+        let mut c = cache.lock();
+        for (p, bytes) in e.blocks().zip(buf.chunks_exact(BLOCK_SIZE)) {
+            c.fill(p, Block::from(bytes), crate::read::cache::block_crc(bytes));
         }
-    };
-    content_matches(&block, loc.pbn, loc.state, chunk)
+    }
+    match e.fragment_of() {
+        None => buf == chunk,
+        Some(_) => decode(&e, &buf).is_some_and(|b| *b == *chunk),
+    }
 }

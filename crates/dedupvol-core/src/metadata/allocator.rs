@@ -31,7 +31,7 @@ pub struct Allocator {
 
 impl Allocator {
     /// Builds the allocator from reference counts.
-    pub fn from_counts(counts: &[u8], slab_blocks: u64) -> Self {
+    pub fn from_counts(counts: &[u16], slab_blocks: u64) -> Self {
         let data_blocks = counts.len() as u64;
         let slabs = data_blocks.div_ceil(slab_blocks) as usize;
         let mut a = Allocator {
@@ -145,6 +145,29 @@ impl Allocator {
         }
     }
 
+    /// Allocates block `pbn` itself when it is free (a run of compressed data growing
+    /// into the block after it); false when it is busy or beyond the region.
+    pub fn try_reserve(&mut self, pbn: u64) -> bool {
+        if pbn >= self.data_blocks || self.is_busy(pbn) {
+            return false;
+        }
+        let slab = pbn / self.slab_blocks;
+        let slab_free = self.slab_free.get_mut(slab as usize);
+        assert!(
+            self.free_total > 0 && slab_free.as_ref().is_some_and(|f| **f > 0),
+            "allocator: block {pbn} reserved from slab {slab} with no free blocks counted"
+        );
+        if let Some(f) = slab_free {
+            *f -= 1;
+        }
+        self.free_total -= 1;
+        self.set_busy(pbn, true);
+        if slab == self.current_slab && self.cursor == pbn {
+            self.cursor = pbn + 1;
+        }
+        true
+    }
+
     /// Returns a block that was allocated but never referenced.
     pub fn unreserve(&mut self, pbn: u64) {
         assert!(self.is_busy(pbn), "allocator: unreserving block {pbn}, which is not allocated");
@@ -199,7 +222,7 @@ impl Allocator {
 
     /// Checks the allocator against reference counts: every referenced or pending block is
     /// busy, and the free counters match the bitmap (an audit for tests and the simulator).
-    pub fn audit(&self, counts: &[u8], open_pbns: &[u64]) -> Result<(), String> {
+    pub fn audit(&self, counts: &[u16], open_pbns: &[u64]) -> Result<(), String> {
         let mut free = 0u64;
         for pbn in 0..self.data_blocks {
             let busy = self.is_busy(pbn);
@@ -241,7 +264,7 @@ mod tests {
 
     #[test]
     fn allocates_sequentially_and_never_reuses_before_durable() {
-        let mut counts = vec![0u8; 300];
+        let mut counts = vec![0u16; 300];
         counts[1] = 1;
         let mut a = Allocator::from_counts(&counts, 512);
         assert_eq!(a.alloc(), Some(0));

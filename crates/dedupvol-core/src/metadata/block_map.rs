@@ -34,7 +34,7 @@ const READAHEAD_PAGES: u64 = 16;
 /// Page header bytes (magic, crc, page index, applied seq, uuid low half).
 pub const PAGE_HEADER_BYTES: usize = 32;
 /// Bytes per encoded map entry.
-pub const MAP_ENTRY_BYTES: usize = 10;
+pub const MAP_ENTRY_BYTES: usize = 16;
 /// Magic of a block map page ("DVBM").
 pub const BM_PAGE_MAGIC: u32 = u32::from_le_bytes(*b"DVBM");
 /// Offset of a page's checksum field.
@@ -48,57 +48,121 @@ pub const STATE_UNMAPPED: u8 = 0;
 pub const STATE_ZERO: u8 = 1;
 /// Entry state: stored raw in physical block `pbn`.
 pub const STATE_RAW: u8 = 2;
-/// Entry state of packed slot 0; slot `s` is `STATE_SLOT0 + s`.
-pub const STATE_SLOT0: u8 = 16;
-/// Fragments per packed block.
-pub const PACKED_SLOTS_MAX: u8 = 14;
+/// Entry state: a compressed fragment (`Frag`) starting in physical block `pbn`.
+pub const STATE_FRAGMENT: u8 = 3;
+/// Logical blocks one compressed unit (an extent) holds at most (64 KiB).
+pub const UNIT_BLOCKS_MAX: u8 = 16;
+
+/// Where a compressed fragment lies and what it decodes to. A fragment is a byte range
+/// that starts `off` bytes into its first physical block and may run on into the
+/// following blocks; it decodes to `unit_blocks()` logical blocks, of which the entry's
+/// block is number `sub()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Frag {
+    /// Codec of the fragment (`Compression::code`).
+    pub codec: u8,
+    /// Low nibble: blocks in the unit minus one; high nibble: this block's index in it.
+    pub unit: u8,
+    /// Byte offset of the fragment in its first physical block (below 4096).
+    pub off: u16,
+    /// Compressed length in bytes (at least 1).
+    pub len: u16,
+}
+
+impl Frag {
+    /// A fragment of `len` bytes at `off`, block `sub` of a unit of `blocks`.
+    pub fn new(codec: u8, off: u16, len: u16, blocks: u8, sub: u8) -> Self {
+        debug_assert!((1..=UNIT_BLOCKS_MAX).contains(&blocks) && sub < blocks && usize::from(off) < BLOCK_SIZE);
+        Frag { codec, unit: (blocks - 1) | (sub << 4), off, len }
+    }
+    /// Logical blocks the unit decodes to.
+    pub fn unit_blocks(&self) -> usize {
+        usize::from(self.unit & 0x0f) + 1
+    }
+    /// This entry's block within the unit.
+    pub fn sub(&self) -> usize {
+        usize::from(self.unit >> 4)
+    }
+    /// Physical blocks the fragment touches, counted from its first.
+    pub fn span(&self) -> u64 {
+        (u64::from(self.off) + u64::from(self.len)).div_ceil(BLOCK_SIZE_U64)
+    }
+    /// The same fragment as block `sub` of its unit.
+    pub fn with_sub(&self, sub: usize) -> Self {
+        Frag { unit: (self.unit & 0x0f) | ((sub as u8 & 0x0f) << 4), ..*self }
+    }
+    /// A key naming this block of the fragment among those starting in the same physical
+    /// block: the offset (12 bits) and the block within the unit (4 bits).
+    pub fn key(&self) -> u16 {
+        (self.off & 0x0fff) | (u16::from(self.unit >> 4) << 12)
+    }
+}
 
 /// One logical block's mapping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MapEntry {
-    /// Physical data block (relative to the data region); 0 for unmapped/zero.
+    /// Physical data block (relative to the data region): the raw block, or the first
+    /// block a fragment touches; 0 for unmapped/zero.
     pub pbn: u64,
     /// One of the `STATE_*` values.
     pub state: u8,
     /// crc32c of the 4 KiB logical content (0 for unmapped/zero).
     pub crc: u32,
+    /// The fragment (all zero unless `state` is `STATE_FRAGMENT`).
+    pub frag: Frag,
 }
 
 impl MapEntry {
     /// The unmapped entry.
-    pub const UNMAPPED: MapEntry = MapEntry { pbn: 0, state: STATE_UNMAPPED, crc: 0 };
+    pub const UNMAPPED: MapEntry = MapEntry { pbn: 0, state: STATE_UNMAPPED, crc: 0, frag: Frag::ZERO };
     /// The written-zeros entry.
-    pub const ZERO: MapEntry = MapEntry { pbn: 0, state: STATE_ZERO, crc: 0 };
+    pub const ZERO: MapEntry = MapEntry { pbn: 0, state: STATE_ZERO, crc: 0, frag: Frag::ZERO };
 
     /// A raw-block mapping.
     pub fn raw(pbn: u64, crc: u32) -> Self {
-        MapEntry { pbn, state: STATE_RAW, crc }
+        MapEntry { pbn, state: STATE_RAW, crc, frag: Frag::ZERO }
     }
-    /// A packed-fragment mapping.
-    pub fn packed(pbn: u64, slot: u8, crc: u32) -> Self {
-        debug_assert!(slot < PACKED_SLOTS_MAX);
-        MapEntry { pbn, state: STATE_SLOT0 + slot, crc }
+    /// A fragment mapping.
+    pub fn fragment(pbn: u64, frag: Frag, crc: u32) -> Self {
+        MapEntry { pbn, state: STATE_FRAGMENT, crc, frag }
     }
     /// True when the entry references a physical block.
     pub fn is_data(&self) -> bool {
-        self.state == STATE_RAW || self.slot().is_some()
+        self.state == STATE_RAW || self.state == STATE_FRAGMENT
     }
-    /// The packed slot, if this is a fragment.
-    pub fn slot(&self) -> Option<u8> {
-        (STATE_SLOT0..STATE_SLOT0 + PACKED_SLOTS_MAX).contains(&self.state).then(|| self.state - STATE_SLOT0)
+    /// The fragment, if this is one.
+    pub fn fragment_of(&self) -> Option<Frag> {
+        (self.state == STATE_FRAGMENT).then_some(self.frag)
     }
-    /// Encodes into 10 bytes: pbn (5 bytes LE), state (1), crc (4).
+    /// Physical blocks the entry references: `pbn..pbn + span` (0 for unmapped/zero).
+    pub fn span(&self) -> u64 {
+        match self.state {
+            STATE_RAW => 1,
+            STATE_FRAGMENT => self.frag.span(),
+            _ => 0,
+        }
+    }
+    /// The physical blocks the entry references.
+    pub fn blocks(&self) -> std::ops::Range<u64> {
+        self.pbn..self.pbn + self.span()
+    }
+    /// Encodes into 16 bytes: pbn (5 bytes LE), state (1), codec (1), unit (1), offset
+    /// (u16), length (u16), crc (4).
     pub fn encode(&self, out: &mut [u8]) {
         let p = self.pbn.to_le_bytes();
         let c = self.crc.to_le_bytes();
-        let b: [u8; MAP_ENTRY_BYTES] = [p[0], p[1], p[2], p[3], p[4], self.state, c[0], c[1], c[2], c[3]];
+        let f = self.frag;
+        let o = f.off.to_le_bytes();
+        let l = f.len.to_le_bytes();
+        let b: [u8; MAP_ENTRY_BYTES] =
+            [p[0], p[1], p[2], p[3], p[4], self.state, f.codec, f.unit, o[0], o[1], l[0], l[1], c[0], c[1], c[2], c[3]];
         if let Some(o) = out.get_mut(..MAP_ENTRY_BYTES) {
             o.copy_from_slice(&b);
         }
     }
     /// Decodes one encoded entry. `Err` says what was found instead of an entry (an unknown
-    /// state, or a slice that is not one entry long); the caller knows which structure and
-    /// address it came from and reports the corruption.
+    /// state, a fragment that cannot be one, or a slice that is not one entry long); the
+    /// caller knows which structure and address it came from and reports the corruption.
     pub fn decode(b: &[u8]) -> Result<MapEntry, String> {
         let (Some(pbn), Some(&state), true) = (b.get(..5), b.get(5), b.len() == MAP_ENTRY_BYTES) else {
             return Err(format!("{} bytes where a {MAP_ENTRY_BYTES}-byte entry belongs", b.len()));
@@ -107,13 +171,41 @@ impl MapEntry {
         if let Some(dst) = p.get_mut(..5) {
             dst.copy_from_slice(pbn);
         }
-        let e = MapEntry { pbn: u64::from_le_bytes(p), state, crc: get_u32(b, 6) };
-        if state == STATE_UNMAPPED || state == STATE_ZERO || e.is_data() {
-            Ok(e)
-        } else {
-            Err(format!("unknown entry state {state}"))
+        let frag = Frag {
+            codec: b.get(6).copied().unwrap_or(0),
+            unit: b.get(7).copied().unwrap_or(0),
+            off: crate::codec::get_u16(b, 8),
+            len: crate::codec::get_u16(b, 10),
+        };
+        let e = MapEntry { pbn: u64::from_le_bytes(p), state, crc: get_u32(b, 12), frag };
+        match state {
+            STATE_UNMAPPED | STATE_ZERO | STATE_RAW if frag == Frag::ZERO => Ok(e),
+            STATE_FRAGMENT => {
+                if usize::from(frag.off) >= BLOCK_SIZE || frag.len == 0 || frag.sub() >= frag.unit_blocks() {
+                    Err(format!(
+                        "fragment of {} bytes at offset {}, block {} of {}",
+                        frag.len,
+                        frag.off,
+                        frag.sub(),
+                        frag.unit_blocks()
+                    ))
+                } else if crate::config::Compression::from_code(frag.codec)
+                    .is_none_or(|c| c == crate::config::Compression::None)
+                {
+                    Err(format!("fragment codec {}", frag.codec))
+                } else {
+                    Ok(e)
+                }
+            }
+            STATE_UNMAPPED | STATE_ZERO | STATE_RAW => Err(format!("entry state {state} with fragment bytes set")),
+            _ => Err(format!("unknown entry state {state}")),
         }
     }
+}
+
+impl Frag {
+    /// No fragment.
+    pub const ZERO: Frag = Frag { codec: 0, unit: 0, off: 0, len: 0 };
 }
 
 /// Which slot of a two-slot page holds the newest valid copy.
@@ -475,19 +567,37 @@ mod tests {
 
     #[test]
     fn entries_round_trip_and_bad_states_are_corruption() {
-        for e in
-            [MapEntry::UNMAPPED, MapEntry::ZERO, MapEntry::raw((1 << 40) - 1, 0xdead_beef), MapEntry::packed(7, 13, 1)]
-        {
+        for e in [
+            MapEntry::UNMAPPED,
+            MapEntry::ZERO,
+            MapEntry::raw((1 << 40) - 1, 0xdead_beef),
+            MapEntry::fragment(7, Frag::new(2, 4095, 65535, 16, 15), 1),
+            MapEntry::fragment(9, Frag::new(1, 0, 1, 1, 0), 2),
+        ] {
             let mut b = [0u8; MAP_ENTRY_BYTES];
             e.encode(&mut b);
             assert_eq!(MapEntry::decode(&b).expect("decode"), e);
         }
         let mut b = [0u8; MAP_ENTRY_BYTES];
-        b[5] = 3;
-        assert_eq!(MapEntry::decode(&b), Err("unknown entry state 3".into()));
+        b[5] = 4;
+        assert_eq!(MapEntry::decode(&b), Err("unknown entry state 4".into()));
         assert!(MapEntry::decode(&b[..9]).is_err(), "a short slice is not an unmapped entry");
-        b[5] = STATE_SLOT0 + PACKED_SLOTS_MAX;
+        // A fragment of no bytes, of an unknown codec, or naming a block past its unit.
+        b[5] = STATE_FRAGMENT;
         assert!(MapEntry::decode(&b).is_err());
+        b[6] = 2;
+        b[10] = 1;
+        assert!(MapEntry::decode(&b).is_ok());
+        b[6] = 9;
+        assert!(MapEntry::decode(&b).is_err());
+        b[6] = 2;
+        b[7] = 0x21;
+        assert!(MapEntry::decode(&b).is_err(), "block 2 of a unit of 2");
+        // A raw entry with fragment bytes set is not one.
+        let mut r = [0u8; MAP_ENTRY_BYTES];
+        MapEntry::raw(5, 9).encode(&mut r);
+        r[8] = 1;
+        assert!(MapEntry::decode(&r).is_err());
     }
 
     #[test]

@@ -38,7 +38,7 @@ pub const JOURNAL_CRC_OFFSET: usize = 8;
 /// Journal blocks read per I/O during recovery.
 const SCAN_BLOCKS_PER_IO: u64 = 256;
 
-const _: () = assert!(JOURNAL_ENTRIES_PER_BLOCK == 143);
+const _: () = assert!(JOURNAL_ENTRIES_PER_BLOCK == 100);
 const _: () = assert!(JOURNAL_HEADER_BYTES + JOURNAL_ENTRIES_PER_BLOCK * JOURNAL_ENTRY_BYTES <= BLOCK_SIZE);
 
 /// One mapping change.

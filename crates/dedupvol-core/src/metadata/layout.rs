@@ -27,9 +27,9 @@
 use crate::config::BLOCK_SIZE_U64;
 use crate::error::{Error, Result};
 
-/// Block map entries per 4 KiB page (32-byte header + 406 × 10-byte entries).
-pub const BM_ENTRIES_PER_PAGE: u64 = 406;
-/// Reference-count entries per 4 KiB page (32-byte header + 2032 × 2 bytes).
+/// Block map entries per 4 KiB page (32-byte header + 254 × 16-byte entries).
+pub const BM_ENTRIES_PER_PAGE: u64 = 254;
+/// Reference-count entries per 4 KiB page (32-byte header + 2032 × 2-byte counts).
 pub const RC_ENTRIES_PER_PAGE: u64 = 2032;
 /// Blocks reserved at the start of each device for the two superblock copies.
 pub const SUPERBLOCK_BLOCKS: u64 = 2;

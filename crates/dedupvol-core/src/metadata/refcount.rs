@@ -1,28 +1,28 @@
-//! Reference counts and fragment counts of every physical data block, all in memory,
-//! persisted in checksummed two-slot pages.
+//! Reference counts of every physical data block, all in memory, persisted in checksummed
+//! two-slot pages.
 //!
 //! Invariants:
-//! - `count[pbn]` equals the number of block map entries referencing `pbn` (raw or any
-//!   packed slot) once the journal is applied; it never exceeds `REFCOUNT_MAX`.
-//! - `frags[pbn]` is 0 for a free block, 1 for a raw block, and for a packed block the
-//!   number of slots its fragments have spanned since it was stored (highest slot ever
-//!   referenced + 1; it shrinks only when the block is freed), so 1..=`PACKED_SLOTS_MAX`
-//!   for a used block. It is not bounded by the count: overwriting all but the last slot
-//!   leaves one reference to a block spanning many slots.
-//! - `used_blocks` is the number of non-zero counts and `fragments` the sum of `frags`
-//!   over used blocks (`inc` and `dec` keep both; the `verify` audit recounts them).
+//! - `count[pbn]` equals the number of block map entries whose stored data touches `pbn`
+//!   (a raw block, or a fragment that starts in, runs through or ends in it) once the
+//!   journal is applied; it never exceeds `REFCOUNT_MAX`. A block is free exactly when
+//!   its count is zero: a fragment crossing into the next block keeps both alive.
+//! - `used_blocks` is the number of non-zero counts (`inc` and `dec` keep it; the
+//!   `verify` audit recounts it).
 //! - Pages follow the block map's rules: applied-seq idempotency, the write-ahead rule,
 //!   and two slots never both unsynced.
 
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Error, Result};
 use crate::io::{Dev, IoKind};
-use crate::metadata::block_map::{pick_slot, seal_page, MapEntry, PACKED_SLOTS_MAX, PAGE_HEADER_BYTES};
+use crate::metadata::block_map::{pick_slot, seal_page, MapEntry, PAGE_HEADER_BYTES};
 use crate::metadata::layout::{Geometry, RC_ENTRIES_PER_PAGE};
 use crate::read::cache::PbnSet;
 
-/// Largest reference count; a duplicate of a block at the cap is stored as a new copy.
-pub const REFCOUNT_MAX: u8 = 254;
+/// Largest reference count; a duplicate whose stored data touches a block at the cap is
+/// stored as a new copy. Why not 65,535: a copy per 4,000 references costs 0.025 % of
+/// the space those references save, and the cap stays reachable by the tests of what
+/// happens there.
+pub const REFCOUNT_MAX: u16 = 4_000;
 /// Magic of a refcount page ("DVRC").
 pub const RC_PAGE_MAGIC: u32 = u32::from_le_bytes(*b"DVRC");
 /// Pages read per I/O when loading.
@@ -35,14 +35,12 @@ pub struct Refcounts {
     geo: Geometry,
     uuid_lo: u64,
     meta: Dev,
-    count: Vec<u8>,
-    frags: Vec<u8>,
+    count: Vec<u16>,
     page_seq: Vec<u64>,
     page_dirty: Vec<bool>,
     latest_slot: Vec<Option<u8>>,
     written_unsynced: PbnSet,
     used_blocks: u64,
-    fragments: u64,
     /// Pages found with a damaged slot and no valid copy.
     damaged_pages: u64,
 }
@@ -55,7 +53,6 @@ impl Refcounts {
         assert!(geo.data_blocks >= self.geo.data_blocks && geo.refcount_pages >= self.geo.refcount_pages);
         assert!(geo.refcount_pages * RC_ENTRIES_PER_PAGE >= geo.data_blocks);
         self.count.resize(geo.data_blocks as usize, 0);
-        self.frags.resize(geo.data_blocks as usize, 0);
         let pages = geo.refcount_pages as usize;
         self.page_seq.resize(pages, 0);
         self.page_dirty.resize(pages, false);
@@ -72,13 +69,11 @@ impl Refcounts {
             uuid_lo,
             meta,
             count: crate::io::hugemem::zeroed(n),
-            frags: crate::io::hugemem::zeroed(n),
             page_seq: vec![0; pages as usize],
             page_dirty: vec![false; pages as usize],
             latest_slot: vec![None; pages as usize],
             written_unsynced: PbnSet::default(),
             used_blocks: 0,
-            fragments: 0,
             damaged_pages: 0,
         };
         let mut first = 0u64;
@@ -107,8 +102,7 @@ impl Refcounts {
                         break;
                     }
                     let off = PAGE_HEADER_BYTES + 2 * j as usize;
-                    let c = src.get(off).copied().unwrap_or(0);
-                    let f = src.get(off + 1).copied().unwrap_or(0);
+                    let c = crate::codec::get_u16(src, off);
                     if c > REFCOUNT_MAX {
                         return Err(Error::corruption(
                             "refcount page",
@@ -117,18 +111,8 @@ impl Refcounts {
                             format!("count {c} for physical block {pbn}"),
                         ));
                     }
-                    // `inc` asserts the fragment bound, so a page breaking it is refused here.
-                    if f > PACKED_SLOTS_MAX {
-                        return Err(Error::corruption(
-                            "refcount page",
-                            page,
-                            format!("fragment counts of at most {PACKED_SLOTS_MAX}"),
-                            format!("{f} fragments for physical block {pbn}"),
-                        ));
-                    }
-                    if let (Some(cc), Some(ff)) = (rc.count.get_mut(pbn as usize), rc.frags.get_mut(pbn as usize)) {
+                    if let Some(cc) = rc.count.get_mut(pbn as usize) {
                         *cc = c;
-                        *ff = f;
                     }
                 }
                 if let (Some(sq), Some(ls)) =
@@ -141,12 +125,11 @@ impl Refcounts {
             first += take;
         }
         rc.used_blocks = rc.count.iter().filter(|&&c| c > 0).count() as u64;
-        rc.fragments = rc.frags.iter().zip(&rc.count).filter(|(_, &c)| c > 0).map(|(&f, _)| u64::from(f)).sum();
         Ok(rc)
     }
 
     /// Reference count of `pbn` (0 when out of range).
-    pub fn get(&self, pbn: u64) -> u8 {
+    pub fn get(&self, pbn: u64) -> u16 {
         self.count.get(pbn as usize).copied().unwrap_or(0)
     }
 
@@ -155,13 +138,18 @@ impl Refcounts {
         self.used_blocks
     }
 
-    /// Sum of fragment counts over used blocks.
-    pub fn fragments(&self) -> u64 {
-        self.fragments
+    /// The highest count among the blocks `e` touches (0 for unmapped/zero entries).
+    pub fn max_of(&self, e: &MapEntry) -> u16 {
+        e.blocks().map(|p| self.get(p)).max().unwrap_or(0)
+    }
+
+    /// The lowest count among the blocks `e` touches: zero when any of them is free.
+    pub fn min_of(&self, e: &MapEntry) -> u16 {
+        e.blocks().map(|p| self.get(p)).min().unwrap_or(0)
     }
 
     /// All counts (for the allocator and audits).
-    pub fn counts(&self) -> &[u8] {
+    pub fn counts(&self) -> &[u16] {
         &self.count
     }
 
@@ -192,105 +180,111 @@ impl Refcounts {
         )
     }
 
-    /// Fails, changing nothing, when `inc(e)` would: `e` lies beyond the data region or
-    /// its block is at `REFCOUNT_MAX`.
+    /// Fails, changing nothing, when `inc(e)` would: a block of `e` lies beyond the data
+    /// region or is at `REFCOUNT_MAX`.
     pub fn check_inc(&self, e: &MapEntry) -> Result<()> {
-        let pbn = e.pbn;
-        match self.count.get(pbn as usize) {
-            None => Err(self.beyond_data_region(pbn)),
-            Some(&c) if c >= REFCOUNT_MAX => Err(Error::corruption(
-                "reference count of physical block",
-                pbn,
-                format!("room for one more reference (at most {REFCOUNT_MAX})"),
-                format!("count {c}"),
-            )),
-            Some(_) => Ok(()),
+        for pbn in e.blocks() {
+            match self.count.get(pbn as usize) {
+                None => return Err(self.beyond_data_region(pbn)),
+                Some(&c) if c >= REFCOUNT_MAX => {
+                    return Err(Error::corruption(
+                        "reference count of physical block",
+                        pbn,
+                        format!("room for one more reference (at most {REFCOUNT_MAX})"),
+                        format!("count {c}"),
+                    ))
+                }
+                Some(_) => {}
+            }
         }
-    }
-
-    /// Fails, changing nothing, when `dec(e)` would: `e` lies beyond the data region or
-    /// its block has no reference left.
-    pub fn check_dec(&self, e: &MapEntry) -> Result<()> {
-        let pbn = e.pbn;
-        match self.count.get(pbn as usize) {
-            None => Err(self.beyond_data_region(pbn)),
-            Some(0) => Err(Error::corruption(
-                "reference count of physical block",
-                pbn,
-                "a reference to drop",
-                "count 0 (the reference count would go below zero)",
-            )),
-            Some(_) => Ok(()),
-        }
-    }
-
-    /// Adds a reference for `e` (a data mapping) as journal entry `seq`.
-    pub fn inc(&mut self, e: &MapEntry, seq: u64) -> Result<()> {
-        self.check_inc(e)?;
-        let pbn = e.pbn;
-        let i = pbn as usize;
-        let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
-            return Err(self.beyond_data_region(pbn));
-        };
-        let old_frags = if *c == 0 { 0 } else { *f };
-        if *c == 0 {
-            self.used_blocks += 1;
-        }
-        *c += 1;
-        let want = e.slot().map_or(1, |s| s + 1);
-        *f = old_frags.max(want);
-        assert!(*c <= REFCOUNT_MAX && (1..=PACKED_SLOTS_MAX).contains(f), "refcount: block {pbn} at {c}/{f}");
-        self.fragments += u64::from(*f) - u64::from(old_frags);
-        self.touch(pbn, seq);
         Ok(())
     }
 
-    /// Drops a reference for `e` as journal entry `seq`; returns true when the block became free.
-    pub fn dec(&mut self, e: &MapEntry, seq: u64) -> Result<bool> {
-        self.check_dec(e)?;
-        let pbn = e.pbn;
-        let i = pbn as usize;
-        let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) else {
-            return Err(self.beyond_data_region(pbn));
-        };
-        *c -= 1;
-        let freed = *c == 0;
-        if freed {
-            assert!(
-                self.used_blocks > 0 && self.fragments >= u64::from(*f),
-                "refcount: freeing block {pbn} with totals {} used / {} fragments",
-                self.used_blocks,
-                self.fragments
-            );
-            self.used_blocks -= 1;
-            self.fragments -= u64::from(*f);
-            *f = 0;
+    /// Fails, changing nothing, when `dec(e)` would: a block of `e` lies beyond the data
+    /// region or has no reference left.
+    pub fn check_dec(&self, e: &MapEntry) -> Result<()> {
+        for pbn in e.blocks() {
+            match self.count.get(pbn as usize) {
+                None => return Err(self.beyond_data_region(pbn)),
+                Some(0) => {
+                    return Err(Error::corruption(
+                        "reference count of physical block",
+                        pbn,
+                        "a reference to drop",
+                        "count 0 (the reference count would go below zero)",
+                    ))
+                }
+                Some(_) => {}
+            }
         }
-        self.touch(pbn, seq);
-        Ok(freed)
+        Ok(())
+    }
+
+    /// Adds a reference for `e` (a data mapping) to every block it touches, as journal
+    /// entry `seq`.
+    pub fn inc(&mut self, e: &MapEntry, seq: u64) -> Result<()> {
+        self.check_inc(e)?;
+        for pbn in e.blocks() {
+            let Some(c) = self.count.get_mut(pbn as usize) else {
+                return Err(self.beyond_data_region(pbn));
+            };
+            if *c == 0 {
+                self.used_blocks += 1;
+            }
+            *c += 1;
+            assert!(*c <= REFCOUNT_MAX, "refcount: block {pbn} at {c}");
+            self.touch(pbn, seq);
+        }
+        Ok(())
+    }
+
+    /// Drops a reference for `e` from every block it touches as journal entry `seq`;
+    /// calls `freed` with each block that became free.
+    pub fn dec(&mut self, e: &MapEntry, seq: u64, mut freed: impl FnMut(u64)) -> Result<()> {
+        self.check_dec(e)?;
+        for pbn in e.blocks() {
+            let Some(c) = self.count.get_mut(pbn as usize) else {
+                return Err(self.beyond_data_region(pbn));
+            };
+            *c -= 1;
+            if *c == 0 {
+                assert!(self.used_blocks > 0, "refcount: freeing block {pbn} with no block counted used");
+                self.used_blocks -= 1;
+                freed(pbn);
+            }
+            self.touch(pbn, seq);
+        }
+        Ok(())
+    }
+
+    /// Replays journal entry `seq` (`old` → `new`) onto the counts: each block's change
+    /// applies only where the block's page has not seen `seq` yet (idempotent replay). All
+    /// decisions are taken before any change, since applying one raises a page's seq.
+    pub fn replay(&mut self, new: &MapEntry, old: &MapEntry, seq: u64) -> Result<()> {
+        let inc: Vec<u64> = new.blocks().filter(|&p| seq > self.page_seq(p)).collect();
+        let dec: Vec<u64> = old.blocks().filter(|&p| seq > self.page_seq(p)).collect();
+        for pbn in inc {
+            self.check_inc(&MapEntry::raw(pbn, 0))?;
+            self.inc(&MapEntry::raw(pbn, 0), seq)?;
+        }
+        for pbn in dec {
+            self.dec(&MapEntry::raw(pbn, 0), seq, |_| {})?;
+        }
+        Ok(())
     }
 
     /// Overwrites the count of `pbn` (repair only).
-    pub fn set_for_repair(&mut self, pbn: u64, count: u8, frags: u8, seq: u64) {
-        let i = pbn as usize;
-        if let (Some(c), Some(f)) = (self.count.get_mut(i), self.frags.get_mut(i)) {
+    pub fn set_for_repair(&mut self, pbn: u64, count: u16, seq: u64) {
+        if let Some(c) = self.count.get_mut(pbn as usize) {
             if *c > 0 {
                 self.used_blocks -= 1;
-                self.fragments -= u64::from(*f);
             }
             *c = count;
-            *f = if count > 0 { frags } else { 0 };
             if count > 0 {
                 self.used_blocks += 1;
-                self.fragments += u64::from(*f);
             }
         }
         self.touch(pbn, seq);
-    }
-
-    /// Fragment count of `pbn`.
-    pub fn frags(&self, pbn: u64) -> u8 {
-        self.frags.get(pbn as usize).copied().unwrap_or(0)
     }
 
     fn encode_page(&self, page: u64) -> Vec<u8> {
@@ -302,10 +296,7 @@ impl Refcounts {
                 break;
             }
             let off = PAGE_HEADER_BYTES + 2 * j as usize;
-            let pair = [self.get(pbn), self.frags(pbn)];
-            if let Some(d) = buf.get_mut(off..off + 2) {
-                d.copy_from_slice(&pair);
-            }
+            crate::codec::put_u16(&mut buf, off, self.get(pbn));
         }
         let seq = self.page_seq.get(page as usize).copied().unwrap_or(0);
         seal_page(&mut buf, RC_PAGE_MAGIC, page, seq, self.uuid_lo);
@@ -363,39 +354,27 @@ impl Refcounts {
         self.page_dirty.iter().filter(|&&d| d).count()
     }
 
-    /// Recounts every block (the `verify` audit): counts within the cap, fragment counts
-    /// zero exactly for free blocks and within the slot bound, and the running totals equal
-    /// to the recount.
+    /// Recounts every block (the `verify` audit): counts within the cap and the running
+    /// total equal to the recount.
     #[cfg(any(test, feature = "verify"))]
     pub fn audit(&self) -> std::result::Result<(), String> {
         let pages = self.geo.refcount_pages as usize;
-        if self.count.len() != self.frags.len()
-            || self.count.len() as u64 != self.geo.data_blocks
+        if self.count.len() as u64 != self.geo.data_blocks
             || self.page_seq.len() != pages
             || self.page_dirty.len() != pages
             || self.latest_slot.len() != pages
         {
             return Err("refcount tables do not match the geometry".into());
         }
-        let (mut used, mut fragments) = (0u64, 0u64);
-        for (pbn, (&c, &f)) in self.count.iter().zip(&self.frags).enumerate() {
-            let ok = match c {
-                0 => f == 0,
-                c => c <= REFCOUNT_MAX && (1..=PACKED_SLOTS_MAX).contains(&f),
-            };
-            if !ok {
-                return Err(format!("physical block {pbn} has count {c} and {f} fragments"));
+        let mut used = 0u64;
+        for (pbn, &c) in self.count.iter().enumerate() {
+            if c > REFCOUNT_MAX {
+                return Err(format!("physical block {pbn} has count {c}"));
             }
-            if c > 0 {
-                used += 1;
-                fragments += u64::from(f);
-            }
+            used += u64::from(c > 0);
         }
-        if used != self.used_blocks || fragments != self.fragments {
-            return Err(format!(
-                "refcount totals {} used / {} fragments, recounted {used} / {fragments}",
-                self.used_blocks, self.fragments
-            ));
+        if used != self.used_blocks {
+            return Err(format!("refcount total {} used, recounted {used}", self.used_blocks));
         }
         Ok(())
     }

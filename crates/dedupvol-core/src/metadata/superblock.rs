@@ -22,7 +22,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 /// Magic at offset 0 of each superblock copy.
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"DEDUPVOL";
 /// On-disk format version.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Offset of the checksum field.
 pub const SUPERBLOCK_CRC_OFFSET: usize = 8;
 /// Longest metadata-device path remembered in the superblock.
@@ -272,6 +272,16 @@ impl Superblock {
                 0,
                 format!("checksum {:#010x}", crate::codec::block_crc(buf, SUPERBLOCK_CRC_OFFSET)),
                 format!("{:#010x} (checksum mismatch)", raw.checksum.get()),
+            ));
+        }
+        if raw.version.get() == 1 {
+            // Version 1 packed compressed blocks 14 to a physical block behind 10-byte map
+            // entries; this build stores byte-granular fragments and extents behind 16-byte
+            // entries, and does not read the old layout.
+            return Err(Error::NotAVolume(
+                "a format version 1 volume (10-byte map entries, packed blocks of 14 fragments); this build \
+                 reads version 2 only: export it with a version 1 build (`dedupvol export`) and import it here"
+                    .to_string(),
             ));
         }
         if raw.version.get() != FORMAT_VERSION {

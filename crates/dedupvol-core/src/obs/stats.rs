@@ -20,9 +20,11 @@ use serde::{Deserialize, Serialize};
 pub struct Savings {
     /// Logical bytes written as zero blocks (no data I/O, no space).
     pub zero_bytes: u64,
-    /// Logical bytes that were stored as references to existing data.
+    /// Logical bytes stored as references to existing data (estimated: the mapped bytes
+    /// times the share of the volume's data writes that were duplicates over its life).
     pub dedup_bytes: u64,
-    /// Bytes saved by compressing unique blocks (4 KiB minus the packed fragment size).
+    /// Bytes saved by compressing unique data: the rest of the mapped bytes, less the
+    /// physical bytes in use.
     pub compression_bytes: u64,
 }
 
@@ -59,6 +61,18 @@ pub struct ReductionCounters {
     pub block_map_cache_misses: u64,
     /// Reuse stamps that wrapped, each starting a new index epoch (hash verification).
     pub stamp_wrap_scans: u64,
+    /// Cleaner passes that moved fragments out of partly dead blocks.
+    pub cleaner_passes: u64,
+    /// Fragments the cleaner moved.
+    pub cleaner_fragments_moved: u64,
+    /// Compressed bytes the cleaner wrote again (its write amplification, against the
+    /// client's data bytes written).
+    pub cleaner_bytes_moved: u64,
+    /// Logical blocks whose mapping the cleaner changed.
+    pub cleaner_blocks_remapped: u64,
+    /// Compressed bytes of fragments dropped from the map since the last cleaner pass
+    /// (a hint of dead space: a fragment shared by several blocks counts once per block).
+    pub dead_fragment_bytes_hint: u64,
 }
 
 /// A full statistics snapshot.

@@ -43,6 +43,9 @@ pub(crate) fn fingerprint(
                 crc_done: now,
                 cand: Candidate::default(),
                 frag: None,
+                unit: None,
+                incompressible: false,
+                batch_dup: false,
                 raw: None,
             });
         }

@@ -7,9 +7,11 @@
 //! 2. `reduce::resolve_woj`, `reduce::find_candidates` (state lock): journal copies, and
 //!    dedup candidates from the index;
 //! 3. `reduce::verify_and_compress` (no lock, parallel): byte verification of
-//!    candidates, compression of the chunks without a verified duplicate;
-//! 4. `place` (state lock): the dedup claim, packing or a raw block, staging, and the
-//!    journalled mapping change.
+//!    candidates, then compression of the chunks without a verified duplicate: runs of
+//!    consecutive compressible chunks as extents of up to `UNIT_BLOCKS_MAX` blocks, the
+//!    others alone;
+//! 4. `place` (state lock): the dedup claim, packing (an extent once, for its first
+//!    chunk stored) or a raw block, staging, and the journalled mapping change.
 //!
 //! Invariants:
 //! - A batch holds at most `WRITE_BLOCKS_PER_BATCH` chunks, which bounds the state-lock
@@ -63,8 +65,16 @@ pub(crate) struct DataPlan {
     pub(crate) crc_done: bool,
     /// The dedup candidate and whether it is proven equal.
     pub(crate) cand: Candidate,
-    /// The compressed fragment, when compression pays.
+    /// The compressed fragment of the chunk alone, when compression pays.
     pub(crate) frag: Option<Vec<u8>>,
+    /// The extent the chunk was compressed in (an index into the batch's units) and its
+    /// block there.
+    pub(crate) unit: Option<(usize, u8)>,
+    /// The incompressibility probe turned the chunk away (stage 3).
+    pub(crate) incompressible: bool,
+    /// An earlier chunk of the same batch has the same fingerprint: stage 4 shares it, so
+    /// stage 3 neither puts it in an extent nor compresses it.
+    pub(crate) batch_dup: bool,
     /// The chunk's own copy when it will be stored raw, made outside the state lock.
     pub(crate) raw: Option<Block>,
 }
@@ -77,6 +87,16 @@ impl DataPlan {
             self.crc_done = true;
         }
     }
+}
+
+/// Consecutive chunks of a batch compressed as one unit (an extent).
+pub(crate) struct Unit {
+    /// Chunks in the unit (2..=`UNIT_BLOCKS_MAX`).
+    pub(crate) blocks: u8,
+    /// The compressed unit.
+    pub(crate) frag: Vec<u8>,
+    /// Where stage 4 packed it: first block and offset (None until a chunk of it is stored).
+    pub(crate) placed: Option<(u64, u16)>,
 }
 
 /// A piece of a byte range: part of one block, or a run of whole blocks.

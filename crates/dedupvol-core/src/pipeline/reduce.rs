@@ -2,13 +2,13 @@
 //! compression (no lock, in parallel).
 
 use super::executor::{for_each, Executor};
-use super::{chunk, DataPlan, Plan};
+use super::{chunk, DataPlan, Plan, Unit};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
 use crate::data::placement::DataDevice;
 use crate::dedup::index::{Fetch, PageSource};
 use crate::dedup::{verify, Candidate};
-use crate::metadata::block_map::MapEntry;
+use crate::metadata::block_map::UNIT_BLOCKS_MAX;
 use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::read::cache::{Block, ContentCache};
 use crate::volume::state::State;
@@ -46,7 +46,7 @@ pub(crate) fn find_candidates(
         }
         d.cand = match cand {
             Candidate { loc: Some(loc), verified: false } => {
-                let e = MapEntry { pbn: loc.pbn, state: loc.state, crc: 0 };
+                let e = loc.entry(0);
                 let mut out = [0u8; BLOCK_SIZE];
                 match st.unwritten(&e, &mut out) {
                     Some(true) if out == chunk(buf, i) => Candidate { loc: Some(loc), verified: true },
@@ -88,10 +88,11 @@ pub(crate) fn read_pages(exec: &dyn Executor, source: &PageSource, fetches: &mut
 }
 
 /// Stage 3 (no lock): reads and compares the candidates left unverified (write-once
-/// journaling's first: a chunk whose journal copy is proven equal needs nothing else), and
-/// compresses every chunk without a verified duplicate (keeping a raw copy when
-/// compression does not pay). A chunk whose journal copy differed gets its BLAKE3
-/// fingerprint here when dedup is on.
+/// journaling's first: a chunk whose journal copy is proven equal needs nothing else),
+/// then compresses every chunk without a verified duplicate: runs of consecutive chunks
+/// that pass the incompressibility probe as extents (`units`), the rest alone, keeping a
+/// raw copy when compression does not pay. A chunk whose journal copy differed gets its
+/// BLAKE3 fingerprint here when dedup is on. Returns the batch's extents.
 #[expect(clippy::too_many_arguments, reason = "the stage's executor, devices, cache, settings and batch")]
 pub(crate) fn verify_and_compress(
     exec: &dyn Executor,
@@ -100,16 +101,17 @@ pub(crate) fn verify_and_compress(
     compression: Compression,
     level: i8,
     dedup: bool,
+    extent_max: u8,
     buf: &[u8],
     plans: &mut [Plan],
-) {
+) -> Vec<Unit> {
     for_each(exec, plans, |i, p| {
         let Plan::Data(d) = p else { return };
         let c = chunk(buf, i);
         if let Some(w) = d.woj.as_mut() {
             match w.entry {
                 Some(e) if !w.verified => {
-                    let loc = crate::dedup::index::Location { pbn: e.pbn, state: e.state, stamp: 0, current: false };
+                    let loc = crate::dedup::index::Location::of(&e);
                     w.by_read = !cache.lock().contains(e.pbn);
                     w.verified = verify::by_read(data, cache, loc, c);
                 }
@@ -130,13 +132,117 @@ pub(crate) fn verify_and_compress(
         if let Candidate { loc: Some(loc), verified: false } = d.cand {
             d.cand.verified = verify::by_read(data, cache, loc, c);
         }
-        if !d.cand.verified {
-            d.frag = packer::compress(compression, level, c);
-            if d.frag.is_none() {
-                d.raw = Some(Block::from(c));
-            }
+        if !d.cand.verified && compression != Compression::None {
+            d.incompressible = packer::incompressible(c);
         }
     });
+    // Repeats inside the batch are shared with their first copy in stage 4 (it is
+    // recorded in the index as it is placed): compressing them into an extent would store
+    // their bytes for nothing.
+    if dedup {
+        let mut seen: std::collections::HashSet<[u8; 32]> = std::collections::HashSet::new();
+        for p in plans.iter_mut() {
+            if let Plan::Data(d) = p {
+                if d.hashed && needs_store(d) && !seen.insert(d.hash) {
+                    d.batch_dup = true;
+                }
+            }
+        }
+    }
+    // The jobs: extents over runs of compressible chunks to store, single chunks otherwise.
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut i = 0;
+    while i < plans.len() {
+        let run = plans.iter().skip(i).take_while(|p| extent_member(p, compression)).count();
+        if run >= 2 && extent_max >= 2 {
+            // Units of near-equal size: a run of 20 makes two of 10, not 16 and 4.
+            let units = run.div_ceil(usize::from(extent_max.clamp(1, UNIT_BLOCKS_MAX)));
+            let size = run.div_ceil(units);
+            let mut at = i;
+            while at < i + run {
+                let n = size.min(i + run - at);
+                jobs.push(Job { first: at, n, unit: None, singles: Vec::new() });
+                at += n;
+            }
+            i += run;
+            continue;
+        }
+        if matches!(plans.get(i), Some(Plan::Data(d)) if needs_store(d) && !d.batch_dup) {
+            jobs.push(Job { first: i, n: 1, unit: None, singles: Vec::new() });
+        }
+        i += 1;
+    }
+    let probed: &[Plan] = plans;
+    for_each(exec, &mut jobs, |_, job| {
+        let first = job.first;
+        if job.n >= 2 {
+            if let Some(bytes) = buf.get(first * BLOCK_SIZE..(first + job.n) * BLOCK_SIZE) {
+                job.unit = packer::compress_probed(compression, level, bytes, false);
+            }
+            if job.unit.is_some() {
+                return;
+            }
+        }
+        // A single chunk, or an extent that did not compress: each chunk alone.
+        job.singles = (first..first + job.n)
+            .map(|k| {
+                let c = chunk(buf, k);
+                // The probe's verdict stands: an incompressible chunk is stored raw.
+                let skip = matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible);
+                let frag = if skip { None } else { packer::compress_probed(compression, level, c, false) };
+                match frag {
+                    Some(f) => (Some(f), None),
+                    None => (None, Some(Block::from(c))),
+                }
+            })
+            .collect();
+    });
+    let mut units = Vec::new();
+    for job in jobs {
+        match job.unit {
+            Some(frag) => {
+                let u = units.len();
+                for (sub, p) in plans.iter_mut().skip(job.first).take(job.n).enumerate() {
+                    if let Plan::Data(d) = p {
+                        d.unit = Some((u, sub as u8));
+                    }
+                }
+                units.push(Unit { blocks: job.n as u8, frag, placed: None });
+            }
+            None => {
+                for (p, (frag, raw)) in plans.iter_mut().skip(job.first).zip(job.singles) {
+                    if let Plan::Data(d) = p {
+                        d.frag = frag;
+                        d.raw = raw;
+                    }
+                }
+            }
+        }
+    }
+    units
+}
+
+/// True when the chunk must be stored (no verified duplicate of any kind).
+fn needs_store(d: &DataPlan) -> bool {
+    !d.cand.verified && !d.woj.as_ref().is_some_and(|w| w.verified)
+}
+
+/// True when the chunk may join an extent: stored, compressible by the probe, and not a
+/// file-system journal block (whose stored copy checkpoint writes compare with).
+fn extent_member(p: &Plan, compression: Compression) -> bool {
+    compression != Compression::None
+        && matches!(p, Plan::Data(d) if needs_store(d) && !d.incompressible && !d.journal && !d.batch_dup)
+}
+
+/// One compression job of stage 3: an extent of `n` chunks from `first`, or (`n` = 1, or
+/// an extent that did not compress) its chunks one by one.
+struct Job {
+    first: usize,
+    n: usize,
+    /// The compressed extent.
+    unit: Option<Vec<u8>>,
+    /// Per chunk: its fragment, or its raw copy.
+    singles: Vec<(Option<Vec<u8>>, Option<Block>)>,
 }
 
 /// Stage 2 for write-once journaling (state lock held): each WOJ candidate's journal block
@@ -174,8 +280,7 @@ pub(crate) fn resolve_woj(st: &mut State, woj: &Mutex<Woj>, buf: &[u8], plans: &
                 continue;
             }
         };
-        let refs = st.rc.get(e.pbn);
-        if refs == 0 || refs >= REFCOUNT_MAX || st.dedup.is_damaged(e.pbn) {
+        if st.rc.min_of(&e) == 0 || st.rc.max_of(&e) >= REFCOUNT_MAX || st.dedup.is_damaged(e.pbn) {
             stale += 1;
             d.woj = None;
             continue;

@@ -12,14 +12,17 @@
 //!   a race with reuse; readers that see a checksum mismatch drop the entry and re-read.
 //! - Writers replace the entry (`put`); readers only fill absent entries (`fill`), so a
 //!   slow reader cannot overwrite newer content with older.
-//! - Besides physical blocks it holds decompressed fragments of packed blocks, keyed by
-//!   `fragment_key(pbn, slot)` (a key space no pbn reaches): a re-read of compressed data
-//!   then costs neither a decompression nor a copy. Removing a pbn removes its fragments.
-//!   Fragments are admitted only while the cache has spare room (`fill_fragment`).
-//! - A pbn with a fragment cached has its bit set in `fragment_pbns` (one bit per data
-//!   block up to the highest pbn seen: 32 KiB of bits per GiB of data device); removing a
-//!   pbn whose bit is clear costs one lookup instead of one per slot (every overwrite
-//!   removes its old block, and most blocks never had fragments cached).
+//! - Besides physical blocks it holds decompressed blocks of compressed fragments, keyed
+//!   by `fragment_key(pbn, key)` (the fragment's first block and `Frag::key`, in a key
+//!   space no pbn reaches): a re-read of compressed data then costs neither a
+//!   decompression nor a copy. Removing a pbn removes the decoded blocks of fragments
+//!   starting in it. They are admitted only while the cache has spare room
+//!   (`fill_fragment`).
+//! - `fragment_keys` lists, per pbn, the keys of decoded blocks that may be cached for
+//!   it, at most `FRAGMENT_KEYS_PER_PBN` each and `2 × capacity` in all (past that, every
+//!   decoded block is dropped and the lists start again): removing a pbn without a list
+//!   costs one lookup (every overwrite removes its old block, and most blocks never had
+//!   fragments cached).
 //! - Each entry keeps the crc32c of its 4 KiB, computed from that content when it entered
 //!   (an `Arc` never changes): a read of a raw block compares it with the map entry's crc
 //!   instead of hashing the block again, which is as strong a check of the same bytes.
@@ -35,14 +38,13 @@ pub type Block = Arc<[u8]>;
 
 /// Top bit of a key: a decompressed fragment, not a physical block.
 const FRAGMENT_KEY_BIT: u64 = 1 << 63;
-/// Slots of a packed block, as the key's low bits count them.
-const FRAGMENT_SLOTS: u64 = 16;
-const _: () = assert!(crate::metadata::block_map::PACKED_SLOTS_MAX as u64 <= FRAGMENT_SLOTS);
+/// Decoded blocks cached per pbn at most (fragments starting in it, blocks of extents).
+const FRAGMENT_KEYS_PER_PBN: usize = 64;
 
-/// The key of slot `slot` of packed block `pbn`, decompressed.
-pub(crate) fn fragment_key(pbn: u64, slot: u8) -> u64 {
-    debug_assert!(pbn < FRAGMENT_KEY_BIT / FRAGMENT_SLOTS, "pbn {pbn} beyond the fragment key space");
-    FRAGMENT_KEY_BIT | (pbn * FRAGMENT_SLOTS) | u64::from(slot)
+/// The key of the decoded block `key` (`Frag::key`) of a fragment starting in block `pbn`.
+pub(crate) fn fragment_key(pbn: u64, key: u16) -> u64 {
+    debug_assert!(pbn < FRAGMENT_KEY_BIT >> 16, "pbn {pbn} beyond the fragment key space");
+    FRAGMENT_KEY_BIT | (pbn << 16) | u64::from(key)
 }
 
 /// The crc32c a cache entry keeps for `block`.
@@ -109,8 +111,10 @@ pub struct ContentCache {
     hits: u64,
     /// Misses since open.
     misses: u64,
-    /// Bit per pbn: set when a fragment of it may be cached (see the invariants).
-    fragment_pbns: Vec<u64>,
+    /// Keys of decoded blocks that may be cached, per pbn (see the invariants).
+    fragment_keys: PbnMap<Vec<u16>>,
+    /// Keys listed in `fragment_keys`.
+    fragment_keys_total: usize,
 }
 
 /// A map keyed by block or page number, hashed with `PbnHasher`.
@@ -151,7 +155,7 @@ impl ContentCache {
                 quick_cache::unsync::DefaultLifecycle::default(),
             )
         });
-        ContentCache { table, hits: 0, misses: 0, fragment_pbns: Vec::new() }
+        ContentCache { table, hits: 0, misses: 0, fragment_keys: PbnMap::default(), fragment_keys_total: 0 }
     }
 
     /// Looks up a block (a hit counts towards keeping it).
@@ -220,39 +224,49 @@ impl ContentCache {
     pub fn remove(&mut self, pbn: u64) {
         if let Some(t) = self.table.as_mut() {
             t.remove(&pbn);
-            let (word, bit) = ((pbn / 64) as usize, 1u64 << (pbn % 64));
-            if let Some(w) = self.fragment_pbns.get_mut(word).filter(|w| **w & bit != 0) {
-                *w &= !bit;
-                for slot in 0..crate::metadata::block_map::PACKED_SLOTS_MAX {
-                    t.remove(&fragment_key(pbn, slot));
+            if let Some(keys) = self.fragment_keys.remove(&pbn) {
+                self.fragment_keys_total -= keys.len();
+                for k in keys {
+                    t.remove(&fragment_key(pbn, k));
                 }
             }
         }
     }
 
-    /// Stores a decompressed fragment, only while the cache has spare room (under 7/8
-    /// full). Why: a packed block holds several fragments in 4 KiB, their decompressed
-    /// copies take 4 KiB each; when the working set does not fit, caching the denser packed
-    /// blocks serves more reads from memory than caching fragments would.
-    pub fn fill_fragment(&mut self, pbn: u64, slot: u8, block: Block, crc: u32) {
-        let spare = self.table.as_ref().is_some_and(|t| (t.len() as u64) < t.capacity() - t.capacity() / 8);
-        if spare {
-            let word = (pbn / 64) as usize;
-            if word >= self.fragment_pbns.len() {
-                self.fragment_pbns.resize(word + 1, 0);
-            }
-            if let Some(w) = self.fragment_pbns.get_mut(word) {
-                *w |= 1u64 << (pbn % 64);
-            }
-            self.fill(fragment_key(pbn, slot), block, crc);
+    /// Stores a decoded block of a fragment starting in `pbn` (`key`: `Frag::key`), only
+    /// while the cache has spare room (under 7/8 full). Why: compressed blocks hold several
+    /// fragments in 4 KiB, their decoded copies take 4 KiB each; when the working set does
+    /// not fit, caching the denser physical blocks serves more reads from memory. Replaces
+    /// an entry under the same key (a block reused since holds another fragment there).
+    pub fn fill_fragment(&mut self, pbn: u64, key: u16, block: Block, crc: u32) {
+        let Some(t) = self.table.as_mut() else { return };
+        if (t.len() as u64) >= t.capacity() - t.capacity() / 8 {
+            return;
         }
+        if self.fragment_keys_total >= 2 * t.capacity() as usize {
+            for (p, keys) in self.fragment_keys.drain() {
+                for k in keys {
+                    t.remove(&fragment_key(p, k));
+                }
+            }
+            self.fragment_keys_total = 0;
+        }
+        let keys = self.fragment_keys.entry(pbn).or_default();
+        if !keys.contains(&key) {
+            if keys.len() >= FRAGMENT_KEYS_PER_PBN {
+                return;
+            }
+            keys.push(key);
+            self.fragment_keys_total += 1;
+        }
+        debug_assert_eq!(crc, block_crc(&block), "content cache fill of a fragment of pbn {pbn} with a wrong crc");
+        t.insert(fragment_key(pbn, key), Cached { block, crc });
     }
 
     /// Looks up a decompressed fragment and its crc32c; only a hit is counted (a miss
     /// goes on to the packed block, which counts it).
-    #[cfg(test)]
-    pub fn get_fragment(&mut self, pbn: u64, slot: u8) -> Option<(Block, u32)> {
-        let found = self.table.as_ref().and_then(|t| t.get(&fragment_key(pbn, slot))).map(|c| (c.block.clone(), c.crc));
+    pub fn get_fragment(&mut self, pbn: u64, key: u16) -> Option<(Block, u32)> {
+        let found = self.table.as_ref().and_then(|t| t.get(&fragment_key(pbn, key))).map(|c| (c.block.clone(), c.crc));
         if found.is_some() {
             self.hits += 1;
         }
@@ -267,7 +281,7 @@ impl ContentCache {
     /// request's scattered blocks pay their memory latencies in series. The first pass
     /// only finds entries and prefetches their counts, so the misses overlap; the second
     /// takes the references.
-    pub(crate) fn get_many(&mut self, keys: &[Option<(u64, Option<u8>)>]) -> Vec<Option<Found>> {
+    pub(crate) fn get_many(&mut self, keys: &[Option<(u64, Option<u16>)>]) -> Vec<Option<Found>> {
         let Some(t) = self.table.as_ref() else {
             self.misses += keys.iter().filter(|k| k.is_some()).count() as u64;
             return keys.iter().map(|_| None).collect();

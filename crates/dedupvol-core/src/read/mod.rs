@@ -7,8 +7,11 @@
 //! 2. `fetch` (no lock): raw blocks consecutive both logically and physically and missing
 //!    from the cache and the hot-chunk tier are read with one request straight into the
 //!    caller's buffer; other blocks go through the content cache, then the tier, then the
-//!    data device, so a packed block's fragments cost one read; a block read alone (not in
-//!    a run) is offered to the tier's recent-reads LRU once its crc matched;
+//!    data device: a compressed fragment's blocks (it may run on from one block into the
+//!    next) are read with one request, merged with the neighbouring fragments' blocks, and
+//!    an extent is decompressed once per request however many of its blocks it asks for; a
+//!    block read alone (not in a run) is offered to the tier's recent-reads LRU once its
+//!    crc matched;
 //! 3. every block's crc32c is checked; a mismatch drops the cached and tier copies and
 //!    retries from a fresh mapping (the block may have been freed and reused meanwhile),
 //!    then reports corruption and takes the block out of deduplication.
@@ -31,12 +34,15 @@ use crate::config::BLOCK_SIZE;
 use crate::data::packer;
 use crate::error::{Error, Result};
 use crate::io::IoKind;
-use crate::metadata::block_map::MapEntry;
+use crate::metadata::block_map::{Frag, MapEntry};
 use crate::pipeline::segments;
 use crate::volume::state::State;
 use crate::volume::Volume;
 use cache::{new_block, Block, PbnMap};
 use std::sync::Arc;
+
+/// Extents one read pass decoded, by first block: (offset, the decoded unit).
+type DecodedUnits = PbnMap<Vec<(u16, Arc<Vec<u8>>)>>;
 
 /// Raw blocks read with one device request at most (1 MiB).
 const READ_RUN_BLOCKS_MAX: usize = 256;
@@ -54,7 +60,7 @@ struct Hit {
     crc: Option<u32>,
     /// Taken from this request's prefetch of packed blocks.
     prefetched: bool,
-    /// `block` is the decompressed fragment the map entry names, not a physical block.
+    /// `block` is the decoded block the map entry names, not a physical block.
     fragment: bool,
 }
 
@@ -173,8 +179,10 @@ impl Volume {
         // just prefetched is taken from the prefetch, not looked up again: a second touch
         // would count it as re-read and promote a one-pass scan's blocks past the cache's
         // probation queue.
-        let keys: Vec<Option<(u64, Option<u8>)>> =
-            looked.iter().map(|l| (!l.done && !packed.contains_key(&l.e.pbn)).then(|| (l.e.pbn, l.e.slot()))).collect();
+        let keys: Vec<Option<(u64, Option<u16>)>> = looked
+            .iter()
+            .map(|l| (!l.done && !packed.contains_key(&l.e.pbn)).then(|| (l.e.pbn, l.e.fragment_of().map(|f| f.key()))))
+            .collect();
         let found = self.cache.lock().get_many(&keys);
         let hits: Vec<Hit> = looked
             .iter()
@@ -186,8 +194,21 @@ impl Volume {
                 (None, None) => Hit::default(),
             })
             .collect();
-        // Fragments decompressed by this pass, offered to the cache at its end (one lock).
-        let mut decoded: Vec<(u64, u8, Block, u32)> = Vec::new();
+        // Blocks decompressed by this pass, offered to the cache at its end (one lock), and
+        // the extents decoded, by first block and offset: each is decompressed once.
+        let mut decoded: Vec<(u64, u16, Block, u32)> = Vec::new();
+        let mut units = DecodedUnits::default();
+        // How far into each extent this request reads: an extent is decoded that far, once.
+        let mut reach: PbnMap<Vec<(u16, usize)>> = PbnMap::default();
+        for l in looked.iter().filter(|l| !l.done) {
+            if let Some(f) = l.e.fragment_of().filter(|f| f.unit_blocks() > 1) {
+                let v = reach.entry(l.e.pbn).or_default();
+                match v.iter_mut().find(|(off, _)| *off == f.off) {
+                    Some((_, r)) => *r = (*r).max(f.sub() + 1),
+                    None => v.push((f.off, f.sub() + 1)),
+                }
+            }
+        }
         let mut k = 0;
         while let Some(&Looked { i, e, done, refs, epoch }) = looked.get(k) {
             if done {
@@ -215,7 +236,7 @@ impl Volume {
                 continue;
             }
             let in_tier = self.tier_holds(e.pbn);
-            let run = if cached_block.is_none() && e.slot().is_none() && !in_tier {
+            let run = if cached_block.is_none() && e.fragment_of().is_none() && !in_tier {
                 self.raw_run(looked, &hits, k)
             } else {
                 0
@@ -257,7 +278,7 @@ impl Volume {
                 continue;
             }
             let dst = block_mut(out, i)?;
-            if cached_block.is_none() && e.slot().is_none() && cached && !in_tier {
+            if cached_block.is_none() && e.fragment_of().is_none() && cached && !in_tier {
                 // The page cache keeps raw blocks: straight into the reply, no copy kept.
                 self.read_data(true, e.pbn, dst)?;
                 if crc32c::crc32c(dst) != e.crc {
@@ -270,7 +291,7 @@ impl Volume {
                 Some(b) => (b, cached_crc, false),
                 None => self.physical_block(e.pbn, cached)?,
             };
-            let ok = match e.slot() {
+            let ok = match e.fragment_of() {
                 // A raw block's crc is its content's: the cache's, computed when the block
                 // entered it, stands for hashing the copy again.
                 // A caller taking shared blocks gets the block itself, not a copy.
@@ -279,10 +300,16 @@ impl Volume {
                     deliver(parts.as_deref_mut(), i, &block, matched, dst);
                     matched
                 }
-                Some(slot) => {
-                    let ok = packer::unpack(&block, e.pbn, slot, dst).is_ok() && crc32c::crc32c(dst) == e.crc;
+                Some(f) => {
+                    let upto = reach
+                        .get(&e.pbn)
+                        .and_then(|v| v.iter().find(|(off, _)| *off == f.off))
+                        .map_or(f.sub() + 1, |&(_, r)| r);
+                    let ok =
+                        self.decode_fragment(e.pbn, &f, upto, &block, cached, &packed, &mut units, &mut decoded, dst)
+                            && crc32c::crc32c(dst) == e.crc;
                     if ok {
-                        decoded.push((e.pbn, slot, Block::from(&*dst), e.crc));
+                        decoded.push((e.pbn, f.key(), Block::from(&*dst), e.crc));
                     }
                     ok
                 }
@@ -291,24 +318,24 @@ impl Volume {
                 self.read_mismatch(lba0, i, e, attempts, retry)?;
             } else if let Some(t) = self.tier.as_ref().filter(|_| !from_tier && !from_prefetch) {
                 // A block of a prefetched run came in a sequential read: not noted.
-                t.note_read(e.pbn, e.slot(), &block, refs, epoch);
+                t.note_read(e.pbn, e.fragment_of(), &block, refs, epoch);
             }
             k += 1;
         }
         if !decoded.is_empty() {
             let mut cache = self.cache.lock();
-            for (pbn, slot, b, crc) in decoded {
-                cache.fill_fragment(pbn, slot, b, crc);
+            for (pbn, key, b, crc) in decoded {
+                cache.fill_fragment(pbn, key, b, crc);
             }
         }
         Ok(())
     }
 
-    /// Reads the packed blocks the request needs and the cache lacks, merging blocks that
-    /// are consecutive on the device into one request (compressed data is packed in
-    /// placement order, so a large read of it meets runs of packed blocks). They are also
-    /// offered to the cache. A run that fails to read is left out: its blocks are then
-    /// read one by one, and an error names the block it belongs to.
+    /// Reads the blocks of the compressed fragments the request needs and the cache
+    /// lacks, merging blocks that are consecutive on the device into one request
+    /// (compressed data is packed in placement order, so a large read of it meets runs of
+    /// packed blocks). They are also offered to the cache. A run that fails to read is left
+    /// out: its blocks are then read one by one, and an error names the block it belongs to.
     fn prefetch_packed(&self, looked: &[Looked], cached: bool) -> PbnMap<Block> {
         let mut got = PbnMap::default();
         let mut pbns: Vec<u64> = {
@@ -317,13 +344,12 @@ impl Volume {
                 .iter()
                 .filter(|l| {
                     !l.done
-                        && l.e.slot().is_some()
+                        && l.e.fragment_of().is_some_and(|f| !cache.contains(cache::fragment_key(l.e.pbn, f.key())))
                         && self.data.contains(l.e.pbn)
-                        && !cache.contains(l.e.pbn)
-                        && !l.e.slot().is_some_and(|s| cache.contains(cache::fragment_key(l.e.pbn, s)))
-                        && !self.tier_holds(l.e.pbn)
+                        && self.data.contains(l.e.pbn + l.e.span() - 1)
                 })
-                .map(|l| l.e.pbn)
+                .flat_map(|l| l.e.blocks())
+                .filter(|&p| !cache.contains(p) && !self.tier_holds(p))
                 .collect()
         };
         pbns.sort_unstable();
@@ -334,6 +360,8 @@ impl Volume {
                 rest.iter().zip(start..).take(READ_RUN_BLOCKS_MAX).take_while(|(&p, want)| p == *want).count().max(1);
             let (_, tail) = rest.split_at(run.min(rest.len()));
             rest = tail;
+            // A lone block goes through the cache and the tier one by one (where a re-read
+            // of it is noticed).
             if run < 2 {
                 continue;
             }
@@ -369,7 +397,7 @@ impl Volume {
                     if !l.done
                         && l.i == first.i + run
                         && l.e.is_data()
-                        && l.e.slot().is_none()
+                        && l.e.fragment_of().is_none()
                         && l.e.pbn == first.e.pbn + run as u64
                         && self.data.contains(l.e.pbn)
                         && hits.get(k + run).is_some_and(|h| h.block.is_none())
@@ -394,8 +422,13 @@ impl Volume {
         attempts: &mut [usize],
         retry: &mut Vec<usize>,
     ) -> Result<()> {
-        self.cache.lock().remove(e.pbn);
-        self.data.drop_cached(e.pbn, 1);
+        {
+            let mut cache = self.cache.lock();
+            for p in e.blocks() {
+                cache.remove(p);
+            }
+        }
+        self.data.drop_cached(e.pbn, e.span().max(1));
         // The copy may be the tier's: the retry then reads the data device.
         if let Some(t) = &self.tier {
             t.forget(e.pbn);
@@ -413,7 +446,15 @@ impl Volume {
                 format!(
                     "other content in physical block {}{}",
                     e.pbn,
-                    e.slot().map(|s| format!(" slot {s}")).unwrap_or_default()
+                    e.fragment_of()
+                        .map(|f| format!(
+                            " (fragment of {} bytes at offset {}, block {} of {})",
+                            f.len,
+                            f.off,
+                            f.sub(),
+                            f.unit_blocks()
+                        ))
+                        .unwrap_or_default()
                 ),
             ));
         }
@@ -439,6 +480,73 @@ impl Volume {
         } else {
             self.data.read(IoKind::Data, pbn, buf, "block map entry")
         }
+    }
+
+    /// Decodes block `f.sub()` of the fragment starting in `pbn`, whose first block is
+    /// `first`, into `dst`: the following blocks it runs into come from this request's
+    /// prefetch, the cache, the tier or the device; an extent is decoded once per pass, its
+    /// first `upto` blocks (as far as the request reads into it), and its other decoded
+    /// blocks are offered to the cache. False when
+    /// a block cannot be read or the fragment does not decode (the caller's crc check
+    /// then retries).
+    #[expect(clippy::too_many_arguments, reason = "the pass's prefetch, memo and outputs")]
+    fn decode_fragment(
+        &self,
+        pbn: u64,
+        f: &Frag,
+        upto: usize,
+        first: &Block,
+        cached: bool,
+        prefetched: &PbnMap<Block>,
+        units: &mut DecodedUnits,
+        decoded: &mut Vec<(u64, u16, Block, u32)>,
+        dst: &mut [u8],
+    ) -> bool {
+        let sub = f.sub() * BLOCK_SIZE;
+        if f.unit_blocks() > 1 {
+            if let Some((_, u)) = units.get(&pbn).and_then(|v| v.iter().find(|(off, _)| *off == f.off)) {
+                return match u.get(sub..sub + BLOCK_SIZE) {
+                    Some(b) => {
+                        dst.copy_from_slice(b);
+                        true
+                    }
+                    None => false,
+                };
+            }
+        }
+        let mut span: Vec<u8> = Vec::with_capacity(f.span() as usize * BLOCK_SIZE);
+        span.extend_from_slice(first);
+        for p in pbn + 1..pbn + f.span() {
+            let b = match prefetched.get(&p) {
+                Some(b) => b.clone(),
+                None => match self.physical_block(p, cached) {
+                    Ok((b, _, _)) => b,
+                    Err(_) => return false,
+                },
+            };
+            span.extend_from_slice(&b);
+        }
+        if f.unit_blocks() == 1 {
+            return packer::decode_block(pbn, f, &span, dst).is_ok();
+        }
+        let Ok(bytes) = packer::fragment_bytes(pbn, f, &span) else { return false };
+        // Decoded only as far as this request reads into it.
+        let upto = upto.clamp(f.sub() + 1, f.unit_blocks());
+        let mut unit = vec![0u8; upto * BLOCK_SIZE];
+        if packer::decompress_prefix(pbn, f, bytes, &mut unit).is_err() {
+            return false;
+        }
+        let Some(b) = unit.get(sub..sub + BLOCK_SIZE) else { return false };
+        dst.copy_from_slice(b);
+        // The unit's other blocks, for the cache: their own map entries check them again
+        // when they are read.
+        for (k, bytes) in unit.chunks_exact(BLOCK_SIZE).enumerate() {
+            if k != f.sub() {
+                decoded.push((pbn, f.with_sub(k).key(), Block::from(bytes), cache::block_crc(bytes)));
+            }
+        }
+        units.entry(pbn).or_default().push((f.off, Arc::new(unit)));
+        true
     }
 
     /// True when the hot-chunk tier serves `pbn`.

@@ -50,6 +50,7 @@ use crate::config::{TierDevice, TierOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::placement::DataDevice;
 use crate::error::{Error, Result};
 use crate::io::{FileStorage, IoMode, Storage};
+use crate::metadata::block_map::Frag;
 use crate::obs::stats::TierStats;
 use crate::read::cache::{new_block, Block, PbnMap};
 use layout::{TierGeometry, TIER_RECORDS_PER_PAGE, TIER_RECORD_BYTES};
@@ -83,10 +84,10 @@ pub(crate) struct Job {
     packed: bool,
     refs: u32,
     origin: Origin,
-    /// The map entry that made the block hot (crc, packed slot): the content must decode
-    /// to it, or the promotion is abandoned (content taken from the content cache may be
-    /// a previous life's after a race with reuse).
-    check: Option<(u32, Option<u8>)>,
+    /// The map entry that made the block hot (crc, and the fragment when compressed):
+    /// the content must decode to it, or the promotion is abandoned (content taken from
+    /// the content cache may be a previous life's after a race with reuse).
+    check: Option<(u32, Option<Frag>)>,
 }
 
 /// Why a block is promoted.
@@ -194,7 +195,7 @@ fn scan_table(
     dev: &dyn Storage,
     geo: &TierGeometry,
     data: &DataDevice,
-    counts: &[u8],
+    counts: &[u16],
 ) -> Result<(Vec<(u32, layout::SlotRecord)>, u64)> {
     let mut best: PbnMap<(u32, layout::SlotRecord)> = PbnMap::default();
     let mut max_gen = 0u64;
@@ -250,7 +251,7 @@ impl Tier {
         opts: &TierOptions,
         uuid: &[u8; 16],
         data: DataDevice,
-        counts: &[u8],
+        counts: &[u16],
         notes: &mut Vec<String>,
     ) -> Option<Tier> {
         match Self::try_open(opts, uuid, data, counts, notes) {
@@ -266,7 +267,7 @@ impl Tier {
         opts: &TierOptions,
         uuid: &[u8; 16],
         data: DataDevice,
-        counts: &[u8],
+        counts: &[u16],
         notes: &mut Vec<String>,
     ) -> Result<Tier> {
         let dev = open_device(opts)?;
@@ -337,7 +338,7 @@ impl Tier {
         content: Option<Block>,
         packed: bool,
         refs: u32,
-        check: Option<(u32, Option<u8>)>,
+        check: Option<(u32, Option<Frag>)>,
     ) {
         let mut g = self.sh.inner.lock();
         self.sh.queue(&mut g, pbn, content, packed, refs, Origin::Refs, check);
@@ -369,7 +370,13 @@ impl Tier {
     /// while remembered promotes the block. (A freed block is not taken out of the LRU:
     /// the epoch keeps a read of its previous life from promoting it, and a remembered
     /// read only makes the block's next read count as a re-read.)
-    pub(crate) fn note_read(&self, pbn: u64, slot: Option<u8>, block: &Block, refs: u32, epoch: u64) {
+    pub(crate) fn note_read(&self, pbn: u64, frag: Option<Frag>, block: &Block, refs: u32, epoch: u64) {
+        // A fragment running on into further blocks is never promoted: the tier holds
+        // whole blocks, and one block of it serves no read alone.
+        if frag.is_some_and(|f| f.span() > 1) {
+            return;
+        }
+        let slot = frag.map(|f| f.key());
         if self.sh.disabled.load(Ordering::Relaxed) {
             return;
         }
@@ -525,7 +532,7 @@ impl Shared {
         packed: bool,
         refs: u32,
         origin: Origin,
-        check: Option<(u32, Option<u8>)>,
+        check: Option<(u32, Option<Frag>)>,
     ) {
         if self.disabled.load(Ordering::Relaxed) || g.slots.get(pbn).is_some() || g.pending.contains_key(&pbn) {
             return;

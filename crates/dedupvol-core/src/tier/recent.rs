@@ -1,8 +1,8 @@
 //! `RecentReads`: a bounded LRU of blocks' data read recently (one at a time, not as part
-//! of a sequential run), keyed by physical block and packed slot (`key`): reading the same
+//! of a sequential run), keyed by physical block and fragment (`key`): reading the same
 //! data again while it is still remembered makes its physical block read-hot. Reading
-//! another fragment of a packed block is not a re-read (a small-request scan of packed
-//! data reads each block's fragments one after the other).
+//! another fragment of the same block is not a re-read (a small-request scan of
+//! compressed data reads each block's fragments one after the other).
 //!
 //! Invariants:
 //! - At most `cap` blocks are remembered; the oldest touch is forgotten first.
@@ -12,10 +12,11 @@
 use crate::read::cache::PbnMap;
 use std::collections::VecDeque;
 
-/// The LRU key of `pbn`'s raw content (`slot` None) or of one packed slot: the pbn in the
-/// high bits (pbns have 40 bits), slot + 1 in the low 4 (slots are below 14).
-pub(crate) fn key(pbn: u64, slot: Option<u8>) -> u64 {
-    pbn << 4 | slot.map_or(0, |s| u64::from(s & 0x0f) + 1).min(15)
+/// The LRU key of `pbn`'s raw content (`slot` None) or of one decoded block of a fragment
+/// starting there (`slot`: `Frag::key`, 16 bits): the pbn in the high bits (pbns have 40
+/// bits), the fragment key + 1 in the low 17.
+pub(crate) fn key(pbn: u64, slot: Option<u16>) -> u64 {
+    pbn << 17 | slot.map_or(0, |s| u64::from(s) + 1)
 }
 
 /// The recent-reads LRU.
@@ -109,7 +110,14 @@ mod tests {
 
     #[test]
     fn keys_tell_slots_and_blocks_apart() {
-        let keys = [key(7, None), key(7, Some(0)), key(7, Some(13)), key(8, None), key(1 << 39, Some(5))];
+        let keys = [
+            key(7, None),
+            key(7, Some(0)),
+            key(7, Some(13)),
+            key(7, Some(u16::MAX)),
+            key(8, None),
+            key(1 << 39, Some(5)),
+        ];
         for (i, a) in keys.iter().enumerate() {
             for b in keys.iter().skip(i + 1) {
                 assert_ne!(a, b);

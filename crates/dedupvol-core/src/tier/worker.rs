@@ -207,13 +207,16 @@ fn promote(sh: &Shared, jobs: Vec<Job>) {
 
 /// True when `block` holds the content `check` (crc, packed slot) names, or nothing is to
 /// be checked.
-fn decodes_to(block: &[u8], pbn: u64, check: Option<(u32, Option<u8>)>) -> bool {
+fn decodes_to(block: &[u8], pbn: u64, check: Option<(u32, Option<crate::metadata::block_map::Frag>)>) -> bool {
     match check {
         None => true,
         Some((crc, None)) => crc32c::crc32c(block) == crc,
-        Some((crc, Some(slot))) => {
+        // Only fragments inside one block are promoted with a check.
+        Some((crc, Some(f))) => {
             let mut out = vec![0u8; BLOCK_SIZE];
-            crate::data::packer::unpack(block, pbn, slot, &mut out).is_ok() && crc32c::crc32c(&out) == crc
+            f.span() == 1
+                && crate::data::packer::decode_block(pbn, &f, block, &mut out).is_ok()
+                && crc32c::crc32c(&out) == crc
         }
     }
 }

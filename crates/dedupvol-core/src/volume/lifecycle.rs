@@ -296,11 +296,12 @@ impl Volume {
             map: rec.map,
             rc: rec.rc,
             journal: rec.journal,
-            packer: Packer::new(sb.compression),
+            packer: Packer::new(),
             dedup,
             counters: rec.counters,
             red: ReductionCounters::default(),
             staging: Staging::default(),
+            cleaner_window: 0,
         };
         let data = DataDevice::new(data, &geo);
         let tickets = Arc::new(Tickets::default());
@@ -325,6 +326,7 @@ impl Volume {
             compression: sb.compression,
             compression_level: crate::config::effective_level(sb.compression, sb.compression_level),
             cache_writes: opts.writes_cached(sb.verify),
+            extent_blocks_max: opts.extent_blocks_max.clamp(1, crate::metadata::block_map::UNIT_BLOCKS_MAX),
             lifetime_base: sb.lifetime,
             sb: Mutex::new(sb),
             state: Mutex::new(state),

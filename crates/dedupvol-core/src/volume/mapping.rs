@@ -45,17 +45,33 @@ impl Volume {
             st.rc.inc(&new, seq)?;
             self.tier_note_refs(st, &new);
         }
-        if old.is_data() && st.rc.dec(&old, seq)? {
-            st.alloc.free_later(old.pbn, seq);
-            // Nothing can read a block without references: its cached copy only takes
-            // room from live blocks (under overwrites, the cache would fill with them).
-            self.cache.lock().remove(old.pbn);
-            // Under the same hold that frees it: no tier copy of the block's previous life
-            // can be served once it is reused.
-            if let Some(t) = &self.tier {
-                t.forget(old.pbn);
+        if let Some(f) = old.fragment_of() {
+            st.red.dead_fragment_bytes_hint += u64::from(f.len);
+        }
+        if old.is_data() {
+            let mut freed: Vec<u64> = Vec::new();
+            st.rc.dec(&old, seq, |p| freed.push(p))?;
+            let (freed_any, freed_first) = (!freed.is_empty(), freed.contains(&old.pbn));
+            for pbn in freed {
+                st.alloc.free_later(pbn, seq);
+                // Nothing can read a block without references: its cached copy only takes
+                // room from live blocks (under overwrites, the cache would fill with them).
+                self.cache.lock().remove(pbn);
+                // Under the same hold that frees it: no tier copy of the block's previous
+                // life can be served once it is reused.
+                if let Some(t) = &self.tier {
+                    t.forget(pbn);
+                }
+                if st.dedup.note_freed(pbn) {
+                    st.red.stamp_wrap_scans += 1;
+                }
             }
-            if st.dedup.note_freed(old.pbn) {
+            // A block of a fragment freed means the fragment has no reference left (every
+            // reference touches all its blocks). Its first block may live on for its
+            // neighbours, and its records must not be proven by that block's stamp any
+            // more: the freed blocks can be reused under them. Bumping the first block's
+            // stamp sends such records to byte verification.
+            if freed_any && !freed_first && st.dedup.void_stamp(old.pbn) {
                 st.red.stamp_wrap_scans += 1;
             }
         }
@@ -69,13 +85,15 @@ impl Volume {
     fn tier_note_refs(&self, st: &State, e: &MapEntry) {
         let Some(t) = &self.tier else { return };
         let refs = u32::from(st.rc.get(e.pbn));
-        let packed = e.slot().is_some();
+        let packed = e.fragment_of().is_some();
         let at = if packed { t.promote_refs() } else { t.promote_refs().saturating_mul(2) };
-        if refs != at || st.packer.is_open(e.pbn) {
+        // A fragment running on into further blocks is left to fills: the tier holds
+        // whole blocks, and one block of such a fragment serves no read alone.
+        if refs != at || st.packer.is_open(e.pbn) || e.span() > 1 {
             return;
         }
         let content = st.staging.get(e.pbn).cloned().or_else(|| self.cache.lock().peek(e.pbn));
-        t.promote_written(e.pbn, content, packed, refs, Some((e.crc, e.slot())));
+        t.promote_written(e.pbn, content, packed, refs, Some((e.crc, e.fragment_of())));
     }
 
     /// A packed block being sealed: queued for the tier when its fragments already have

@@ -29,6 +29,7 @@
 //!   read that finds otherwise retries once from the mapping, then reports corruption.
 
 pub(crate) mod block_status;
+pub(crate) mod cleaner;
 mod commit;
 pub(crate) mod grow;
 mod lifecycle;
@@ -94,6 +95,8 @@ pub struct Volume {
     pub(crate) compression_level: i8,
     /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
     pub(crate) cache_writes: bool,
+    /// Largest extent formed, in blocks (`OpenOptions::extent_blocks_max`).
+    pub(crate) extent_blocks_max: u8,
     pub(crate) read_only: bool,
     pub(crate) health: Arc<Health>,
     /// Set under the state lock whenever entries are appended or a batch is taken: the

@@ -50,19 +50,9 @@ pub(crate) fn recover(
         if seq > map.page_seq(e.lba)? {
             map.set(e.lba, e.new, seq)?;
         }
-        // Both decisions are taken before either change: when old and new share a page
-        // (or a block), applying one raises the page's sequence to `seq`.
-        let apply_new = e.new.is_data() && seq > rc.page_seq(e.new.pbn);
-        let apply_old = e.old.is_data() && seq > rc.page_seq(e.old.pbn);
-        let corrupt = |err: Error| {
+        rc.replay(&e.new, &e.old, seq).map_err(|err: Error| {
             Error::corruption("journal entry", seq, "a reference count change that applies", err.to_string())
-        };
-        if apply_new {
-            rc.inc(&e.new, seq).map_err(corrupt)?;
-        }
-        if apply_old {
-            rc.dec(&e.old, seq).map_err(corrupt)?;
-        }
+        })?;
     }
     let counters = match replay.counters {
         Some(c) if !was_clean => c,

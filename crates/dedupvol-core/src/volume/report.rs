@@ -57,14 +57,14 @@ impl Volume {
             let ok = match st.unwritten(&e, &mut out) {
                 Some(ok) => ok,
                 None => {
-                    let mut b = vec![0u8; BLOCK_SIZE];
+                    let mut b = vec![0u8; BLOCK_SIZE * e.span() as usize];
                     self.data.read(IoKind::Verify, e.pbn, &mut b, "block map entry").map_err(|e| e.to_string())?;
-                    match e.slot() {
+                    match e.fragment_of() {
                         None => {
                             out = b;
                             true
                         }
-                        Some(s) => packer::unpack(&b, e.pbn, s, &mut out).is_ok(),
+                        Some(f) => packer::decode_block(e.pbn, &f, &b, &mut out).is_ok(),
                     }
                 }
             };
@@ -115,8 +115,17 @@ impl Volume {
         red.block_map_cache_hits = st.map.hits();
         red.block_map_cache_misses = st.map.misses();
         let used = st.rc.used_blocks();
-        let frags = st.rc.fragments();
         let mapped = st.counters.mapped_blocks;
+        // Live blocks that share stored data, estimated from the volume's whole life: the
+        // share of its data writes that were duplicates. (Counts are kept per physical
+        // block, which fragments share, so the exact figure would need a scan of the map.)
+        let life = self.lifetime_now(&st);
+        let data_written = life.blocks_written.saturating_sub(life.zero_blocks);
+        let shared = if data_written == 0 {
+            0
+        } else {
+            (u128::from(mapped) * u128::from(life.dedup_hits.min(data_written)) / u128::from(data_written)) as u64
+        };
         let logical_used = mapped * BLOCK_SIZE_U64;
         let physical_used = used * BLOCK_SIZE_U64;
         let index = st.dedup.index();
@@ -133,8 +142,8 @@ impl Volume {
             reduction_ratio: if physical_used == 0 { 0.0 } else { logical_used as f64 / physical_used as f64 },
             savings: Savings {
                 zero_bytes: st.counters.zero_blocks * BLOCK_SIZE_U64,
-                dedup_bytes: mapped.saturating_sub(frags) * BLOCK_SIZE_U64,
-                compression_bytes: frags.saturating_sub(used) * BLOCK_SIZE_U64,
+                dedup_bytes: shared * BLOCK_SIZE_U64,
+                compression_bytes: (mapped - shared).saturating_sub(used) * BLOCK_SIZE_U64,
             },
             lifetime: self.lifetime_now(&st),
             counters: red,

@@ -23,6 +23,8 @@ pub(crate) struct State {
     /// Placed data blocks not on the device yet: they answer reads and verifications
     /// for their pbns until written.
     pub(crate) staging: Staging,
+    /// Where the cleaner's next window of the data region starts.
+    pub(crate) cleaner_window: u64,
 }
 
 impl State {

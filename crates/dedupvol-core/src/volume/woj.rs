@@ -64,15 +64,19 @@ impl Volume {
             w.lock().stats.collisions += 1;
             return None;
         }
-        let refs = st.rc.get(e.pbn);
-        if refs == 0 || refs >= REFCOUNT_MAX || st.dedup.is_damaged(e.pbn) || st.dedup.generation() != looked_up_at {
+        let refs = st.rc.max_of(&e);
+        if st.rc.min_of(&e) == 0
+            || refs >= REFCOUNT_MAX
+            || st.dedup.is_damaged(e.pbn)
+            || st.dedup.generation() != looked_up_at
+        {
             w.lock().stats.stale += 1;
             return None;
         }
         // Stage 2 took only data entries.
         assert!(e.is_data(), "WOJ candidate {e:?} is not data");
         w.lock().used(c.j, c.by_read);
-        Some(MapEntry { pbn: e.pbn, state: e.state, crc: e.crc })
+        Some(e)
     }
 
     /// After a chunk's mapping change (state lock held): a chunk written into the journal

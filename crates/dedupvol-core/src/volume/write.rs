@@ -99,19 +99,20 @@ impl Volume {
             }
         }
         // 3. Verification reads and compression (no lock; parallel).
-        reduce::verify_and_compress(
+        let mut units = reduce::verify_and_compress(
             &*self.exec,
             &self.data,
             &self.cache,
             self.compression,
             self.compression_level,
             self.dedup,
+            self.extent_blocks_max,
             buf,
             &mut plans,
         );
         // 4. Claim or place, stage, journal and apply (state lock).
         let mut st = self.state.lock();
-        match self.place_batch(&mut st, lba0, buf, &mut plans, looked_up_at) {
+        match self.place_batch(&mut st, lba0, buf, &mut plans, &mut units, looked_up_at) {
             Ok(seq) => {
                 self.note_pressure(&st);
                 let durable = st.journal.durable_seq();

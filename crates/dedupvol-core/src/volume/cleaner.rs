@@ -1,0 +1,387 @@
+//! The cleaner: compacts partly dead blocks of compressed data. Overwrites and discards
+//! leave fragments without references inside blocks that other fragments keep alive
+//! (a block is freed only when nothing touches it), so their bytes are lost space. A pass
+//! finds blocks whose live fragments fill little of them, copies those fragments as they
+//! are (still compressed) into the open run, and remaps the logical blocks that use them;
+//! the old blocks then lose their last references and are freed.
+//!
+//! A pass: (1) scans the block map in bounded chunks under short state-lock holds,
+//! collecting every data mapping into a window of the data region (at most
+//! `WINDOW_BLOCKS` blocks, the window moving on each pass); (2) sums each block's live
+//! bytes (every distinct fragment once, raw blocks as full; an extent of which only some
+//! blocks are still mapped counts for that share of its bytes) and takes as victims the
+//! blocks with at most `CleanOptions::live_max` live bytes; (3) reads each live fragment
+//! touching a victim (no lock), checks it decodes to its mappings' checksums, and (4)
+//! under the state lock appends it to the open run and remaps the logical blocks still
+//! mapped to it, as journalled mapping changes like any write. A fragment whose unit is
+//! whole is copied as it is; an extent with dead blocks is rewritten: its live blocks are
+//! compressed again as a smaller unit (or alone), so its dead blocks go.
+//!
+//! Invariants:
+//! - Correctness never rests on the scan being complete or current: a logical block is
+//!   remapped only if its entry is still exactly the one scanned, under the same lock
+//!   hold as the append; a block still mapped to the old fragment keeps it alive (its
+//!   blocks keep their counts), so a missed or newer reference costs space, never data.
+//! - A fragment is moved only after its bytes decoded to the crc of a mapping that still
+//!   uses it; its blocks cannot have been reused meanwhile, since a live reference keeps
+//!   every block it touches.
+//! - A pass moves at most `CleanOptions::budget_bytes` and holds the state lock for at
+//!   most `SCAN_LBAS_PER_HOLD` map entries or `MOVES_PER_HOLD` fragments at a time.
+//! - The new copies reach the device, and the old blocks are freed, through the same
+//!   commit path as client writes (the durability contract is unchanged).
+
+use super::Volume;
+use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::data::packer;
+use crate::error::Result;
+use crate::io::IoKind;
+use crate::metadata::block_map::{Frag, MapEntry};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Map entries read per state-lock hold while scanning.
+const SCAN_LBAS_PER_HOLD: u64 = 8192;
+/// Fragments moved per state-lock hold.
+const MOVES_PER_HOLD: usize = 64;
+/// Data blocks one pass considers at most (4 GiB of data): bounds its memory.
+const WINDOW_BLOCKS: u64 = 1 << 20;
+/// Mappings one pass collects at most; past it, the rest keep their fragments alive.
+const SCANNED_MAX: usize = 4 << 20;
+
+/// What a pass may do.
+#[derive(Debug, Clone)]
+pub struct CleanOptions {
+    /// Compressed bytes a pass moves at most.
+    pub budget_bytes: u64,
+    /// A block with at most this many live bytes is a victim.
+    pub live_max: u32,
+}
+
+impl Default for CleanOptions {
+    fn default() -> Self {
+        // A victim at most half full: moving its live half frees a whole block, so the
+        // cleaner writes at most one byte for each byte it frees.
+        CleanOptions { budget_bytes: 64 << 20, live_max: (BLOCK_SIZE / 2) as u32 }
+    }
+}
+
+/// What a pass did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CleanReport {
+    /// Logical blocks scanned.
+    pub scanned_blocks: u64,
+    /// Blocks taken as victims.
+    pub victims: u64,
+    /// Fragments moved.
+    pub fragments_moved: u64,
+    /// Compressed bytes written again.
+    pub bytes_moved: u64,
+    /// Logical blocks remapped.
+    pub blocks_remapped: u64,
+    /// Data blocks in use before and after the pass (the freed ones count once the moves
+    /// are durable).
+    pub used_before: u64,
+    /// See `used_before`.
+    pub used_after: u64,
+}
+
+/// A live fragment found by the scan: its mappings.
+struct Found {
+    frag: Frag,
+    uses: Vec<(u64, MapEntry)>,
+}
+
+impl Found {
+    /// Its blocks still mapped, by index in the unit, in order.
+    fn live_subs(&self) -> Vec<usize> {
+        let mut subs: Vec<usize> = self.uses.iter().map(|(_, e)| e.frag.sub()).collect();
+        subs.sort_unstable();
+        subs.dedup();
+        subs
+    }
+}
+
+/// A fragment the cleaner moves: what it stores, and the fingerprint of each live block
+/// (by index in the old unit) when dedup is on, so the index follows the move.
+struct Read {
+    moved: Moved,
+    hashes: Vec<(usize, [u8; 32])>,
+}
+
+/// What the cleaner stores for a fragment it moves.
+enum Moved {
+    /// The fragment's bytes, unchanged.
+    Copy(Vec<u8>),
+    /// The live blocks of an extent (decoded, in unit order) and their old indexes.
+    Rewrite(Vec<u8>, Vec<usize>),
+}
+
+impl Volume {
+    /// True when the volume was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Dead-space hint: compressed bytes dropped from the map since the last pass.
+    pub fn dead_bytes_hint(&self) -> u64 {
+        self.state.lock().red.dead_fragment_bytes_hint
+    }
+
+    /// One cleaner pass (see the module docs). Read-only volumes do nothing.
+    pub fn clean(&self, opts: &CleanOptions) -> Result<CleanReport> {
+        let mut report = CleanReport::default();
+        if self.read_only {
+            return Ok(report);
+        }
+        let (window, used_before) = {
+            let mut st = self.state.lock();
+            st.red.dead_fragment_bytes_hint = 0;
+            st.red.cleaner_passes += 1;
+            let blocks = self.data.blocks();
+            let start = if blocks <= WINDOW_BLOCKS { 0 } else { st.cleaner_window % blocks };
+            st.cleaner_window = start + WINDOW_BLOCKS;
+            (start..(start + WINDOW_BLOCKS).min(blocks), st.rc.used_blocks())
+        };
+        report.used_before = used_before;
+        // (1) The map, in chunks.
+        let mut raw: Vec<u64> = Vec::new();
+        let mut frags: BTreeMap<(u64, u16), Found> = BTreeMap::new();
+        let mut collected = 0usize;
+        let mut lba = 0;
+        while lba < self.logical_blocks() && collected < SCANNED_MAX {
+            let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
+            let mut st = self.state.lock();
+            for l in lba..end {
+                let Ok(e) = st.map.get(l) else { continue };
+                if !e.is_data() || !window.contains(&e.pbn) {
+                    continue;
+                }
+                collected += 1;
+                match e.fragment_of() {
+                    None => raw.push(e.pbn),
+                    Some(f) => frags
+                        .entry((e.pbn, f.off))
+                        .or_insert_with(|| Found { frag: f, uses: Vec::new() })
+                        .uses
+                        .push((l, e)),
+                }
+            }
+            let durable = st.journal.durable_seq();
+            st.map.evict(durable)?;
+            drop(st);
+            report.scanned_blocks += end - lba;
+            lba = end;
+        }
+        // (2) Live bytes per block, and the victims.
+        let mut live: HashMap<u64, u32> = HashMap::new();
+        for p in raw {
+            live.insert(p, BLOCK_SIZE as u32);
+        }
+        for (&(pbn, off), f) in &frags {
+            let share = f.live_subs().len() as u64;
+            let unit = f.frag.unit_blocks() as u64;
+            let mut at = u64::from(off);
+            let mut left = u64::from(f.frag.len);
+            let mut p = pbn;
+            while left > 0 {
+                let here = left.min(BLOCK_SIZE_U64 - at);
+                *live.entry(p).or_default() += (here * share).div_ceil(unit) as u32;
+                left -= here;
+                at = 0;
+                p += 1;
+            }
+        }
+        let victims: std::collections::HashSet<u64> = {
+            let st = self.state.lock();
+            live.iter()
+                .filter(|&(&p, &b)| {
+                    b <= opts.live_max && st.rc.get(p) > 0 && st.staging.get(p).is_none() && !st.packer.is_open(p)
+                })
+                .map(|(&p, _)| p)
+                .collect()
+        };
+        report.victims = victims.len() as u64;
+        // (3) and (4): the fragments touching a victim, in device order.
+        let mut moving: Vec<Found> = frags
+            .into_values()
+            .filter(|f| {
+                let first = f.uses.first().map_or(0, |(_, e)| e.pbn);
+                (first..first + f.frag.span()).any(|p| victims.contains(&p))
+            })
+            .collect();
+        // Emptiest victims first: the budget goes where a byte moved frees the most.
+        let emptiest = |f: &Found| {
+            let first = f.uses.first().map_or(0, |(_, e)| e.pbn);
+            (first..first + f.frag.span()).filter_map(|p| live.get(&p).filter(|_| victims.contains(&p))).min().copied()
+        };
+        moving.sort_by_key(|f| (emptiest(f), f.uses.first().map(|(_, e)| (e.pbn, e.frag.off))));
+        for batch in moving.chunks(MOVES_PER_HOLD) {
+            if report.bytes_moved >= opts.budget_bytes {
+                break;
+            }
+            let read: Vec<Option<Read>> = batch.iter().map(|f| self.read_fragment(f)).collect();
+            let mut st = self.state.lock();
+            for (f, read) in batch.iter().zip(read) {
+                let Some(Read { moved, hashes }) = read else { continue };
+                let mut still: Vec<(u64, MapEntry)> = Vec::new();
+                for &(l, e) in &f.uses {
+                    if st.map.get(l)? == e {
+                        still.push((l, e));
+                    }
+                }
+                if still.is_empty() {
+                    continue;
+                }
+                // Where each old block of the unit goes now.
+                let placed: Vec<(usize, MapEntry)> = match moved {
+                    Moved::Copy(bytes) => {
+                        let Some((pbn, off)) = self.pack(&mut st, &bytes)? else { continue };
+                        report.bytes_moved += bytes.len() as u64;
+                        (0..f.frag.unit_blocks())
+                            .map(|sub| (sub, MapEntry::fragment(pbn, Frag { off, ..f.frag.with_sub(sub) }, 0)))
+                            .collect()
+                    }
+                    Moved::Rewrite(blocks, subs) => {
+                        let Some(stored) = self.store_blocks(&mut st, &blocks)? else { continue };
+                        report.bytes_moved += stored.1;
+                        subs.into_iter().zip(stored.0).collect()
+                    }
+                };
+                for (l, e) in still {
+                    let Some(&(_, to)) = placed.iter().find(|(sub, _)| *sub == e.frag.sub()) else { continue };
+                    self.apply_entry(&mut st, l, MapEntry { crc: e.crc, ..to })?;
+                    report.blocks_remapped += 1;
+                }
+                // The index follows the data: a later duplicate finds the new copy (the old
+                // records fail verification once their blocks are freed).
+                for (sub, hash) in hashes {
+                    if let Some(&(_, to)) = placed.iter().find(|(s, _)| *s == sub) {
+                        st.dedup.record(&hash, &to);
+                    }
+                }
+                report.fragments_moved += 1;
+            }
+            self.note_pressure(&st);
+            let durable = st.journal.durable_seq();
+            st.map.evict(durable)?;
+        }
+        {
+            let mut st = self.state.lock();
+            st.red.cleaner_bytes_moved += report.bytes_moved;
+            st.red.cleaner_fragments_moved += report.fragments_moved;
+            st.red.cleaner_blocks_remapped += report.blocks_remapped;
+            report.used_after = st.rc.used_blocks();
+        }
+        Ok(report)
+    }
+
+    /// A live fragment as the cleaner stores it again (its bytes when every block of its
+    /// unit is mapped, else its live blocks decoded), checked against the crc of every
+    /// mapping that names it (each names one block of its unit); None when it cannot be
+    /// read or does not decode to them (it is then left where it is).
+    fn read_fragment(&self, f: &Found) -> Option<Read> {
+        let (_, e0) = f.uses.first()?;
+        let mut span = vec![0u8; f.frag.span() as usize * BLOCK_SIZE];
+        let cached: Vec<_> = {
+            let mut c = self.cache.lock();
+            e0.blocks().map_while(|p| c.get(p)).collect()
+        };
+        if cached.len() as u64 == e0.span() {
+            for (dst, b) in span.chunks_exact_mut(BLOCK_SIZE).zip(cached) {
+                dst.copy_from_slice(&b);
+            }
+        } else {
+            self.data.read(IoKind::Data, e0.pbn, &mut span, "block map entry").ok()?;
+        }
+        let bytes = packer::fragment_bytes(e0.pbn, &f.frag, &span).ok()?.to_vec();
+        let mut unit = vec![0u8; f.frag.unit_blocks() * BLOCK_SIZE];
+        packer::decompress(e0.pbn, &f.frag, &bytes, &mut unit).ok()?;
+        let ok = f.uses.iter().all(|(_, e)| {
+            let at = e.frag.sub() * BLOCK_SIZE;
+            unit.get(at..at + BLOCK_SIZE).is_some_and(|b| crc32c::crc32c(b) == e.crc)
+        });
+        if !ok {
+            return None;
+        }
+        let subs = f.live_subs();
+        let hashes = if self.dedup {
+            subs.iter()
+                .filter_map(|&s| {
+                    unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE).map(|b| (s, *blake3::hash(b).as_bytes()))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if subs.len() == f.frag.unit_blocks() {
+            return Some(Read { moved: Moved::Copy(bytes), hashes });
+        }
+        let live: Vec<u8> =
+            subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
+        Some(Read { moved: Moved::Rewrite(live, subs), hashes })
+    }
+
+    /// Stores whole blocks again (state lock held): compressed as one unit (or alone, for
+    /// one block), else raw; returns each block's new entry (crc 0: the caller's) and the
+    /// bytes written. None when no run can take the unit.
+    fn store_blocks(&self, st: &mut super::state::State, blocks: &[u8]) -> Result<Option<(Vec<MapEntry>, u64)>> {
+        let n = blocks.len() / BLOCK_SIZE;
+        let codec = self.compression;
+        if let Some(frag) = packer::compress(codec, self.compression_level, blocks) {
+            let Some((pbn, off)) = self.pack(st, &frag)? else { return Ok(None) };
+            let entries = (0..n)
+                .map(|sub| {
+                    MapEntry::fragment(pbn, Frag::new(codec.code(), off, frag.len() as u16, n as u8, sub as u8), 0)
+                })
+                .collect();
+            return Ok(Some((entries, frag.len() as u64)));
+        }
+        let mut entries = Vec::with_capacity(n);
+        for b in blocks.chunks_exact(BLOCK_SIZE) {
+            let pbn = self.alloc_block(st)?;
+            self.stage(st, pbn, crate::read::cache::Block::from(b), None)?;
+            entries.push(MapEntry::raw(pbn, 0));
+        }
+        Ok(Some((entries, blocks.len() as u64)))
+    }
+}
+
+/// A cleaner thread for a shared volume: every `interval` it runs a pass when the
+/// dead-space hint reaches `trigger_bytes`. Stops when dropped or when the volume goes.
+pub struct Cleaner {
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Cleaner {
+    /// Starts the thread (None when it cannot be spawned).
+    pub fn spawn(vol: &Arc<Volume>, interval: Duration, trigger_bytes: u64, opts: CleanOptions) -> Option<Cleaner> {
+        let weak: Weak<Volume> = Arc::downgrade(vol);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("dedupvol-cleaner".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Acquire) {
+                    std::thread::sleep(interval);
+                    let Some(v) = weak.upgrade() else { break };
+                    if v.dead_bytes_hint() >= trigger_bytes && v.clean(&opts).is_err() {
+                        break;
+                    }
+                }
+            })
+            .ok()?;
+        Some(Cleaner { stop, handle: Some(handle) })
+    }
+}
+
+impl Drop for Cleaner {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
