@@ -181,7 +181,13 @@ fn primitives(data: &[u8]) -> (f64, f64) {
 }
 
 /// Runs every configuration and prints the tables.
-pub(crate) fn run(mib: u64, txn_blocks: usize, configs: &str, compression: Compression, level: i8) -> anyhow::Result<()> {
+pub(crate) fn run(
+    mib: u64,
+    txn_blocks: usize,
+    configs: &str,
+    compression: Compression,
+    level: i8,
+) -> anyhow::Result<()> {
     let blocks = (mib << 20) as usize / B;
     let mut data = vec![0u8; blocks * B];
     rand_chacha::ChaCha8Rng::seed_from_u64(7).fill(&mut data[..]);

@@ -233,8 +233,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         if a.woj_mib == 0 || a.woj_mib > 8192 || !(1..=1000).contains(&a.woj_txn_blocks) {
             usage_bail!("--woj-mib must be 1..8192 and --woj-txn-blocks 1..1000");
         }
-        let (compression, level) =
-            dedupvol_core::parse_compression(&a.compression).map_err(|e| crate::usage(format!("--compression: {e}")))?;
+        let (compression, level) = dedupvol_core::parse_compression(&a.compression)
+            .map_err(|e| crate::usage(format!("--compression: {e}")))?;
         crate::woj_bench::run(a.woj_mib, a.woj_txn_blocks, &a.woj_configs, compression, level)?;
         return Ok(ExitCode::SUCCESS);
     }

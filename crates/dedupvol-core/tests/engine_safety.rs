@@ -271,3 +271,35 @@ fn a_dead_fragment_whose_next_block_was_reused_is_never_shared() {
         assert!(r.is_clean(), "{verify:?}: {:?}", r.problems);
     }
 }
+
+/// As above, but the dead fragment's next block is freed later, by the death of another
+/// fragment that starts there: the first dead fragment must still never be shared.
+#[test]
+fn a_dead_fragment_is_not_shared_after_a_later_death_frees_its_next_block() {
+    for verify in [DedupVerify::Bytes, DedupVerify::Hash] {
+        let (dev, vol) = mem_volume(64 << 20, 32 << 20, |o| o.verify = verify);
+        // Block 0: a 2 KiB fragment, then the extent running into block 1, then a
+        // fragment that starts in block 1.
+        vol.write(0, &half_noise(1, 2000), false).expect("first fragment");
+        let extent = [half_noise(2, 1900), half_noise(3, 1900)].concat();
+        vol.write(131 * B as u64, &extent, false).expect("extent");
+        vol.write(200 * B as u64, &half_noise(7, 1500), false).expect("fragment in block 1");
+        vol.flush().expect("flush");
+        // The extent dies; block 1 lives on for the third fragment.
+        vol.write(131 * B as u64, &[half_noise(4, 100), half_noise(5, 100)].concat(), false).expect("overwrite");
+        vol.flush().expect("flush");
+        // The third fragment dies: block 1 is freed (block 0 lives on for the first one).
+        vol.write(200 * B as u64, &half_noise(8, 100), false).expect("overwrite the third");
+        vol.flush().expect("flush");
+        // Block 1 reused by a run still in memory, then a duplicate of the dead extent.
+        vol.write(B as u64, &half_noise(6, 3000), false).expect("reuses block 1");
+        vol.write(137 * B as u64, &extent[..B], false).expect("duplicate of the dead block");
+        vol.flush().expect("flush");
+        let mut back = vec![0u8; B];
+        vol.read(137 * B as u64, &mut back).expect("read");
+        assert!(back == extent[..B], "{verify:?}: the duplicate reads back wrong");
+        vol.close().expect("close");
+        let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
+        assert!(r.is_clean(), "{verify:?}: {:?}", r.problems);
+    }
+}

@@ -57,6 +57,11 @@ pub const WRITERS_MAX: usize = 4;
 const REBUILD_STEP_PCT: u32 = 20;
 /// Share of those steps (percent) with a crash armed at their first I/O call.
 const REBUILD_CRASH_PCT: u32 = 10;
+/// Percent of operations followed by a cleaner pass (`cleaner_rng`), and of those passes
+/// with a crash armed inside them (in their reads, or in the writes they lead to).
+const CLEAN_STEP_PCT: u32 = 3;
+/// See `CLEAN_STEP_PCT`.
+const CLEAN_CRASH_PCT: u32 = 25;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
 /// Percent of crash recoveries followed at once by a clean close and an audit.
@@ -455,6 +460,10 @@ pub struct RunStats {
     pub rebuild_steps: u64,
     /// Crashes during such a step.
     pub crashes_in_rebuild: u64,
+    /// Cleaner passes run between operations.
+    pub cleaner_passes: u64,
+    /// Crashes armed inside a cleaner pass that struck.
+    pub crashes_in_clean: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
     /// Engine counters summed over every volume instance that was closed or crashed.
@@ -489,6 +498,8 @@ impl RunStats {
         self.crashes_in_close += o.crashes_in_close;
         self.rebuild_steps += o.rebuild_steps;
         self.crashes_in_rebuild += o.crashes_in_rebuild;
+        self.cleaner_passes += o.cleaner_passes;
+        self.crashes_in_clean += o.crashes_in_clean;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
         self.io_calls += o.io_calls;
@@ -611,6 +622,8 @@ struct Run<'a, E: SimEngine> {
     /// Draws when to run a step of the engine's background work (its own stream, so the
     /// workload's draws stay as they were).
     rebuild_rng: ChaCha8Rng,
+    /// Draws of the cleaner passes, apart from `rng` so seeds keep their operations.
+    cleaner_rng: ChaCha8Rng,
     model: Model,
     vol: Option<E>,
     stats: RunStats,
@@ -675,6 +688,7 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         meta,
         rng,
         rebuild_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x1DE8_B11D),
+        cleaner_rng: ChaCha8Rng::seed_from_u64(seed ^ 0xC1EA_4E12),
         model: Model::new(),
         vol: None,
         stats: RunStats::default(),
@@ -786,6 +800,9 @@ impl<E: SimEngine> Run<'_, E> {
             }
             if !self.machine.is_crashed() {
                 self.step()?;
+            }
+            if self.vol.is_some() && !self.machine.is_crashed() && self.cleaner_rng.gen_range(0..100) < CLEAN_STEP_PCT {
+                self.op_clean()?;
             }
             if self.opts.audit_every_op && !self.machine.is_crashed() {
                 self.machine.set_passthrough(true);
@@ -1085,6 +1102,39 @@ impl<E: SimEngine> Run<'_, E> {
                 self.mutation_error(&what, &e, &before)
             }
         }
+    }
+
+    /// A cleaner pass (moves data, changes no content; a crash may be armed inside it).
+    fn op_clean(&mut self) -> Result<(), String> {
+        let armed = self.cfg.crash_ppm > 0 && self.cleaner_rng.gen_range(0..100) < CLEAN_CRASH_PCT;
+        if armed {
+            let after = self.cleaner_rng.gen_range(0..16);
+            self.note(format!("arm crash after {after} I/O calls in a cleaner pass"));
+            self.machine.arm_crash(after);
+        }
+        let live_max = if self.cleaner_rng.gen_bool(0.5) { 2048 } else { 4096 };
+        let before = self.machine.evidence();
+        self.stats.cleaner_passes += 1;
+        let r = self.vol().clean(1 << 20, live_max);
+        let r = match r {
+            Ok(moved) => {
+                self.note(format!("cleaner pass: {moved} fragments moved"));
+                // The moves reach the device with the next commit: a flush now and then
+                // puts the armed crash inside that commit.
+                if !self.machine.is_crashed() && self.cleaner_rng.gen_bool(0.5) {
+                    self.op_flush()
+                } else {
+                    Ok(())
+                }
+            }
+            Err(e) => self.mutation_error("cleaner pass", &e, &before),
+        };
+        if self.machine.is_crashed() {
+            self.stats.crashes_in_clean += 1;
+        } else if armed {
+            self.machine.disarm_crash();
+        }
+        r
     }
 
     fn op_flush(&mut self) -> Result<(), String> {

@@ -45,6 +45,11 @@ pub trait SimEngine: Sized {
     fn background_step(&self) -> bool {
         false
     }
+    /// Runs one cleaner pass (moves stored data, changes no content); the number of
+    /// fragments moved. Engines without a cleaner move nothing.
+    fn clean(&self, _budget_bytes: u64, _live_max: u32) -> Result<u64> {
+        Ok(0)
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -140,6 +145,9 @@ impl SimEngine for Volume {
     }
     fn background_step(&self) -> bool {
         self.index_rebuild_step()
+    }
+    fn clean(&self, budget_bytes: u64, live_max: u32) -> Result<u64> {
+        Volume::clean(self, &dedupvol_core::CleanOptions { budget_bytes, live_max }).map(|r| r.fragments_moved)
     }
     fn audit(&self) -> std::result::Result<(), String> {
         self.audit_memory()

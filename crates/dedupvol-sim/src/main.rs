@@ -193,7 +193,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -215,6 +215,8 @@ fn figures(s: &RunStats) -> String {
         s.crashes_in_rebuild,
         s.coverage.index_rebuild_records,
         s.coverage.index_rebuild_pages_skipped,
+        s.cleaner_passes,
+        s.crashes_in_clean,
         s.io_calls
     )
 }

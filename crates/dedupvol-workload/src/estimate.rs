@@ -7,7 +7,8 @@
 //!    duplicate;
 //! 3. else unique: compressed with the volume's codec and level (default zstd at level 1)
 //!    as the engine's write path does (`units`): runs of consecutive unique chunks inside
-//!    one 128 KiB request (an import's request size) that pass the engine's
+//!    one 128 KiB window of the data (the engine forms them per write request; requests of
+//!    128 KiB or more give about the same units) that pass the engine's
 //!    incompressibility probe are compressed as extents of up to 16 chunks
 //!    (`dedupvol_core::extent_size`); every other chunk alone (`fragment_size`, probe
 //!    included), stored raw when that does not save at least 1/16.

@@ -227,7 +227,8 @@ impl Rebuilder {
                 .is_some_and(|chunk| self.meta.read(IoKind::Index, chunk, ring.page_offset(v0, 0)).is_ok()),
         };
         // The next run is read by a helper thread while this one is inserted.
-        let next = (self.read_ahead && self.next_vcn <= self.newest).then(|| (self.next_vcn, self.run_from(self.next_vcn)));
+        let next =
+            (self.read_ahead && self.next_vcn <= self.newest).then(|| (self.next_vcn, self.run_from(self.next_vcn)));
         let mut spare = next.and_then(|_| self.spare.take().or_else(|| AlignedBuf::new(cap)));
         let meta = self.meta.clone();
         let next_ok = std::thread::scope(|sc| {

@@ -129,9 +129,8 @@ impl Slots<'_> {
     }
 
     fn slot(&self, i: usize) -> (u32, u16) {
-        self.local(i).map_or((0, 0), |l| {
-            (self.words.get(l).copied().unwrap_or(0), self.chapters.get(l).copied().unwrap_or(0))
-        })
+        self.local(i)
+            .map_or((0, 0), |l| (self.words.get(l).copied().unwrap_or(0), self.chapters.get(l).copied().unwrap_or(0)))
     }
 
     fn set(&mut self, i: usize, word: u32, ch: u16) {
@@ -351,7 +350,8 @@ impl VolumeIndex {
     }
 
     fn set(&mut self, i: usize, word: u32, ch: u16) {
-        if let (Some(w), Some(c)) = (self.words.get_mut(self.words_at + i), self.chapters.get_mut(self.chapters_at + i)) {
+        if let (Some(w), Some(c)) = (self.words.get_mut(self.words_at + i), self.chapters.get_mut(self.chapters_at + i))
+        {
             *w = word;
             *c = ch;
         }
@@ -448,7 +448,8 @@ impl VolumeIndex {
                 }
             }
         });
-        let added = added + if alone { high.insert_all(buckets, recs.iter().filter(upper), open, ring_chapters) } else { 0 };
+        let added =
+            added + if alone { high.insert_all(buckets, recs.iter().filter(upper), open, ring_chapters) } else { 0 };
         self.entries += added;
     }
 

@@ -22,6 +22,10 @@ use crate::error::{Error, Result};
 use crate::metadata::block_map::MapEntry;
 use crate::pipeline::segments;
 
+/// Blocks one fragment touches at most: 16 logical blocks compressed to at most 15/16 of
+/// 64 KiB, from any offset of its first block.
+const FRAGMENT_SPAN_MAX: u64 = 17;
+
 /// Blocks handled per state-lock hold for discard / write-zeroes of large ranges.
 const UNMAP_BLOCKS_PER_LOCK: u64 = 8192;
 
@@ -51,8 +55,7 @@ impl Volume {
         if old.is_data() {
             let mut freed: Vec<u64> = Vec::new();
             st.rc.dec(&old, seq, |p| freed.push(p))?;
-            let (freed_any, freed_first) = (!freed.is_empty(), freed.contains(&old.pbn));
-            for pbn in freed {
+            for &pbn in &freed {
                 st.alloc.free_later(pbn, seq);
                 // Nothing can read a block without references: its cached copy only takes
                 // room from live blocks (under overwrites, the cache would fill with them).
@@ -66,13 +69,22 @@ impl Volume {
                     st.red.stamp_wrap_scans += 1;
                 }
             }
-            // A block of a fragment freed means the fragment has no reference left (every
-            // reference touches all its blocks). Its first block may live on for its
-            // neighbours, and its records must not be proven by that block's stamp any
-            // more: the freed blocks can be reused under them. Bumping the first block's
-            // stamp sends such records to byte verification.
-            if freed_any && !freed_first && st.dedup.void_stamp(old.pbn) {
-                st.red.stamp_wrap_scans += 1;
+            // A freed block may hold the tail of dead fragments that start in one of the
+            // blocks before it (a fragment touches at most FRAGMENT_SPAN_MAX blocks), whose
+            // first blocks live on for their neighbours. Their index records must not be
+            // proven by those blocks' reuse stamps any more, nor verified from their
+            // decoded copies in the cache, once the freed block can be reused: the stamps
+            // are renewed (byte verification then reads the reused block and fails) and
+            // the cached copies dropped.
+            if let (Some(&lo), Some(&hi)) = (freed.iter().min(), freed.iter().max()) {
+                for q in lo.saturating_sub(FRAGMENT_SPAN_MAX - 1)..hi {
+                    if st.rc.get(q) > 0 {
+                        if st.dedup.void_stamp(q) {
+                            st.red.stamp_wrap_scans += 1;
+                        }
+                        self.cache.lock().remove(q);
+                    }
+                }
             }
         }
         st.counters.apply(&old, &new);
