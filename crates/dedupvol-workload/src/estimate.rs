@@ -10,7 +10,8 @@
 //!    one 128 KiB window of the data (the engine forms them per write request; requests of
 //!    128 KiB or more give about the same units) that pass the engine's
 //!    incompressibility probe are compressed as extents of up to 16 chunks
-//!    (`dedupvol_core::extent_size`); every other chunk alone (`fragment_size`, probe
+//!    (`dedupvol_core::extent_size`; raw when the unit does not save 1/16); every other
+//!    chunk alone (`fragment_size`, probe
 //!    included), stored raw when that does not save at least 1/16.
 //!
 //! Fragments are packed back to back, byte for byte, into runs of at most 32 blocks, as
@@ -320,9 +321,11 @@ impl Estimator {
         let stored: Vec<Vec<Option<u64>>> = par_map(&units, self.opts.threads, |&(first, n)| {
             let members = new_chunks.get(first..first + n).unwrap_or_default();
             if n >= 2 {
-                if let Some(len) = dedupvol_core::extent_size(codec, level, &members.concat()) {
-                    return vec![Some(len as u64)];
-                }
+                // An extent that does not save 1/16 is stored raw, as the engine does.
+                return match dedupvol_core::extent_size(codec, level, &members.concat()) {
+                    Some(len) => vec![Some(len as u64)],
+                    None => vec![None; n],
+                };
             }
             members
                 .iter()

@@ -183,12 +183,15 @@ pub(crate) fn verify_and_compress(
                 return;
             }
         }
-        // A single chunk, or an extent that did not compress: each chunk alone.
+        // A single chunk, each chunk alone; an extent that did not save 1/16 as a whole is
+        // stored raw (its blocks alone would save less still, measured on the vdi preset's
+        // data, and compressing them again doubled the compression work of such data).
+        let unit_failed = job.n >= 2;
         job.singles = (first..first + job.n)
             .map(|k| {
                 let c = chunk(buf, k);
                 // The probe's verdict stands: an incompressible chunk is stored raw.
-                let skip = matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible);
+                let skip = unit_failed || matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible);
                 let frag = if skip { None } else { packer::compress_probed(compression, level, c, false) };
                 match frag {
                     Some(f) => (Some(f), None),
