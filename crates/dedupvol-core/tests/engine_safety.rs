@@ -260,16 +260,22 @@ fn a_dead_fragment_whose_next_block_was_reused_is_never_shared() {
         vol.flush().expect("flush");
         // A new run takes the freed block, still in memory, and a duplicate of the dead
         // extent's first block arrives.
-        vol.write(B as u64, &half_noise(6, 3000), false).expect("reuses block 1");
-        vol.write(137 * B as u64, &extent[..B], false).expect("duplicate of the dead block");
-        vol.flush().expect("flush");
-        let mut back = vec![0u8; B];
-        vol.read(137 * B as u64, &mut back).expect("read");
-        assert!(back == extent[..B], "{verify:?}: the duplicate reads back wrong");
-        vol.close().expect("close");
-        let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
-        assert!(r.is_clean(), "{verify:?}: {:?}", r.problems);
+        reuse_block_1_then_write_a_duplicate(&dev, vol, &extent[..B], verify);
     }
+}
+
+/// Writes a fresh fragment (a new run taking the freed block 1) and then `dup`, the
+/// content of a dead fragment's block; checks it reads back and the volume checks clean.
+fn reuse_block_1_then_write_a_duplicate(dev: &Arc<MemStorage>, vol: Volume, dup: &[u8], verify: DedupVerify) {
+    vol.write(B as u64, &half_noise(6, 3000), false).expect("reuses block 1");
+    vol.write(137 * B as u64, dup, false).expect("duplicate of the dead block");
+    vol.flush().expect("flush");
+    let mut back = vec![0u8; B];
+    vol.read(137 * B as u64, &mut back).expect("read");
+    assert!(back == dup, "{verify:?}: the duplicate reads back wrong");
+    vol.close().expect("close");
+    let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{verify:?}: {:?}", r.problems);
 }
 
 /// As above, but the dead fragment's next block is freed later, by the death of another
@@ -292,14 +298,6 @@ fn a_dead_fragment_is_not_shared_after_a_later_death_frees_its_next_block() {
         vol.write(200 * B as u64, &half_noise(8, 100), false).expect("overwrite the third");
         vol.flush().expect("flush");
         // Block 1 reused by a run still in memory, then a duplicate of the dead extent.
-        vol.write(B as u64, &half_noise(6, 3000), false).expect("reuses block 1");
-        vol.write(137 * B as u64, &extent[..B], false).expect("duplicate of the dead block");
-        vol.flush().expect("flush");
-        let mut back = vec![0u8; B];
-        vol.read(137 * B as u64, &mut back).expect("read");
-        assert!(back == extent[..B], "{verify:?}: the duplicate reads back wrong");
-        vol.close().expect("close");
-        let r = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
-        assert!(r.is_clean(), "{verify:?}: {:?}", r.problems);
+        reuse_block_1_then_write_a_duplicate(&dev, vol, &extent[..B], verify);
     }
 }
