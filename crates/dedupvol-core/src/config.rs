@@ -406,6 +406,10 @@ pub struct OpenOptions {
     /// extents compress better; a random 4 KiB read of one decompresses up to the block it
     /// wants (measured on a 256 MiB kernel tar: see docs/design.md).
     pub extent_blocks_max: u8,
+    /// Reference count at which a duplicate gets a copy of its own (at most, and by
+    /// default, `REFCOUNT_MAX`). Lower values make the cap reachable by tests of what
+    /// happens there (the simulator's hot-block runs); nothing on disk depends on it.
+    pub refcount_cap: u16,
     /// A hot-chunk tier: a fast device holding copies of frequently shared or frequently
     /// read physical blocks (None: no tier). Never needed for correctness: a tier that
     /// cannot be opened is left out with a warning (`Volume::tier_notes`).
@@ -452,6 +456,7 @@ impl Default for OpenOptions {
             background_writes: true,
             cache_writes: None,
             extent_blocks_max: crate::metadata::block_map::UNIT_BLOCKS_MAX,
+            refcount_cap: crate::metadata::refcount::REFCOUNT_MAX,
             tier: None,
             woj: crate::woj::WojMode::Off,
             woj_weak_hash_mask: u64::MAX,

@@ -34,8 +34,10 @@ pub const READ_RETRIES_MAX: u32 = 24;
 /// Blocks per write request, at most.
 pub const WRITE_BLOCKS_MAX: u64 = 8;
 /// Blocks of one hot-run request (`SimOptions::compressible_duplicates`): above the
-/// reference cap of 254.
+/// reference cap those runs open volumes with (`HOT_RUN_CAP`).
 const HOT_RUN_BLOCKS: u64 = 320;
+/// The reference cap of volumes opened for hot-block runs.
+const HOT_RUN_CAP: u16 = 254;
 /// Rewrites of one block by `SimOptions::heal_rewrites` before its read-back must succeed.
 const HEAL_ATTEMPTS_MAX: u32 = 4;
 /// Percent of operations that are hot runs when they are on.
@@ -333,6 +335,8 @@ impl RunConfig {
             block_map_cache_bytes: pick(&mut r, &[16u64, 64, 64, 256]) << 10,
             content_cache_bytes: pick(&mut r, &[64u64, 256, 1024]) << 10,
             background_writes: opts.background_writes,
+            // Hot-block runs reach a cap this low within a seed's few hundred operations.
+            refcount_cap: if opts.compressible_duplicates { HOT_RUN_CAP } else { dedupvol_core::format::REFCOUNT_MAX },
             // Drawn from its own stream, so the seeds' other choices stay as they were.
             cache_writes: pick(&mut ChaCha8Rng::seed_from_u64(seed ^ 0xCAC4_E000), &[None, Some(true), Some(false)]),
             // The driver runs the index rebuild's steps between operations (`rebuild_rng`),
@@ -1557,13 +1561,15 @@ impl<E: SimEngine> Run<'_, E> {
                 // Detected corruption of a data block the simulator corrupted is the audit
                 // doing its job; every other problem is a bug.
                 let (expected, unexpected): (Vec<&Problem>, Vec<&Problem>) = r.problems.iter().partition(|p| {
-                    E::corrupt_data_block(p).is_some_and(|pbn| {
-                        self.machine.is_bad_on_media(self.data.index(), self.data_region_start_block + pbn)
+                    E::corrupt_data_block(p).is_some_and(|mut blocks| {
+                        blocks.any(|pbn| {
+                            self.machine.is_bad_on_media(self.data.index(), self.data_region_start_block + pbn)
+                        })
                     })
                 });
                 self.stats.corruption_detected += expected.len() as u64;
                 for p in &expected {
-                    let blk = E::corrupt_data_block(p).unwrap_or(0) + self.data_region_start_block;
+                    let blk = E::corrupt_data_block(p).map_or(0, |r| r.start) + self.data_region_start_block;
                     let faults = self.machine.faults_touching(self.data.index(), blk);
                     self.note(format!("audit: expected problem \"{p}\"; faults on device block {blk}: {faults:?}"));
                     if matches!(p, Problem::UsedTwice { .. }) {

@@ -61,10 +61,10 @@ pub trait SimEngine: Sized {
     fn corruptible_superblock_copy(_copies: [&[u8]; 2], _role: u8) -> Option<usize> {
         None
     }
-    /// When an audit problem can be a consequence of a persistent fault on one data block,
-    /// that block's number relative to the data region (such problems are expected where
-    /// the simulator injected a persistent fault, and only there).
-    fn corrupt_data_block(_problem: &Problem) -> Option<u64> {
+    /// When an audit problem can be a consequence of a persistent fault on data blocks,
+    /// the blocks it can come from, relative to the data region (such problems are expected
+    /// where the simulator injected a persistent fault, and only there).
+    fn corrupt_data_block(_problem: &Problem) -> Option<std::ops::Range<u64>> {
         None
     }
 }
@@ -190,13 +190,13 @@ impl SimEngine for Volume {
         // older one: falling back to it would lose a completed superblock update.
         Some(if a.generation <= b.generation { 0 } else { 1 })
     }
-    fn corrupt_data_block(problem: &Problem) -> Option<u64> {
+    fn corrupt_data_block(problem: &Problem) -> Option<std::ops::Range<u64>> {
         // A checksum mismatch or an unreadable block: the audit detected the damage.
         // "Used twice" (raw or packed slot): a lost or misdirected write left a block's old
         // content in place, a stale index entry pointed a duplicate of that old content at
         // it, and byte verification (rightly) matched it — the engine returned no wrong
         // data, but the block now has references with two contents.
-        problem.data_block()
+        problem.data_blocks()
     }
 }
 

@@ -131,10 +131,15 @@ fn a_stale_dedup_on_a_packed_slot_is_explained_by_the_fault_under_it() {
     use dedupvol_sim::SimEngine;
     for slot in [None, Some(0), Some(13)] {
         let p = Problem::UsedTwice { pbn: 1297, slot };
-        assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), Some(1297), "{p}");
+        assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p).map(|r| r.start), Some(1297), "{p}");
     }
+    // A fragment may run on from its first block into the following ones: damage to any
+    // of them explains a mismatch named after the first.
     let p = Problem::ChecksumMismatch { pbn: 9, slot: Some(2), lbas: vec![1, 2] };
-    assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), Some(9));
+    let blocks = <Volume as SimEngine>::corrupt_data_block(&p).expect("a data problem");
+    assert!(blocks.contains(&9) && blocks.contains(&10) && !blocks.contains(&8), "{blocks:?}");
+    let p = Problem::ChecksumMismatch { pbn: 9, slot: None, lbas: vec![1] };
+    assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), Some(9..10));
     // Problems no data fault can explain are never excused.
     let p = Problem::WrongCount { pbn: 9, count: 2, references: 1 };
     assert_eq!(<Volume as SimEngine>::corrupt_data_block(&p), None);

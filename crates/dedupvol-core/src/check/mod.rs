@@ -119,11 +119,21 @@ pub enum Problem {
 impl Problem {
     /// The physical data block whose damage this problem can be a consequence of.
     pub fn data_block(&self) -> Option<u64> {
+        self.data_blocks().map(|r| r.start)
+    }
+
+    /// The physical data blocks whose damage this problem can be a consequence of: the
+    /// block named, and for a fragment (which may run on into the blocks after its first)
+    /// the blocks it can touch.
+    pub fn data_blocks(&self) -> Option<std::ops::Range<u64>> {
         match self {
+            Problem::UsedTwice { pbn, slot: Some(_) } | Problem::ChecksumMismatch { pbn, slot: Some(_), .. } => {
+                Some(*pbn..*pbn + crate::data::packer::FRAGMENT_SPAN_MAX)
+            }
             Problem::UsedTwice { pbn, .. }
             | Problem::RawAndPacked { pbn }
             | Problem::Unreadable { pbn, .. }
-            | Problem::ChecksumMismatch { pbn, .. } => Some(*pbn),
+            | Problem::ChecksumMismatch { pbn, .. } => Some(*pbn..*pbn + 1),
             _ => None,
         }
     }

@@ -32,6 +32,10 @@ pub fn fragment_limit(blocks: usize) -> usize {
     raw - raw / 16
 }
 
+/// Blocks one fragment touches at most: 16 blocks compressed to at most 15/16 of 64 KiB,
+/// from any offset of its first block.
+pub const FRAGMENT_SPAN_MAX: u64 = 17;
+
 /// Largest fragment of a single block.
 pub const FRAGMENT_BYTES_MAX: usize = BLOCK_SIZE - BLOCK_SIZE / 16;
 

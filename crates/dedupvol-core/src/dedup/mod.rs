@@ -30,7 +30,7 @@
 //!   session, whose stamps were not kept, or before a stamp wrapped: an earlier epoch) is
 //!   compared byte for byte; a new reuse generation voids every byte verification done
 //!   before it.
-//! - A block's reference count never exceeds `REFCOUNT_MAX` through sharing: a candidate at
+//! - A block's reference count never exceeds the cap (`Refcounts::cap`) through sharing: a candidate at
 //!   the cap is refused and the chunk stored as a new copy.
 //! - The index is advisory: losing it loses dedup, never data.
 //! - A block whose content failed its checksum is never a candidate until it is freed
@@ -49,7 +49,7 @@ pub(crate) mod volume_index;
 
 use crate::dedup::index::{Fetch, Index, Location};
 use crate::metadata::block_map::MapEntry;
-use crate::metadata::refcount::{Refcounts, REFCOUNT_MAX};
+use crate::metadata::refcount::Refcounts;
 use crate::obs::stats::ReductionCounters;
 use std::collections::HashSet;
 
@@ -152,7 +152,7 @@ impl Deduper {
                 let c = rc.max_of(&loc.entry(0));
                 let live = rc.min_of(&loc.entry(0)) > 0;
                 let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { !stale };
-                if c >= REFCOUNT_MAX {
+                if c >= rc.cap() {
                     red.refcount_cap_copies += 1;
                 } else if live && !self.damaged.contains(&loc.pbn) && proven {
                     self.refresh(hash, loc);
@@ -170,7 +170,7 @@ impl Deduper {
         let Some(loc) = self.index.lookup_cached(hash, false).loc.filter(|l| Some(*l) != cand.loc) else {
             return Claim::Store;
         };
-        if !self.usable(&loc, rc) || rc.max_of(&loc.entry(0)) >= REFCOUNT_MAX {
+        if !self.usable(&loc, rc) || rc.max_of(&loc.entry(0)) >= rc.cap() {
             return Claim::Store;
         }
         let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { in_memory(loc) };

@@ -41,6 +41,8 @@ pub struct Refcounts {
     latest_slot: Vec<Option<u8>>,
     written_unsynced: PbnSet,
     used_blocks: u64,
+    /// The cap sharing respects (`OpenOptions::refcount_cap`, at most `REFCOUNT_MAX`).
+    cap: u16,
     /// Pages found with a damaged slot and no valid copy.
     damaged_pages: u64,
 }
@@ -74,6 +76,7 @@ impl Refcounts {
             latest_slot: vec![None; pages as usize],
             written_unsynced: PbnSet::default(),
             used_blocks: 0,
+            cap: REFCOUNT_MAX,
             damaged_pages: 0,
         };
         let mut first = 0u64;
@@ -136,6 +139,16 @@ impl Refcounts {
     /// Blocks with a non-zero count.
     pub fn used_blocks(&self) -> u64 {
         self.used_blocks
+    }
+
+    /// The reference count at which sharing stops (`OpenOptions::refcount_cap`).
+    pub fn cap(&self) -> u16 {
+        self.cap
+    }
+
+    /// Sets the cap sharing respects (clamped to 1..=`REFCOUNT_MAX`).
+    pub fn set_cap(&mut self, cap: u16) {
+        self.cap = cap.clamp(1, REFCOUNT_MAX);
     }
 
     /// The highest count among the blocks `e` touches (0 for unmapped/zero entries).

@@ -20,7 +20,6 @@ use crate::data::writer::write_merged;
 use crate::dedup::Claim;
 use crate::error::{Error, Result};
 use crate::metadata::block_map::{Frag, MapEntry};
-use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::read::cache::Block;
 use crate::volume::state::State;
 use crate::volume::Volume;
@@ -181,7 +180,7 @@ impl Volume {
         if let Some((tail, _)) = st.packer.tail() {
             self.grow_run(st, len);
             let room = st.packer.tail().map_or(0, |(_, r)| r);
-            if room >= len && st.rc.get(tail) < REFCOUNT_MAX {
+            if room >= len && st.rc.get(tail) < st.rc.cap() {
                 return Ok(st.packer.try_add(frag));
             }
             self.seal_packer(st)?;

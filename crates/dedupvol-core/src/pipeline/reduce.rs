@@ -9,7 +9,6 @@ use crate::data::placement::DataDevice;
 use crate::dedup::index::{Fetch, PageSource};
 use crate::dedup::{verify, Candidate};
 use crate::metadata::block_map::UNIT_BLOCKS_MAX;
-use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::read::cache::{Block, ContentCache};
 use crate::volume::state::State;
 use crate::woj::Woj;
@@ -283,7 +282,7 @@ pub(crate) fn resolve_woj(st: &mut State, woj: &Mutex<Woj>, buf: &[u8], plans: &
                 continue;
             }
         };
-        if st.rc.min_of(&e) == 0 || st.rc.max_of(&e) >= REFCOUNT_MAX || st.dedup.is_damaged(e.pbn) {
+        if st.rc.min_of(&e) == 0 || st.rc.max_of(&e) >= st.rc.cap() || st.dedup.is_damaged(e.pbn) {
             stale += 1;
             d.woj = None;
             continue;

@@ -284,7 +284,8 @@ impl Volume {
             memory,
             !opts.read_only,
         )?;
-        let rec = super::recovery::recover(&data, &meta, &mut sb, opts.read_only, opts.block_map_cache_bytes)?;
+        let mut rec = super::recovery::recover(&data, &meta, &mut sb, opts.read_only, opts.block_map_cache_bytes)?;
+        rec.rc.set_cap(opts.refcount_cap);
         notes.extend(rec.notes.into_iter().map(OpenNote::Info));
         let mut dedup = Deduper::new(index, hash_mode, geo.data_blocks);
         if sb.dedup {

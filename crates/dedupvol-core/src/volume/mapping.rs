@@ -22,9 +22,7 @@ use crate::error::{Error, Result};
 use crate::metadata::block_map::MapEntry;
 use crate::pipeline::segments;
 
-/// Blocks one fragment touches at most: 16 logical blocks compressed to at most 15/16 of
-/// 64 KiB, from any offset of its first block.
-const FRAGMENT_SPAN_MAX: u64 = 17;
+use crate::data::packer::FRAGMENT_SPAN_MAX;
 
 /// Blocks handled per state-lock hold for discard / write-zeroes of large ranges.
 const UNMAP_BLOCKS_PER_LOCK: u64 = 8192;

@@ -15,7 +15,6 @@ use super::state::State;
 use super::Volume;
 use crate::config::BLOCK_SIZE_U64;
 use crate::metadata::block_map::MapEntry;
-use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::pipeline::Plan;
 use crate::woj::{ext4, WojCand, WojMode};
 
@@ -66,7 +65,7 @@ impl Volume {
         }
         let refs = st.rc.max_of(&e);
         if st.rc.min_of(&e) == 0
-            || refs >= REFCOUNT_MAX
+            || refs >= st.rc.cap()
             || st.dedup.is_damaged(e.pbn)
             || st.dedup.generation() != looked_up_at
         {
