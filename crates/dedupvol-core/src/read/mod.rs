@@ -429,9 +429,12 @@ impl Volume {
             }
         }
         self.data.drop_cached(e.pbn, e.span().max(1));
-        // The copy may be the tier's: the retry then reads the data device.
+        // The copy may be the tier's (of any block the fragment touches): the retry then
+        // reads the data device.
         if let Some(t) = &self.tier {
-            t.forget(e.pbn);
+            for p in e.blocks() {
+                t.forget(p);
+            }
         }
         let spent = attempts.get_mut(i).map(|a| {
             *a += 1;
