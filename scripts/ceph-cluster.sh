@@ -4,9 +4,10 @@
 #
 #   scripts/ceph-cluster.sh start    # create on first use, (re)start the daemons, wait for I/O
 #   scripts/ceph-cluster.sh status   # `ceph -s`
+#   scripts/ceph-cluster.sh running  # exit status 0 when the cluster's monitor runs
 #   scripts/ceph-cluster.sh stop     # stop the daemons (the data stays; `start` resumes)
 #   scripts/ceph-cluster.sh destroy  # stop and delete everything
-#   scripts/ceph-cluster.sh stop-osd N / start-osd N   # one OSD (the OSD-loss tests)
+#   scripts/ceph-cluster.sh stop-osd N / start-osd N   # one OSD (the OSD-loss tests; stop is SIGTERM)
 #
 # Everything lives under $DEDUPVOL_CEPH_DIR (default /var/tmp/dedupvol-ceph); clients find
 # the cluster through $DIR/ceph.conf (export CEPH_CONF=$DIR/ceph.conf). The pool is
@@ -24,7 +25,38 @@ MON_PORT=${DEDUPVOL_CEPH_MON_PORT:-6789}
 START_TIMEOUT=${DEDUPVOL_CEPH_START_TIMEOUT:-120}
 
 ceph_() { timeout 30 ceph -c "$CONF" "$@"; }
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# The pid in a daemon's pid file, if that process is still this cluster's daemon. A daemon
+# killed with SIGKILL leaves its pid file behind, and pids are reused (pid_max is often
+# 32768), so a pid is trusted only when its command line names this cluster's config.
+daemon_pid() {
+  local pf=$1 pid
+  [[ -f "$pf" ]] || return 1
+  pid=$(cat "$pf" 2>/dev/null) || return 1
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF -- "-c $CONF" || return 1
+  echo "$pid"
+}
+alive() { daemon_pid "$1" >/dev/null; }
+# Stops one daemon: SIGTERM, up to 30 s for a clean exit, then SIGKILL. BlueStore on a
+# file has been seen to fail its own checksums at the next start after a SIGKILL, so the
+# OSD-loss tests stop OSDs this way too: a stopped OSD is as gone to clients as a dead one.
+stop_daemon() {
+  local pf=$1 pid
+  pid=$(daemon_pid "$pf") || return 0
+  kill "$pid" 2>/dev/null || return 0
+  for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  echo "ceph-cluster: $(basename "$pf" .pid) did not stop within 30 s: SIGKILL" >&2
+  kill -9 "$pid" 2>/dev/null || true
+}
+# Starts one daemon (NAME ID); a daemon that fails its start is reported with its log.
+start_daemon() {
+  local name=$1 id=$2
+  if ! "ceph-$name" -c "$CONF" -i "$id" 2>>"$DIR/log/stderr.log"; then
+    echo "ceph-cluster: $name.$id failed to start; the end of $DIR/log/$name.$id.log:" >&2
+    tail -n 20 "$DIR/log/$name.$id.log" >&2 || true
+    return 1
+  fi
+}
 
 write_conf() {
   local fsid=$1
@@ -77,15 +109,7 @@ EOF
 }
 
 stop_all() {
-  for name in osd.1 osd.0 mgr.x mon.a; do
-    local pf="$DIR/run/$name.pid" pid
-    if alive "$pf"; then
-      pid=$(cat "$pf")
-      kill "$pid"
-      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
-    fi
-  done
+  for name in osd.1 osd.0 mgr.x mon.a; do stop_daemon "$DIR/run/$name.pid"; done
 }
 
 create() {
@@ -100,10 +124,10 @@ create() {
   ceph-authtool "$DIR/keyring" --gen-key -n client.admin \
     --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' --cap mds 'allow *' >/dev/null
   ceph-mon -c "$CONF" --mkfs -i a --monmap "$DIR/monmap" --keyring "$DIR/keyring"
-  ceph-mon -c "$CONF" -i a 2>>"$DIR/log/stderr.log"
+  start_daemon mon a
   mkdir -p "$DIR/mgr.x"
   ceph_ auth get-or-create mgr.x mon 'allow profile mgr' osd 'allow *' mds 'allow *' >>"$DIR/keyring"
-  ceph-mgr -c "$CONF" -i x 2>>"$DIR/log/stderr.log"
+  start_daemon mgr x
   for ((i = 0; i < OSDS; i++)); do
     local uuid id
     uuid=$(cat /proc/sys/kernel/random/uuid)
@@ -111,17 +135,17 @@ create() {
     mkdir -p "$DIR/osd.$id"
     ceph_ auth get-or-create "osd.$id" mon 'allow profile osd' mgr 'allow profile osd' osd 'allow *' >>"$DIR/keyring"
     ceph-osd -c "$CONF" -i "$id" --mkfs --osd-uuid "$uuid" 2>>"$DIR/log/mkfs.log"
-    ceph-osd -c "$CONF" -i "$id" 2>>"$DIR/log/stderr.log"
+    start_daemon osd "$id"
   done
   ceph_ osd pool create "$POOL" 16 16 replicated >/dev/null 2>&1
   ceph_ osd pool application enable "$POOL" dedupvol >/dev/null 2>&1
 }
 
 start_daemons() {
-  alive "$DIR/run/mon.a.pid" || ceph-mon -c "$CONF" -i a 2>>"$DIR/log/stderr.log"
-  alive "$DIR/run/mgr.x.pid" || ceph-mgr -c "$CONF" -i x 2>>"$DIR/log/stderr.log"
+  alive "$DIR/run/mon.a.pid" || start_daemon mon a
+  alive "$DIR/run/mgr.x.pid" || start_daemon mgr x
   for ((i = 0; i < OSDS; i++)); do
-    alive "$DIR/run/osd.$i.pid" || ceph-osd -c "$CONF" -i "$i" 2>>"$DIR/log/stderr.log"
+    alive "$DIR/run/osd.$i.pid" || start_daemon osd "$i"
   done
 }
 
@@ -157,6 +181,10 @@ case ${1:-} in
     wait_ready
     echo "ceph-cluster: ready in $((SECONDS - t0)) s: pool $POOL, CEPH_CONF=$CONF"
     ;;
+  running)
+    # Exit status 0 when this cluster's monitor runs.
+    alive "$DIR/run/mon.a.pid"
+    ;;
   stop)
     stop_all
     echo "ceph-cluster: stopped"
@@ -169,14 +197,13 @@ case ${1:-} in
     ceph_ -s
     ;;
   stop-osd)
-    pf="$DIR/run/osd.${2:?OSD id}.pid"
-    alive "$pf" && kill -9 "$(cat "$pf")"
+    stop_daemon "$DIR/run/osd.${2:?OSD id}.pid"
     ;;
   start-osd)
-    alive "$DIR/run/osd.${2:?OSD id}.pid" || ceph-osd -c "$CONF" -i "$2" 2>>"$DIR/log/stderr.log"
+    alive "$DIR/run/osd.${2:?OSD id}.pid" || start_daemon osd "$2"
     ;;
   *)
-    echo "usage: $0 start|stop|status|destroy|stop-osd N|start-osd N" >&2
+    echo "usage: $0 start|stop|status|running|destroy|stop-osd N|start-osd N" >&2
     exit 2
     ;;
 esac

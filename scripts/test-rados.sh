@@ -5,7 +5,7 @@
 #   3. one writer: a second server is refused while the first serves; kill -9 of the
 #      server mid-write, take-over by a second process (--take-over), every byte flushed
 #      before the kill read back; a live holder taken over is fenced (its writes fail);
-#   4. an OSD killed mid-run, then both for a while: the writes wait, finish, verify, and
+#   4. an OSD stopped mid-run, then both for a while: the writes wait, finish, verify, and
 #      the volume checks clean; with an operation timeout (CEPH_ARGS) and every OSD down,
 #      writes fail with an error, and the volume still checks clean and verifies.
 # Usage: scripts/test-rados.sh [path to the dedupvol binary]   (default target/release)
@@ -15,26 +15,38 @@ cd "$(dirname "$0")/.."
 
 BIN=$(realpath "${1:-target/release/dedupvol}")
 CLUSTER=./scripts/ceph-cluster.sh
+# A cluster already running under $DEDUPVOL_CEPH_DIR (default /var/tmp/dedupvol-ceph) is
+# used and left running. Otherwise the tests make a new cluster in a directory of their
+# own (about 15 s) and delete it at the end: a cluster left behind by an earlier run, its
+# daemons killed with it, is never trusted (nor touched).
+WAS_RUNNING=0
+if $CLUSTER running; then
+  WAS_RUNNING=1
+else
+  export DEDUPVOL_CEPH_DIR
+  DEDUPVOL_CEPH_DIR=$(mktemp -d /var/tmp/dedupvol-ceph-test.XXXXXX)
+fi
 CEPH_DIR=${DEDUPVOL_CEPH_DIR:-/var/tmp/dedupvol-ceph}
 export CEPH_CONF=$CEPH_DIR/ceph.conf
-# A cluster this script starts is stopped again at the end (its files stay, so the next
-# start takes seconds); one already running is left running.
-WAS_RUNNING=0
-if [[ -f $CEPH_DIR/run/mon.a.pid ]] && kill -0 "$(cat "$CEPH_DIR/run/mon.a.pid")" 2>/dev/null; then WAS_RUNNING=1; fi
 POOL=dedupvol
 RUN=t$$-$(date +%s)
 T=$(mktemp -d /var/tmp/dedupvol-rados-test.XXXXXX)
 SERVERS=()
 
 cleanup() {
-  for pid in "${SERVERS[@]}"; do kill -9 "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done
+  # Only servers still running as this script's children: an exited one's pid may be reused.
+  for pid in "${SERVERS[@]}"; do
+    if [[ $(ps -o ppid= -p "$pid" 2>/dev/null | tr -d ' ') == "$$" ]]; then
+      kill -9 "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    fi
+  done
   rm -rf "$T"
   if ((WAS_RUNNING)); then
     # Leave both OSDs running for the cluster's other users.
     $CLUSTER start-osd 0 >/dev/null 2>&1 || true
     $CLUSTER start-osd 1 >/dev/null 2>&1 || true
   else
-    $CLUSTER stop >/dev/null 2>&1 || true
+    $CLUSTER destroy >/dev/null 2>&1 || true
   fi
 }
 trap cleanup EXIT
@@ -158,9 +170,10 @@ step "4. OSDs stopped mid-run: writes wait, finish and verify"
 VOL=rados://$POOL/$RUN-c
 "$BIN" format "$VOL" --logical-size 256M --physical-size 128M >/dev/null
 serve "$T/e.sock" "$T/e.log" "$VOL"
-fio_job "$(uri "$T/e.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --rate=4m" >"$T/fio-e.txt" 2>&1 &
+fio_job "$(uri "$T/e.sock")" 0 "--numjobs=2 --offset_increment=16m --group_reporting --rate=1m" >"$T/fio-e.txt" 2>&1 &
 FIO=$!
-# fio's writes take about 4 s; its closing fsync can only return once RADOS has them.
+# fio's writes take about 16 s; its closing fsync can only return once RADOS has them.
+# An OSD stop (SIGTERM, clean exit) takes about 2 s.
 sleep 1
 $CLUSTER stop-osd 1
 sleep 1
