@@ -124,6 +124,18 @@ pub struct BenchArgs {
     /// hash verification, buffered for bytes), direct (O_DIRECT) or buffered (page cache).
     #[arg(long, default_value = "auto")]
     io: String,
+    /// Combine small writes of concurrent writers into batches (on or off).
+    #[arg(long, default_value = "off")]
+    batch: String,
+    /// How long a batch may wait for more requests, in microseconds (0: it closes at once).
+    #[arg(long, default_value_t = 0)]
+    batch_wait_us: u64,
+    /// Predict unique chunks so their compression runs beside fingerprinting (on or off).
+    #[arg(long, default_value = "on")]
+    predictor: String,
+    /// Batches in the pipeline's stages at once.
+    #[arg(long, default_value_t = dedupvol_core::BatchOptions::default().leaders_max)]
+    batch_leaders: usize,
     /// Skip the no-reduction volume and raw-file baselines.
     #[arg(long)]
     no_baseline: bool,
@@ -305,6 +317,21 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             .map_err(|e| crate::usage(format!("--io: {e}")))?
             .for_verify(verify == DedupVerify::Hash),
         verbose: !a.json,
+        unique_predictor: match a.predictor.as_str() {
+            "on" => true,
+            "off" => false,
+            other => return Err(crate::usage(format!("--predictor: expected on or off, got {other:?}"))),
+        },
+        batch: dedupvol_core::BatchOptions {
+            enabled: match a.batch.as_str() {
+                "on" => true,
+                "off" => false,
+                other => return Err(crate::usage(format!("--batch: expected on or off, got {other:?}"))),
+            },
+            wait_micros: a.batch_wait_us,
+            leaders_max: a.batch_leaders,
+            ..Default::default()
+        },
     };
     let mb = |v: f64| Some(Target { min: v, unit: "MB/s".into() });
     let mut scenarios: Vec<(String, Scenario, Option<Target>)> = Vec::new();

@@ -406,6 +406,11 @@ pub struct OpenOptions {
     /// extents compress better; a random 4 KiB read of one decompresses up to the block it
     /// wants (measured on a 256 MiB kernel tar: see docs/design.md).
     pub extent_blocks_max: u8,
+    /// How small writes are combined into batches for the pipeline's stages.
+    pub batch: crate::pipeline::batcher::BatchOptions,
+    /// Predict unique chunks from a cheap hash so that their compression runs in the same
+    /// parallel pass as fingerprinting (dedup on, write-once journaling off). Default on.
+    pub unique_predictor: bool,
     /// Reference count at which a duplicate gets a copy of its own (at most, and by
     /// default, `REFCOUNT_MAX`). Lower values make the cap reachable by tests of what
     /// happens there (the simulator's hot-block runs); nothing on disk depends on it.
@@ -456,6 +461,8 @@ impl Default for OpenOptions {
             background_writes: true,
             cache_writes: None,
             extent_blocks_max: crate::metadata::block_map::UNIT_BLOCKS_MAX,
+            batch: crate::pipeline::batcher::BatchOptions::default(),
+            unique_predictor: true,
             refcount_cap: crate::metadata::refcount::REFCOUNT_MAX,
             tier: None,
             woj: crate::woj::WojMode::Off,

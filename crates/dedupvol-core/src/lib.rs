@@ -53,6 +53,8 @@ pub use io::{create_device, open_device, FileStorage, IoMode, MemStorage, RadosS
 pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
+pub use dedup::predictor::PredictorStats;
+pub use pipeline::batcher::{BatchOptions, PipelineStats, StageStats};
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };

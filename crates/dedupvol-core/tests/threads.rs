@@ -112,3 +112,55 @@ fn sync_policy_group_commits_concurrent_writers() {
     );
     eprintln!("sync policy: {} writes in {} commits", 8 * WRITES, st.counters.commits);
 }
+
+/// Small writes from many threads are combined into batches: each thread's blocks read
+/// back as its last write, duplicates across threads are shared, requests of different
+/// threads never form one extent, and the pipeline's figures add up.
+#[test]
+fn small_writes_from_many_threads_are_batched_and_land_where_they_were_sent() {
+    let (dev, vol) = mem_volume(64 << 20, 16 << 20, |o| o.journal_size_bytes = Some(512 << 10));
+    vol.close().expect("close");
+    let batch = dedupvol_core::BatchOptions { enabled: true, wait_micros: 50, ..Default::default() };
+    let opts = dedupvol_core::OpenOptions { batch, ..small_open() };
+    let vol = Volume::open(dev.clone() as Arc<dyn Storage>, None, &opts).expect("open");
+    let vol = Arc::new(vol);
+    const PER: u64 = 300;
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let vol = vol.clone();
+            s.spawn(move || {
+                for i in 0..PER {
+                    // Interleaved blocks: thread t owns every 8th block, so neighbours
+                    // on the volume come from different threads (and requests).
+                    let lba = (i % 128) * 8 + t;
+                    let data = if i % 4 == 0 { block(7_000 + i % 32, 0) } else { block(t * 100_000 + i, (i % 2) as u8) };
+                    vol.write(lba * 4096, &data, i % 50 == 0).expect("write");
+                }
+            });
+        }
+    });
+    for t in 0..8u64 {
+        for slot in 0..128u64 {
+            // The last write of each slot: the largest i < PER with i % 128 == slot.
+            let i = slot + 128 * ((PER - 1 - slot) / 128);
+            let want = if i % 4 == 0 { block(7_000 + i % 32, 0) } else { block(t * 100_000 + i, (i % 2) as u8) };
+            let mut b = vec![0u8; 4096];
+            vol.read((slot * 8 + t) * 4096, &mut b).expect("read");
+            assert!(b == want, "thread {t} slot {slot}");
+        }
+    }
+    let st = vol.stats();
+    let p = &st.pipeline;
+    assert_eq!(p.batched_requests, 8 * PER, "every small write went through the batcher");
+    assert!(p.batches < p.batched_requests && p.batches > 0, "{} requests in {} batches", p.batched_requests, p.batches);
+    assert_eq!(p.fingerprint.chunks, p.place.chunks);
+    assert_eq!(p.queue_chunks, 0);
+    assert!(p.latency_p99_micros >= p.latency_p50_micros);
+    assert!(st.counters.dedup_hits > 0);
+    let pr = &p.predictor;
+    assert!(pr.enabled && pr.unique_right + pr.unique_wrong + pr.duplicate_right + pr.duplicate_wrong == 8 * PER);
+    vol.audit_memory().expect("memory audit");
+    Arc::try_unwrap(vol).ok().expect("sole owner").close().expect("close");
+    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{:?}", r.problems);
+}

@@ -126,6 +126,10 @@ pub struct BenchOptions {
     pub io_mode: IoMode,
     /// Print phase timings to stderr.
     pub verbose: bool,
+    /// How the engine volume batches small writes.
+    pub batch: dedupvol_core::BatchOptions,
+    /// The engine volume predicts unique chunks (`OpenOptions::unique_predictor`).
+    pub unique_predictor: bool,
 }
 
 /// One timed run.
@@ -342,6 +346,8 @@ fn fresh_volume(
     physical: u64,
     fmt: &FormatOptions,
     io_mode: IoMode,
+    batch: dedupvol_core::BatchOptions,
+    unique_predictor: bool,
 ) -> Result<Volume, String> {
     if temp {
         let _ = std::fs::remove_file(path);
@@ -359,7 +365,7 @@ fn fresh_volume(
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
     let dev: Arc<dyn Storage> =
         Arc::new(FileStorage::open_with(path, false, io_mode).map_err(|e| format!("opening {}: {e}", path.display()))?);
-    let vol = Volume::open(dev, None, &OpenOptions::default())
+    let vol = Volume::open(dev, None, &OpenOptions { batch, unique_predictor, ..OpenOptions::default() })
         .map_err(|e| format!("opening volume {}: {e}", path.display()))?;
     // The clock measures steady state: the index's memory is populated before it starts.
     vol.wait_ready();
@@ -614,7 +620,7 @@ pub fn run_scenario(
     phase("primitives measured");
     let is_overwrite = matches!(scenario, Scenario::Overwrite { .. });
     let engine = (|| -> Result<(RunFigure, Stats, IoBreakdown), String> {
-        let vol = Arc::new(fresh_volume(&vol_path, temp, logical, physical, &fmt, opts.io_mode)?);
+        let vol = Arc::new(fresh_volume(&vol_path, temp, logical, physical, &fmt, opts.io_mode, opts.batch, opts.unique_predictor)?);
         phase("engine volume formatted");
         if let (true, Some(m)) = (is_overwrite, &model) {
             prefill(&vol, m, logical)?;
@@ -680,7 +686,7 @@ pub fn run_scenario(
     if opts.baselines {
         let base_fmt = FormatOptions { compression: Compression::None, dedup: false, ..fmt.clone() };
         let base = (|| -> Result<RunFigure, String> {
-            let vol = Arc::new(fresh_volume(&base_path, temp, logical, physical, &base_fmt, opts.io_mode)?);
+            let vol = Arc::new(fresh_volume(&base_path, temp, logical, physical, &base_fmt, opts.io_mode, opts.batch, opts.unique_predictor)?);
             if let (true, Some(m)) = (is_overwrite, &model) {
                 prefill(&vol, m, logical)?;
             }

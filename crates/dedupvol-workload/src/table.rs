@@ -267,6 +267,42 @@ pub fn render_bench(r: &BenchReport) -> String {
                     fc.live_estimate
                 ));
             }
+            let p = &st.pipeline;
+            if p.fingerprint.batches > 0 {
+                out.push_str(&format!(
+                    "  pipeline: {} batches of {:.1} chunks; batcher {} ({} requests in {} batches, {:.1} per batch, \
+                     latency p50 {} us / p99 {} us / max {} us, {} backpressure waits); stage busy s: \
+                     fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}\n",
+                    p.fingerprint.batches,
+                    p.chunks_per_batch,
+                    if p.batching { "on" } else { "off" },
+                    p.batched_requests,
+                    p.batches,
+                    p.requests_per_batch,
+                    p.latency_p50_micros,
+                    p.latency_p99_micros,
+                    p.latency_max_micros,
+                    p.backpressure_waits,
+                    p.fingerprint.busy_micros as f64 / 1e6,
+                    p.index.busy_micros as f64 / 1e6,
+                    p.compress.busy_micros as f64 / 1e6,
+                    p.place.busy_micros as f64 / 1e6,
+                ));
+            }
+            let pr = &p.predictor;
+            if pr.enabled {
+                out.push_str(&format!(
+                    "  unique predictor: accuracy {:.2}% (unique {} right / {} wrong, duplicate {} right / {} wrong), \
+                     {:.1} MiB of early compression wasted, {:.2} bytes per index entry\n",
+                    pr.accuracy * 100.0,
+                    pr.unique_right,
+                    pr.unique_wrong,
+                    pr.duplicate_right,
+                    pr.duplicate_wrong,
+                    pr.wasted_compress_bytes as f64 / 1048576.0,
+                    pr.memory_bytes_per_entry
+                ));
+            }
             if st.counters.cleaner_passes > 0 {
                 let client = st.lifetime.data_write_bytes.saturating_sub(st.counters.cleaner_bytes_moved).max(1);
                 out.push_str(&format!(

@@ -42,6 +42,7 @@
 
 pub(crate) mod chapter;
 pub(crate) mod index;
+pub(crate) mod predictor;
 pub(crate) mod rebuild;
 pub(crate) mod record_cache;
 pub(crate) mod verify;

@@ -138,6 +138,9 @@ pub struct Stats {
     /// Write-once journaling of this session (None: off).
     #[serde(default)]
     pub woj: Option<crate::woj::WojStats>,
+    /// The write pipeline: batches, stages, queue and latency.
+    #[serde(default)]
+    pub pipeline: crate::pipeline::batcher::PipelineStats,
 }
 
 /// Figures of the fingerprint index (counters since open).

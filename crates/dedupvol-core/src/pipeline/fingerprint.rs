@@ -7,13 +7,17 @@
 //! the checkpoint half of a `data=journal` stream costs one xxh3 pass and one compare.
 
 use super::executor::{for_each, Executor};
+use super::lbas::Lbas;
+use super::reduce::{form_jobs, run_job, Job};
 use super::{chunk, DataPlan, Plan};
+use crate::config::Compression;
+use crate::dedup::predictor::Predictor;
 use crate::config::BLOCK_SIZE;
 use crate::dedup::Candidate;
 use crate::woj::Woj;
 use parking_lot::Mutex;
 
-/// A plan per chunk of `buf` (whose first block is `lba0`): zero chunks are marked, the
+/// A plan per chunk of `buf` (chunk `i` goes to `lbas.at(i)`): zero chunks are marked, the
 /// others get their weak hash and WOJ candidate (when `woj`), and, when WOJ found no
 /// candidate, their crc32c and their BLAKE3 fingerprint (when `dedup`).
 pub(crate) fn fingerprint(
@@ -21,7 +25,7 @@ pub(crate) fn fingerprint(
     buf: &[u8],
     dedup: bool,
     woj: Option<&Mutex<Woj>>,
-    lba0: u64,
+    lbas: &Lbas,
 ) -> Vec<Plan> {
     let n = buf.len() / BLOCK_SIZE;
     let mut plans: Vec<Plan> = Vec::with_capacity(n);
@@ -47,6 +51,9 @@ pub(crate) fn fingerprint(
                 incompressible: false,
                 batch_dup: false,
                 raw: None,
+                predicted_unique: None,
+                probed: false,
+                early: false,
             });
         }
     });
@@ -56,7 +63,7 @@ pub(crate) fn fingerprint(
         if !w.is_empty() {
             for (i, p) in plans.iter_mut().enumerate() {
                 if let Plan::Data(d) = p {
-                    d.journal = w.j_of(lba0 + i as u64).is_some();
+                    d.journal = w.j_of(lbas.at(i)).is_some();
                     if !d.journal {
                         d.woj = w.lookup(d.weak);
                     }
@@ -77,4 +84,119 @@ pub(crate) fn fingerprint(
         }
     });
     plans
+}
+
+/// Chunks one work item of the predicted pass takes at most: a multiple of the largest
+/// extent, so cutting a long run into items keeps its extents whole.
+const PIECE_CHUNKS_MAX: usize = 64;
+
+/// Stage 1 with the unique-chunk predictor (dedup on, write-once journaling off): the zero
+/// check and the cheap hash (xxh3-64) of every chunk, the predictor's guess for each (a
+/// repeat of an earlier chunk of the batch is guessed a duplicate), then one parallel pass
+/// that fingerprints every chunk (crc32c, BLAKE3) and, for runs of chunks predicted
+/// unique, also probes and compresses them as stage 3 would (extents inside one request,
+/// singles otherwise). Returns the plans and the early compression jobs, which stage 3
+/// adopts for the chunks the index confirms unique.
+#[expect(clippy::too_many_arguments, reason = "the stage's executor, predictor, settings and batch")]
+pub(crate) fn fingerprint_predicted(
+    exec: &dyn Executor,
+    buf: &[u8],
+    lbas: &Lbas,
+    predictor: &Mutex<Predictor>,
+    compression: Compression,
+    level: i8,
+    extent_max: u8,
+) -> (Vec<Plan>, Vec<Job>) {
+    let n = buf.len() / BLOCK_SIZE;
+    let mut plans: Vec<Plan> = Vec::with_capacity(n);
+    plans.resize_with(n, || Plan::Zero);
+    for_each(exec, &mut plans, |i, p| {
+        let c = chunk(buf, i);
+        if !crate::codec::is_zero(c) {
+            *p = Plan::Data(DataPlan {
+                hash: [0u8; 32],
+                hashed: false,
+                weak: xxhash_rust::xxh3::xxh3_64(c),
+                woj: None,
+                journal: false,
+                crc: 0,
+                crc_done: false,
+                cand: Candidate::default(),
+                frag: None,
+                unit: None,
+                incompressible: false,
+                batch_dup: false,
+                raw: None,
+                predicted_unique: Some(false),
+                probed: false,
+                early: false,
+            });
+        }
+    });
+    {
+        let pr = predictor.lock();
+        let mut seen: std::collections::HashSet<u64> = std::collections::HashSet::with_capacity(n);
+        for p in plans.iter_mut() {
+            if let Plan::Data(d) = p {
+                let fresh = seen.insert(d.weak);
+                d.predicted_unique = Some(fresh && pr.predict_unique(d.weak));
+            }
+        }
+    }
+    // Work items: maximal ranges of one guess inside one request, cut at PIECE_CHUNKS_MAX.
+    let unique_at = |plans: &[Plan], i: usize| matches!(plans.get(i), Some(Plan::Data(d)) if d.predicted_unique == Some(true));
+    let mut bounds: Vec<(usize, usize, bool)> = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let u = unique_at(&plans, i);
+        let mut end = i + 1;
+        while end < n && end - i < PIECE_CHUNKS_MAX && unique_at(&plans, end) == u && lbas.continues(end) {
+            end += 1;
+        }
+        bounds.push((i, end, u));
+        i = end;
+    }
+    struct Piece<'a> {
+        plans: &'a mut [Plan],
+        first: usize,
+        unique: bool,
+        jobs: Vec<Job>,
+    }
+    let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(bounds.len());
+    let mut rest: &mut [Plan] = &mut plans;
+    for &(first, end, unique) in &bounds {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(end - first);
+        pieces.push(Piece { plans: head, first, unique, jobs: Vec::new() });
+        rest = tail;
+    }
+    let compressing = compression != Compression::None;
+    // Each item is one job already: the pieces share the pool between them.
+    for_each(exec, &mut pieces, |_, piece| {
+        for (k, p) in piece.plans.iter_mut().enumerate() {
+            if let Plan::Data(d) = p {
+                let c = chunk(buf, piece.first + k);
+                d.ensure_crc(c);
+                d.hash = *blake3::hash(c).as_bytes();
+                d.hashed = true;
+                if piece.unique && compressing {
+                    d.incompressible = crate::data::packer::incompressible(c);
+                    d.probed = true;
+                }
+            }
+        }
+        if !piece.unique {
+            return;
+        }
+        let member = |p: &Plan| compressing && matches!(p, Plan::Data(d) if !d.incompressible);
+        let single = |p: &Plan| matches!(p, Plan::Data(_));
+        piece.jobs = form_jobs(piece.plans, piece.first, lbas, extent_max, member, single);
+        let probed: &[Plan] = piece.plans;
+        for job in &mut piece.jobs {
+            run_job(job, compression, level, buf, |k| {
+                matches!(probed.get(k - piece.first), Some(Plan::Data(d)) if d.incompressible)
+            });
+        }
+    });
+    let jobs = pieces.into_iter().flat_map(|p| p.jobs).collect();
+    (plans, jobs)
 }

@@ -23,8 +23,10 @@
 //! - A chunk is stored, or shared by the index, only with its own crc32c (`crc_done`); a
 //!   chunk shared with its journal copy takes the copy's crc, the bytes being equal.
 
+pub(crate) mod batcher;
 pub(crate) mod executor;
 pub(crate) mod fingerprint;
+pub(crate) mod lbas;
 pub(crate) mod place;
 pub(crate) mod reduce;
 
@@ -77,6 +79,14 @@ pub(crate) struct DataPlan {
     pub(crate) batch_dup: bool,
     /// The chunk's own copy when it will be stored raw, made outside the state lock.
     pub(crate) raw: Option<Block>,
+    /// The unique-chunk predictor's guess (None: no predictor): true when the chunk was
+    /// predicted unique, so stage 1 compressed it early.
+    pub(crate) predicted_unique: Option<bool>,
+    /// The incompressibility probe has run (stage 1 for chunks predicted unique).
+    pub(crate) probed: bool,
+    /// Stage 3 adopted stage 1's compression of the chunk (its fragment, raw copy or
+    /// extent are set): nothing is left to compress.
+    pub(crate) early: bool,
 }
 
 impl DataPlan {

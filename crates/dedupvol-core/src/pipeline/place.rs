@@ -13,6 +13,7 @@
 //!   so a visible mapping always has its data on the device or in memory; a sealed run's
 //!   blocks are staged in one go.
 
+use super::lbas::Lbas;
 use super::{chunk, Plan, Unit};
 use crate::config::Compression;
 use crate::data::packer;
@@ -37,22 +38,22 @@ impl Volume {
     pub(crate) fn place_batch(
         &self,
         st: &mut State,
-        lba0: u64,
+        lbas: &Lbas,
         buf: &[u8],
         plans: &mut [Plan],
         units: &mut [Unit],
         looked_up_at: u64,
     ) -> Result<u64> {
-        for i in 0..plans.len() as u64 {
-            st.map.get(lba0 + i)?;
+        for i in 0..plans.len() {
+            st.map.get(lbas.at(i))?;
         }
         let mut last = st.journal.last_assigned_seq();
         for (i, p) in plans.iter_mut().enumerate() {
             let e = self.place(st, p, units, chunk(buf, i), looked_up_at)?;
-            if let Some(seq) = self.apply_entry(st, lba0 + i as u64, e)? {
+            if let Some(seq) = self.apply_entry(st, lbas.at(i), e)? {
                 last = seq;
             }
-            self.woj_note_write(lba0 + i as u64, p, chunk(buf, i));
+            self.woj_note_write(lbas.at(i), p, chunk(buf, i));
             st.red.blocks_written += 1;
         }
         Ok(last)

@@ -2,6 +2,7 @@
 //! compression (no lock, in parallel).
 
 use super::executor::{for_each, Executor};
+use super::lbas::Lbas;
 use super::{chunk, DataPlan, Plan, Unit};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
@@ -102,7 +103,9 @@ pub(crate) fn verify_and_compress(
     dedup: bool,
     extent_max: u8,
     buf: &[u8],
+    lbas: &Lbas,
     plans: &mut [Plan],
+    early: Vec<Job>,
 ) -> Vec<Unit> {
     for_each(exec, plans, |i, p| {
         let Plan::Data(d) = p else { return };
@@ -131,7 +134,7 @@ pub(crate) fn verify_and_compress(
         if let Candidate { loc: Some(loc), verified: false } = d.cand {
             d.cand.verified = verify::by_read(data, cache, loc, c);
         }
-        if !d.cand.verified && compression != Compression::None {
+        if !d.cand.verified && compression != Compression::None && !d.probed {
             d.incompressible = packer::incompressible(c);
         }
     });
@@ -148,57 +151,44 @@ pub(crate) fn verify_and_compress(
             }
         }
     }
-    // The jobs: extents over runs of compressible chunks to store, single chunks otherwise.
-    let mut jobs: Vec<Job> = Vec::new();
-    let mut i = 0;
-    while i < plans.len() {
-        let run = plans.iter().skip(i).take_while(|p| extent_member(p, compression)).count();
-        if run >= 2 && extent_max >= 2 {
-            // Units of near-equal size: a run of 20 makes two of 10, not 16 and 4.
-            let units = run.div_ceil(usize::from(extent_max.clamp(1, UNIT_BLOCKS_MAX)));
-            let size = run.div_ceil(units);
-            let mut at = i;
-            while at < i + run {
-                let n = size.min(i + run - at);
-                jobs.push(Job { first: at, n, unit: None, singles: Vec::new() });
-                at += n;
+    // Stage 1's compression of chunks predicted unique, for those still to store: an
+    // extent only if every chunk of it is (else its chunks are compressed again below:
+    // the cost of a wrong guess), single chunks one by one.
+    let mut adopted: Vec<Job> = Vec::new();
+    for mut job in early {
+        let range = job.first..job.first + job.n;
+        let to_store = |p: Option<&Plan>| matches!(p, Some(Plan::Data(d)) if needs_store(d) && !d.batch_dup && !d.journal);
+        if job.unit.is_some() {
+            if range.clone().all(|k| to_store(plans.get(k))) {
+                for k in range {
+                    if let Some(Plan::Data(d)) = plans.get_mut(k) {
+                        d.early = true;
+                    }
+                }
+                adopted.push(job);
             }
-            i += run;
             continue;
         }
-        if matches!(plans.get(i), Some(Plan::Data(d)) if needs_store(d) && !d.batch_dup) {
-            jobs.push(Job { first: i, n: 1, unit: None, singles: Vec::new() });
+        let singles = std::mem::take(&mut job.singles);
+        for (k, (frag, raw)) in range.zip(singles) {
+            if to_store(plans.get(k)) {
+                if let Some(Plan::Data(d)) = plans.get_mut(k) {
+                    d.frag = frag;
+                    d.raw = raw;
+                    d.early = true;
+                }
+            }
         }
-        i += 1;
     }
+    // The jobs: extents over runs of compressible chunks to store, single chunks otherwise.
+    let member = |p: &Plan| extent_member(p, compression);
+    let single = |p: &Plan| matches!(p, Plan::Data(d) if needs_store(d) && !d.batch_dup && !d.early);
+    let mut jobs = form_jobs(plans, 0, lbas, extent_max, member, single);
     let probed: &[Plan] = plans;
     for_each(exec, &mut jobs, |_, job| {
-        let first = job.first;
-        if job.n >= 2 {
-            if let Some(bytes) = buf.get(first * BLOCK_SIZE..(first + job.n) * BLOCK_SIZE) {
-                job.unit = packer::compress_probed(compression, level, bytes, false);
-            }
-            if job.unit.is_some() {
-                return;
-            }
-        }
-        // A single chunk, each chunk alone; an extent that did not save 1/16 as a whole is
-        // stored raw (its blocks alone would save less still, measured on the vdi preset's
-        // data, and compressing them again doubled the compression work of such data).
-        let unit_failed = job.n >= 2;
-        job.singles = (first..first + job.n)
-            .map(|k| {
-                let c = chunk(buf, k);
-                // The probe's verdict stands: an incompressible chunk is stored raw.
-                let skip = unit_failed || matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible);
-                let frag = if skip { None } else { packer::compress_probed(compression, level, c, false) };
-                match frag {
-                    Some(f) => (Some(f), None),
-                    None => (None, Some(Block::from(c))),
-                }
-            })
-            .collect();
+        run_job(job, compression, level, buf, |k| matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible));
     });
+    jobs.splice(0..0, adopted);
     let mut units = Vec::new();
     for job in jobs {
         match job.unit {
@@ -224,6 +214,84 @@ pub(crate) fn verify_and_compress(
     units
 }
 
+/// The compression jobs over `plans` (chunk `offset + k` of the batch is `plans[k]`):
+/// runs of `member` chunks inside one request cut into near-equal extents of at most
+/// `extent_max`, and every other `single` chunk alone.
+pub(crate) fn form_jobs(
+    plans: &[Plan],
+    offset: usize,
+    lbas: &Lbas,
+    extent_max: u8,
+    member: impl Fn(&Plan) -> bool,
+    single: impl Fn(&Plan) -> bool,
+) -> Vec<Job> {
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut i = 0;
+    while i < plans.len() {
+        // A run of members inside one request (chunks of combined requests never join).
+        let run = plans
+            .iter()
+            .enumerate()
+            .skip(i)
+            .take_while(|&(k, p)| member(p) && (k == i || lbas.continues(offset + k)))
+            .count();
+        if run >= 2 && extent_max >= 2 {
+            // Units of near-equal size: a run of 20 makes two of 10, not 16 and 4.
+            let units = run.div_ceil(usize::from(extent_max.clamp(1, UNIT_BLOCKS_MAX)));
+            let size = run.div_ceil(units);
+            let mut at = i;
+            while at < i + run {
+                let n = size.min(i + run - at);
+                jobs.push(Job { first: offset + at, n, unit: None, singles: Vec::new() });
+                at += n;
+            }
+            i += run;
+            continue;
+        }
+        if plans.get(i).is_some_and(&single) {
+            jobs.push(Job { first: offset + i, n: 1, unit: None, singles: Vec::new() });
+        }
+        i += 1;
+    }
+    jobs
+}
+
+/// Compresses one job: its extent as one unit, or (one chunk, or an extent that did not
+/// compress) its chunks one by one; `incompressible(k)` is the probe's verdict on chunk k.
+pub(crate) fn run_job(job: &mut Job, compression: Compression, level: i8, buf: &[u8], incompressible: impl Fn(usize) -> bool) {
+    let first = job.first;
+    if job.n >= 2 {
+        if let Some(bytes) = buf.get(first * BLOCK_SIZE..(first + job.n) * BLOCK_SIZE) {
+            job.unit = packer::compress_probed(compression, level, bytes, false);
+        }
+        if job.unit.is_some() {
+            return;
+        }
+    }
+    // A single chunk, each chunk alone; an extent that did not save 1/16 as a whole is
+    // stored raw (its blocks alone would save less still, measured on the vdi preset's
+    // data, and compressing them again doubled the compression work of such data).
+    let unit_failed = job.n >= 2;
+    job.singles = (first..first + job.n)
+        .map(|k| {
+            let c = chunk(buf, k);
+            // The probe's verdict stands: an incompressible chunk is stored raw.
+            let skip = unit_failed || incompressible(k);
+            let frag = if skip { None } else { packer::compress_probed(compression, level, c, false) };
+            match frag {
+                Some(f) => (Some(f), None),
+                None => (None, Some(Block::from(c))),
+            }
+        })
+        .collect();
+}
+
+/// True when stage 4 stores the chunk rather than sharing a copy (as far as the stages
+/// before it can tell: a candidate that went stale meanwhile is stored after all).
+pub(crate) fn stored(d: &DataPlan) -> bool {
+    needs_store(d) && !d.batch_dup
+}
+
 /// True when the chunk must be stored (no verified duplicate of any kind).
 fn needs_store(d: &DataPlan) -> bool {
     !d.cand.verified && !d.woj.as_ref().is_some_and(|w| w.verified)
@@ -233,18 +301,19 @@ fn needs_store(d: &DataPlan) -> bool {
 /// file-system journal block (whose stored copy checkpoint writes compare with).
 fn extent_member(p: &Plan, compression: Compression) -> bool {
     compression != Compression::None
-        && matches!(p, Plan::Data(d) if needs_store(d) && !d.incompressible && !d.journal && !d.batch_dup)
+        && matches!(p, Plan::Data(d) if needs_store(d) && !d.incompressible && !d.journal && !d.batch_dup && !d.early)
 }
 
-/// One compression job of stage 3: an extent of `n` chunks from `first`, or (`n` = 1, or
-/// an extent that did not compress) its chunks one by one.
-struct Job {
-    first: usize,
-    n: usize,
+/// One compression job (stage 3, or stage 1 for chunks predicted unique): an extent of `n`
+/// chunks from `first`, or (`n` = 1, or an extent that did not compress) its chunks one
+/// by one.
+pub(crate) struct Job {
+    pub(crate) first: usize,
+    pub(crate) n: usize,
     /// The compressed extent.
-    unit: Option<Vec<u8>>,
+    pub(crate) unit: Option<Vec<u8>>,
     /// Per chunk: its fragment, or its raw copy.
-    singles: Vec<(Option<Vec<u8>>, Option<Block>)>,
+    pub(crate) singles: Vec<(Option<Vec<u8>>, Option<Block>)>,
 }
 
 /// Stage 2 for write-once journaling (state lock held): each WOJ candidate's journal block

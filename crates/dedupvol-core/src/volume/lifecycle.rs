@@ -316,7 +316,12 @@ impl Volume {
             opts.tier.as_ref().and_then(|t| Tier::open(t, &sb.uuid, data.clone(), state.rc.counts(), &mut tier_notes));
         notes.extend(tier_notes.iter().cloned().map(OpenNote::Info));
         let woj = crate::woj::Woj::new(opts.woj, opts.woj_weak_hash_mask, geo.logical_blocks * BLOCK_SIZE_U64);
+        // The unique-chunk predictor needs fingerprints (dedup) and a stage 1 of its own,
+        // which write-once journaling's stage 1 is not.
+        let predictor = (sb.dedup && woj.is_none() && opts.unique_predictor && !opts.read_only)
+            .then(|| Mutex::new(crate::dedup::predictor::Predictor::new(state.dedup.index().capacity())));
         let v = Volume {
+            predictor,
             woj: woj.map(Mutex::new),
             data,
             meta,
@@ -335,6 +340,7 @@ impl Volume {
             tickets,
             writer,
             exec: CpuPool::shared(),
+            batcher: crate::pipeline::batcher::Batcher::new(opts.batch),
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: std::array::from_fn(|_| Mutex::new(())),
             io,

@@ -85,6 +85,11 @@ pub struct Volume {
     pub(crate) writer: Option<DataWriter>,
     /// Runs the pipeline's parallel stages.
     pub(crate) exec: std::sync::Arc<CpuPool>,
+    /// The unique-chunk predictor (None: dedup off, write-once journaling on, or turned
+    /// off). Taken alone, once per batch to predict and once to record.
+    pub(crate) predictor: Option<Mutex<crate::dedup::predictor::Predictor>>,
+    /// Combines small writes into batches (`pipeline::batcher`).
+    pub(crate) batcher: crate::pipeline::batcher::Batcher,
     pub(crate) cache: Mutex<ContentCache>,
     pub(crate) rmw: [Mutex<()>; RMW_STRIPES],
     pub(crate) io: Arc<IoCounters>,

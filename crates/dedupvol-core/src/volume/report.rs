@@ -162,6 +162,13 @@ impl Volume {
             tier: self.tier.as_ref().map(|t| t.stats()),
             scrub: self.scrub_status(),
             woj: self.woj.as_ref().map(|w| w.lock().snapshot()),
+            pipeline: {
+                let mut p = self.batcher.stats();
+                if let Some(pr) = &self.predictor {
+                    p.predictor = pr.lock().stats;
+                }
+                p
+            },
         }
     }
 

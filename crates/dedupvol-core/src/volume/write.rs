@@ -6,8 +6,12 @@ use super::Volume;
 use crate::config::{WritePolicy, BLOCK_SIZE};
 use crate::data::writer::{write_ticketed, Batch};
 use crate::error::{Error, Result};
-use crate::pipeline::{fingerprint::fingerprint, reduce};
+use crate::pipeline::batcher::{self, Outcome, Stage};
+use crate::pipeline::lbas::Lbas;
+use crate::pipeline::fingerprint::{fingerprint, fingerprint_predicted};
+use crate::pipeline::{reduce, Plan};
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 /// Data blocks staged before they are handed to the data writer as one merged write
 /// (256 KiB).
@@ -58,22 +62,57 @@ impl Volume {
     /// Writes whole blocks starting at `lba`; returns the last journal sequence used.
     /// When the volume is full but freed blocks await a commit, commits and retries once
     /// (blocks already applied are rewritten with the same content, which is a no-op).
+    /// Small writes are combined with others into one batch (`pipeline::batcher`); a
+    /// batch that fails has its requests written alone, here.
     pub(crate) fn write_blocks(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
-        match self.write_blocks_once(lba0, buf) {
+        if self.batcher.takes(buf.len() / BLOCK_SIZE) {
+            let run = |b: &batcher::Batch| {
+                // Each request's last sequence is the batch's: a FUA write then commits the
+                // whole batch, a superset of what it needs.
+                self.write_batch_once(&b.lbas, &b.buf).map(|seq| vec![seq; b.requests()]).map_err(|_| ())
+            };
+            if let Outcome::Done(seq) = self.batcher.write(lba0, buf, run) {
+                return Ok(seq);
+            }
+        }
+        let lbas = Lbas::run(lba0);
+        match self.write_batch_once(&lbas, buf) {
             Err(Error::NoSpace(_)) if self.state.lock().alloc.pending_len() > 0 => {
                 self.flush()?;
-                self.write_blocks_once(lba0, buf)
+                self.write_batch_once(&lbas, buf)
             }
             r => r,
         }
     }
 
-    /// One batch through the pipeline (see the module docs of `volume` for the steps).
-    fn write_blocks_once(&self, lba0: u64, buf: &[u8]) -> Result<u64> {
+    /// One batch through the pipeline (see the module docs of `volume` for the steps):
+    /// chunk `i` of `buf` goes to `lbas.at(i)`.
+    fn write_batch_once(&self, lbas: &Lbas, buf: &[u8]) -> Result<u64> {
+        let n = buf.len() / BLOCK_SIZE;
+        let mut t = Instant::now();
+        let mut lap = |stage: Stage| {
+            let now = Instant::now();
+            self.batcher.note_stage(stage, n, now - t);
+            t = now;
+        };
         // 1. Fingerprints and write-once journaling candidates (no lock; large requests
         //    use every core).
+        //    With the unique-chunk predictor, chunks predicted unique are also compressed
+        //    in this pass (`early`), which stage 3 adopts where the index agrees.
         let woj = self.woj.as_ref();
-        let mut plans = fingerprint(&*self.exec, buf, self.dedup, woj, lba0);
+        let (mut plans, early) = match &self.predictor {
+            Some(pr) => fingerprint_predicted(
+                &*self.exec,
+                buf,
+                lbas,
+                pr,
+                self.compression,
+                self.compression_level,
+                self.extent_blocks_max,
+            ),
+            None => (fingerprint(&*self.exec, buf, self.dedup, woj, lbas), Vec::new()),
+        };
+        lap(Stage::Fingerprint);
         // 2. Journal copies, then dedup candidates (state lock). Record pages the lookups
         // need are read after the lock is let go, then those chunks are looked up again.
         // The generation of the first hold is kept: it is the older one, so claim judges
@@ -98,6 +137,7 @@ impl Volume {
                 reduce::find_candidates(&st, buf, &mut plans, Some(&again));
             }
         }
+        lap(Stage::Index);
         // 3. Verification reads and compression (no lock; parallel).
         let mut units = reduce::verify_and_compress(
             &*self.exec,
@@ -108,13 +148,22 @@ impl Volume {
             self.dedup,
             self.extent_blocks_max,
             buf,
+            lbas,
             &mut plans,
+            early,
         );
+        lap(Stage::Compress);
         // 4. Claim or place, stage, journal and apply (state lock).
         let mut st = self.state.lock();
-        match self.place_batch(&mut st, lba0, buf, &mut plans, &mut units, looked_up_at) {
+        let placed = self.place_batch(&mut st, lbas, buf, &mut plans, &mut units, looked_up_at);
+        lap(Stage::Place);
+        match placed {
             Ok(seq) => {
                 self.note_pressure(&st);
+                if let Some(pr) = &self.predictor {
+                    // Innermost lock: taken under the state lock, never the other way.
+                    score_predictions(&mut pr.lock(), &plans);
+                }
                 let durable = st.journal.durable_seq();
                 let r = st.map.evict(durable);
                 self.guard(r)?;
@@ -149,6 +198,22 @@ impl Volume {
         match queued {
             Ok(()) => self.check_not_failed(),
             Err((ticket, blocks)) => write_ticketed(&self.data, blocks, &[ticket], &self.tickets, &self.health),
+        }
+    }
+}
+
+/// Scores the predictor's guesses for a placed batch against what the index decided, and
+/// records every data chunk's cheap hash (a chunk written now is a duplicate's likely
+/// original later, whether it was stored or shared).
+fn score_predictions(pr: &mut crate::dedup::predictor::Predictor, plans: &[Plan]) {
+    for p in plans {
+        if let Plan::Data(d) = p {
+            if let Some(guess) = d.predicted_unique {
+                let stored = reduce::stored(d);
+                let wasted = if guess && !stored && d.probed { BLOCK_SIZE as u64 } else { 0 };
+                pr.score(guess, stored, wasted);
+            }
+            pr.insert(d.weak);
         }
     }
 }
