@@ -111,6 +111,13 @@ pub enum ServeCommand {
         /// journal); off turns it off.
         #[arg(long, default_value = "off", value_name = "auto|off|OFFSET:LENGTH")]
         woj: dedupvol_core::WojMode,
+        /// Deferred compression: when the writes waiting for compression would keep the
+        /// compression workers busy longer than this many microseconds, the excess is
+        /// compressed with LZ4 instead of zstd, so clients do not wait for compression; the
+        /// volume's cleaner recompresses it with zstd when the volume is idle. 0 (the
+        /// default) never defers.
+        #[arg(long, default_value_t = 0, value_name = "MICROSECONDS")]
+        defer_compression_us: u64,
         /// Worker threads per connection (requests executed concurrently per client; each
         /// reads its own request, so none is handed between threads). On a 2-core machine
         /// 16 workers served random 4 KiB reads slower than 4 and doubled the server's
@@ -186,6 +193,7 @@ impl ServeCommand {
             cache_writes,
             tier,
             woj,
+            defer_compression_us,
             workers_per_connection,
             metrics,
             tls_cert,
@@ -297,6 +305,7 @@ impl ServeCommand {
                             tier: tier.options(),
                             woj,
                             take_over,
+                            defer_compression_micros: defer_compression_us,
                             ..Default::default()
                         };
                         // The engine's FileStorage holds an flock (exclusive read-write, shared

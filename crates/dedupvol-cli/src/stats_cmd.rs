@@ -265,6 +265,52 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
             outln!("{l}")?;
         }
     }
+    let p = &s.pipeline;
+    if p.fingerprint.batches > 0 {
+        outln!(
+            "pipeline            {} batches of {:.1} chunks; stage utilisation fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}",
+            p.fingerprint.batches,
+            p.chunks_per_batch,
+            p.fingerprint.utilisation,
+            p.index.utilisation,
+            p.compress.utilisation,
+            p.place.utilisation
+        )?;
+        if p.batching {
+            outln!(
+                "  batcher           {} requests in {} batches ({} retried alone), queue {} chunks (peak {}), {} backpressure waits, latency p50 {} us, p99 {} us",
+                p.batched_requests,
+                p.batches,
+                p.batches_retried,
+                p.queue_chunks,
+                p.queue_chunks_peak,
+                p.backpressure_waits,
+                p.latency_p50_micros,
+                p.latency_p99_micros
+            )?;
+        }
+    }
+    let pr = &p.predictor;
+    if pr.enabled && pr.unique_right + pr.unique_wrong + pr.duplicate_right + pr.duplicate_wrong > 0 {
+        outln!(
+            "  unique predictor  accuracy {:.2}% (wrong: {} predicted unique, {} predicted duplicate), {} of early compression wasted, {} ({:.2} B per index entry)",
+            pr.accuracy * 100.0,
+            pr.unique_wrong,
+            pr.duplicate_wrong,
+            human(pr.wasted_compress_bytes),
+            human(pr.memory_bytes),
+            pr.memory_bytes_per_entry
+        )?;
+    }
+    let d = &p.deferral;
+    if d.enabled {
+        outln!(
+            "  deferral          budget {} us: {} chunks compressed with LZ4 to recompress later, {} with the volume's codec",
+            d.budget_micros,
+            d.deferred_chunks,
+            d.inline_chunks
+        )?;
+    }
     // Kept in the volume (updated at checkpoints and close), not counted by this process.
     let l = &s.lifetime;
     outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;

@@ -133,6 +133,13 @@ pub struct BenchArgs {
     /// Predict unique chunks so their compression runs beside fingerprinting (on or off).
     #[arg(long, default_value = "on")]
     predictor: String,
+    /// Deferred compression's budget in microseconds (0: never defer; see `serve
+    /// --defer-compression-us`).
+    #[arg(long, default_value_t = 0)]
+    defer_us: u64,
+    /// Threads of the engine volume's parallel stages (default: one per core).
+    #[arg(long)]
+    workers: Option<usize>,
     /// Batches in the pipeline's stages at once.
     #[arg(long, default_value_t = dedupvol_core::BatchOptions::default().leaders_max)]
     batch_leaders: usize,
@@ -317,6 +324,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             .map_err(|e| crate::usage(format!("--io: {e}")))?
             .for_verify(verify == DedupVerify::Hash),
         verbose: !a.json,
+        defer_compression_micros: a.defer_us,
+        workers: a.workers,
         unique_predictor: match a.predictor.as_str() {
             "on" => true,
             "off" => false,

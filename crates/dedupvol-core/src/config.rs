@@ -411,6 +411,19 @@ pub struct OpenOptions {
     /// Predict unique chunks from a cheap hash so that their compression runs in the same
     /// parallel pass as fingerprinting (dedup on, write-once journaling off). Default on.
     pub unique_predictor: bool,
+    /// Deferred compression: when the chunks waiting for compression would take longer
+    /// than this many microseconds of the workers' time to compress with zstd, the excess
+    /// is compressed with LZ4, and the cleaner's recompression brings it to zstd when the
+    /// volume is idle (0, the default: never). For servers whose clients' latency matters
+    /// more than the space saved until then.
+    pub defer_compression_micros: u64,
+    /// Deferred compression's cost of compressing one chunk, fixed instead of measured
+    /// (None, the default: measured as the volume writes), so that which chunks are
+    /// deferred is reproducible: for tests and the simulator.
+    pub defer_fixed_cost_ns: Option<u64>,
+    /// Threads of the pipeline's parallel stages for this volume alone (None, the default:
+    /// the process's pool, as wide as its cores and shared by every volume it opens).
+    pub workers: Option<usize>,
     /// Reference count at which a duplicate gets a copy of its own (at most, and by
     /// default, `REFCOUNT_MAX`). Lower values make the cap reachable by tests of what
     /// happens there (the simulator's hot-block runs); nothing on disk depends on it.
@@ -463,6 +476,9 @@ impl Default for OpenOptions {
             extent_blocks_max: crate::metadata::block_map::UNIT_BLOCKS_MAX,
             batch: crate::pipeline::batcher::BatchOptions::default(),
             unique_predictor: true,
+            defer_compression_micros: 0,
+            defer_fixed_cost_ns: None,
+            workers: None,
             refcount_cap: crate::metadata::refcount::REFCOUNT_MAX,
             tier: None,
             woj: crate::woj::WojMode::Off,

@@ -48,13 +48,14 @@ pub use config::{
     TIER_PROMOTE_REFCOUNT_DEFAULT, ZSTD_LEVEL_DEFAULT, ZSTD_LEVEL_MAX, ZSTD_LEVEL_MIN,
 };
 pub use dedup::index::IndexRebuild;
+pub use dedup::predictor::PredictorStats;
 pub use error::{Corruption, Error, Result};
 pub use io::{create_device, open_device, FileStorage, IoMode, MemStorage, RadosStorage, RadosUrl, Storage};
 pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
-pub use dedup::predictor::PredictorStats;
 pub use pipeline::batcher::{BatchOptions, PipelineStats, StageStats};
+pub use pipeline::defer::DeferralStats;
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };

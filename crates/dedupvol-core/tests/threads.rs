@@ -133,7 +133,8 @@ fn small_writes_from_many_threads_are_batched_and_land_where_they_were_sent() {
                     // Interleaved blocks: thread t owns every 8th block, so neighbours
                     // on the volume come from different threads (and requests).
                     let lba = (i % 128) * 8 + t;
-                    let data = if i % 4 == 0 { block(7_000 + i % 32, 0) } else { block(t * 100_000 + i, (i % 2) as u8) };
+                    let data =
+                        if i % 4 == 0 { block(7_000 + i % 32, 0) } else { block(t * 100_000 + i, (i % 2) as u8) };
                     vol.write(lba * 4096, &data, i % 50 == 0).expect("write");
                 }
             });
@@ -152,7 +153,12 @@ fn small_writes_from_many_threads_are_batched_and_land_where_they_were_sent() {
     let st = vol.stats();
     let p = &st.pipeline;
     assert_eq!(p.batched_requests, 8 * PER, "every small write went through the batcher");
-    assert!(p.batches < p.batched_requests && p.batches > 0, "{} requests in {} batches", p.batched_requests, p.batches);
+    assert!(
+        p.batches < p.batched_requests && p.batches > 0,
+        "{} requests in {} batches",
+        p.batched_requests,
+        p.batches
+    );
     assert_eq!(p.fingerprint.chunks, p.place.chunks);
     assert_eq!(p.queue_chunks, 0);
     assert!(p.latency_p99_micros >= p.latency_p50_micros);

@@ -354,6 +354,16 @@ impl RunConfig {
             (wr.gen_range(0..=logical_blocks - len), len)
         });
         let mut open = open;
+        // The write pipeline's schedules, from their own stream: the unique-chunk predictor
+        // off for a quarter of the seeds, and deferred compression (a fixed per-chunk cost,
+        // so the same chunks are deferred every run) on for a third, with budgets from
+        // "almost everything deferred" to "some".
+        let mut pr = ChaCha8Rng::seed_from_u64(seed ^ 0xDEFE_0000);
+        open.unique_predictor = pr.gen_bool(0.75);
+        if pr.gen_bool(1.0 / 3.0) {
+            open.defer_compression_micros = pick(&mut pr, &[1u64, 20, 100]);
+            open.defer_fixed_cost_ns = Some(10_000);
+        }
         if let Some((start, len)) = woj_journal {
             open.woj = dedupvol_core::WojMode::Range { offset: start * B, len: len * B };
             if wr.gen_bool(0.5) {

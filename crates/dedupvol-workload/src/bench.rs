@@ -130,6 +130,10 @@ pub struct BenchOptions {
     pub batch: dedupvol_core::BatchOptions,
     /// The engine volume predicts unique chunks (`OpenOptions::unique_predictor`).
     pub unique_predictor: bool,
+    /// The engine volume's `OpenOptions::defer_compression_micros`.
+    pub defer_compression_micros: u64,
+    /// The engine volume's `OpenOptions::workers`.
+    pub workers: Option<usize>,
 }
 
 /// One timed run.
@@ -348,6 +352,8 @@ fn fresh_volume(
     io_mode: IoMode,
     batch: dedupvol_core::BatchOptions,
     unique_predictor: bool,
+    defer_compression_micros: u64,
+    workers: Option<usize>,
 ) -> Result<Volume, String> {
     if temp {
         let _ = std::fs::remove_file(path);
@@ -365,8 +371,12 @@ fn fresh_volume(
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
     let dev: Arc<dyn Storage> =
         Arc::new(FileStorage::open_with(path, false, io_mode).map_err(|e| format!("opening {}: {e}", path.display()))?);
-    let vol = Volume::open(dev, None, &OpenOptions { batch, unique_predictor, ..OpenOptions::default() })
-        .map_err(|e| format!("opening volume {}: {e}", path.display()))?;
+    let vol = Volume::open(
+        dev,
+        None,
+        &OpenOptions { batch, unique_predictor, defer_compression_micros, workers, ..OpenOptions::default() },
+    )
+    .map_err(|e| format!("opening volume {}: {e}", path.display()))?;
     // The clock measures steady state: the index's memory is populated before it starts.
     vol.wait_ready();
     Ok(vol)
@@ -620,7 +630,18 @@ pub fn run_scenario(
     phase("primitives measured");
     let is_overwrite = matches!(scenario, Scenario::Overwrite { .. });
     let engine = (|| -> Result<(RunFigure, Stats, IoBreakdown), String> {
-        let vol = Arc::new(fresh_volume(&vol_path, temp, logical, physical, &fmt, opts.io_mode, opts.batch, opts.unique_predictor)?);
+        let vol = Arc::new(fresh_volume(
+            &vol_path,
+            temp,
+            logical,
+            physical,
+            &fmt,
+            opts.io_mode,
+            opts.batch,
+            opts.unique_predictor,
+            opts.defer_compression_micros,
+            opts.workers,
+        )?);
         phase("engine volume formatted");
         if let (true, Some(m)) = (is_overwrite, &model) {
             prefill(&vol, m, logical)?;
@@ -686,7 +707,18 @@ pub fn run_scenario(
     if opts.baselines {
         let base_fmt = FormatOptions { compression: Compression::None, dedup: false, ..fmt.clone() };
         let base = (|| -> Result<RunFigure, String> {
-            let vol = Arc::new(fresh_volume(&base_path, temp, logical, physical, &base_fmt, opts.io_mode, opts.batch, opts.unique_predictor)?);
+            let vol = Arc::new(fresh_volume(
+                &base_path,
+                temp,
+                logical,
+                physical,
+                &base_fmt,
+                opts.io_mode,
+                opts.batch,
+                opts.unique_predictor,
+                opts.defer_compression_micros,
+                opts.workers,
+            )?);
             if let (true, Some(m)) = (is_overwrite, &model) {
                 prefill(&vol, m, logical)?;
             }

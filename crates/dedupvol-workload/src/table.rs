@@ -289,6 +289,13 @@ pub fn render_bench(r: &BenchReport) -> String {
                     p.place.busy_micros as f64 / 1e6,
                 ));
             }
+            let d = &p.deferral;
+            if d.enabled {
+                out.push_str(&format!(
+                    "  deferred compression: budget {} us, {} chunks deferred to LZ4, {} with the volume's codec ({} ns a chunk)\n",
+                    d.budget_micros, d.deferred_chunks, d.inline_chunks, d.cost_ns_per_chunk
+                ));
+            }
             let pr = &p.predictor;
             if pr.enabled {
                 out.push_str(&format!(

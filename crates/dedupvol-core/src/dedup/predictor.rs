@@ -134,9 +134,7 @@ mod tests {
         for h in 0..50_000u64 {
             p.insert(h.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         }
-        let fp = (1_000_000..1_100_000u64)
-            .filter(|h| !p.predict_unique(h.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
-            .count();
+        let fp = (1_000_000..1_100_000u64).filter(|h| !p.predict_unique(h.wrapping_mul(0x9E37_79B9_7F4A_7C15))).count();
         assert!(fp < 2_000, "{fp} false positives in 100,000");
         assert!(p.stats.memory_bytes_per_entry <= 2.0);
         // A generation rotation forgets the oldest entries, not the recent ones.

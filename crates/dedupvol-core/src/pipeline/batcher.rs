@@ -176,6 +176,8 @@ pub struct PipelineStats {
     pub place: StageStats,
     /// The unique-chunk predictor.
     pub predictor: crate::dedup::predictor::PredictorStats,
+    /// Deferred compression.
+    pub deferral: super::defer::DeferralStats,
 }
 
 /// The stages, in order, for `Batcher::note_stage`.
@@ -250,7 +252,8 @@ impl Batcher {
     ) -> Outcome {
         let chunks = buf.len() / BLOCK_SIZE;
         debug_assert!(self.takes(chunks) && buf.len() % BLOCK_SIZE == 0, "the batcher takes whole small writes");
-        let slot = Arc::new(Slot { outcome: Mutex::new(None), queued_at: Instant::now(), writer: std::thread::current() });
+        let slot =
+            Arc::new(Slot { outcome: Mutex::new(None), queued_at: Instant::now(), writer: std::thread::current() });
         let mut q = self.q.lock();
         // Backpressure: wait for room for this request.
         let mut waited = false;
@@ -401,6 +404,7 @@ impl Batcher {
             compress: stage(2),
             place: stage(3),
             predictor: Default::default(),
+            deferral: Default::default(),
         }
     }
 }

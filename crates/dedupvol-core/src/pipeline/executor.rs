@@ -66,7 +66,14 @@ impl CpuPool {
 
     /// A pool as wide as the cores this process may use (at most `POOL_THREADS_MAX`).
     pub(crate) fn new() -> Self {
-        let width = std::thread::available_parallelism().map_or(1, |n| n.get()).min(POOL_THREADS_MAX);
+        Self::with_width(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+
+    /// A pool of `width` threads (at most `POOL_THREADS_MAX`; 1: jobs run on the caller's
+    /// thread). A volume given its own (`OpenOptions::workers`) does not share the
+    /// process's: the benchmark of how the pipeline scales with workers uses it.
+    pub(crate) fn with_width(width: usize) -> Self {
+        let width = width.clamp(1, POOL_THREADS_MAX);
         let pool = (width >= 2)
             .then(|| {
                 rayon::ThreadPoolBuilder::new()

@@ -6,16 +6,18 @@
 //! with its journal copy takes that copy's crc (their bytes are compared equal first), so
 //! the checkpoint half of a `data=journal` stream costs one xxh3 pass and one compare.
 
+use super::defer::Deferral;
 use super::executor::{for_each, Executor};
 use super::lbas::Lbas;
 use super::reduce::{form_jobs, run_job, Job};
 use super::{chunk, DataPlan, Plan};
 use crate::config::Compression;
-use crate::dedup::predictor::Predictor;
 use crate::config::BLOCK_SIZE;
+use crate::dedup::predictor::Predictor;
 use crate::dedup::Candidate;
 use crate::woj::Woj;
 use parking_lot::Mutex;
+use std::sync::Arc;
 
 /// A plan per chunk of `buf` (chunk `i` goes to `lbas.at(i)`): zero chunks are marked, the
 /// others get their weak hash and WOJ candidate (when `woj`), and, when WOJ found no
@@ -47,6 +49,7 @@ pub(crate) fn fingerprint(
                 crc_done: now,
                 cand: Candidate::default(),
                 frag: None,
+                frag_codec: Compression::None,
                 unit: None,
                 incompressible: false,
                 batch_dup: false,
@@ -106,6 +109,7 @@ pub(crate) fn fingerprint_predicted(
     compression: Compression,
     level: i8,
     extent_max: u8,
+    defer: Option<&Arc<Deferral>>,
 ) -> (Vec<Plan>, Vec<Job>) {
     let n = buf.len() / BLOCK_SIZE;
     let mut plans: Vec<Plan> = Vec::with_capacity(n);
@@ -123,6 +127,7 @@ pub(crate) fn fingerprint_predicted(
                 crc_done: false,
                 cand: Candidate::default(),
                 frag: None,
+                frag_codec: Compression::None,
                 unit: None,
                 incompressible: false,
                 batch_dup: false,
@@ -144,7 +149,8 @@ pub(crate) fn fingerprint_predicted(
         }
     }
     // Work items: maximal ranges of one guess inside one request, cut at PIECE_CHUNKS_MAX.
-    let unique_at = |plans: &[Plan], i: usize| matches!(plans.get(i), Some(Plan::Data(d)) if d.predicted_unique == Some(true));
+    let unique_at =
+        |plans: &[Plan], i: usize| matches!(plans.get(i), Some(Plan::Data(d)) if d.predicted_unique == Some(true));
     let mut bounds: Vec<(usize, usize, bool)> = Vec::new();
     let mut i = 0;
     while i < n {
@@ -170,6 +176,7 @@ pub(crate) fn fingerprint_predicted(
         rest = tail;
     }
     let compressing = compression != Compression::None;
+    let width = exec.width();
     // Each item is one job already: the pieces share the pool between them.
     for_each(exec, &mut pieces, |_, piece| {
         for (k, p) in piece.plans.iter_mut().enumerate() {
@@ -189,13 +196,23 @@ pub(crate) fn fingerprint_predicted(
         }
         let member = |p: &Plan| compressing && matches!(p, Plan::Data(d) if !d.incompressible);
         let single = |p: &Plan| matches!(p, Plan::Data(_));
-        piece.jobs = form_jobs(piece.plans, piece.first, lbas, extent_max, member, single);
+        piece.jobs = form_jobs(piece.plans, piece.first, lbas, extent_max, compression, member, single);
+        // One backlog per piece: the pieces of a batch run side by side, each a worker's.
+        let backlog = Deferral::assign(defer, &mut piece.jobs, width);
         let probed: &[Plan] = piece.plans;
         for job in &mut piece.jobs {
-            run_job(job, compression, level, buf, |k| {
-                matches!(probed.get(k - piece.first), Some(Plan::Data(d)) if d.incompressible)
-            });
+            let t = if defer.is_some() { Deferral::thread_cpu_ns() } else { 0 };
+            run_job(
+                job,
+                level,
+                buf,
+                |k| matches!(probed.get(k - piece.first), Some(Plan::Data(d)) if d.incompressible),
+            );
+            if defer.is_some() && job.codec == compression {
+                Deferral::note_cost(defer, job.n, Deferral::thread_cpu_ns().saturating_sub(t));
+            }
         }
+        drop(backlog);
     });
     let jobs = pieces.into_iter().flat_map(|p| p.jobs).collect();
     (plans, jobs)

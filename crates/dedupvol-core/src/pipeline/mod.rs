@@ -1,6 +1,6 @@
 //! The reduction pipeline: how a batch of whole 4 KiB chunks becomes mapping changes.
 //!
-//! Stages, in the order `Volume::write_blocks_once` runs them (docs/design.md, "A write"):
+//! Stages, in the order `Volume::write_batch_once` runs them (docs/design.md, "A write"):
 //! 1. `fingerprint` (no lock, parallel): zero check, the weak hash and the write-once
 //!    journaling candidate (WOJ on), crc32c and BLAKE3 fingerprint (dedup on) of the chunks
 //!    without a WOJ candidate;
@@ -24,13 +24,14 @@
 //!   chunk shared with its journal copy takes the copy's crc, the bytes being equal.
 
 pub(crate) mod batcher;
+pub(crate) mod defer;
 pub(crate) mod executor;
 pub(crate) mod fingerprint;
 pub(crate) mod lbas;
 pub(crate) mod place;
 pub(crate) mod reduce;
 
-use crate::config::BLOCK_SIZE_U64;
+use crate::config::{Compression, BLOCK_SIZE_U64};
 use crate::dedup::Candidate;
 use crate::read::cache::Block;
 
@@ -69,6 +70,8 @@ pub(crate) struct DataPlan {
     pub(crate) cand: Candidate,
     /// The compressed fragment of the chunk alone, when compression pays.
     pub(crate) frag: Option<Vec<u8>>,
+    /// The codec of `frag`: the volume's, or the fast one when compression was deferred.
+    pub(crate) frag_codec: Compression,
     /// The extent the chunk was compressed in (an index into the batch's units) and its
     /// block there.
     pub(crate) unit: Option<(usize, u8)>,
@@ -105,6 +108,8 @@ pub(crate) struct Unit {
     pub(crate) blocks: u8,
     /// The compressed unit.
     pub(crate) frag: Vec<u8>,
+    /// Its codec: the volume's, or the fast one when compression was deferred.
+    pub(crate) codec: Compression,
     /// Where stage 4 packed it: first block and offset (None until a chunk of it is stored).
     pub(crate) placed: Option<(u64, u16)>,
 }

@@ -79,6 +79,7 @@ impl Volume {
             // The share fell through: the chunk is stored like any other.
             if c.verified && d.frag.is_none() && self.compression != Compression::None {
                 d.frag = packer::compress(self.compression, self.compression_level, chunk);
+                d.frag_codec = self.compression;
             }
         }
         // Stored or shared by the index, a chunk carries its own crc (WOJ skipped it).
@@ -107,6 +108,7 @@ impl Volume {
         // claim refused its candidate (or its first copy).
         if d.frag.is_none() && self.compression != Compression::None && (d.cand.verified || d.batch_dup) {
             d.frag = packer::compress(self.compression, self.compression_level, chunk);
+            d.frag_codec = self.compression;
         }
         // The chunk's extent, packed by the first of its chunks stored.
         let in_unit = match d.unit.and_then(|(u, sub)| units.get_mut(u).map(|unit| (unit, sub))) {
@@ -120,7 +122,7 @@ impl Volume {
                     }
                 };
                 placed.map(|(pbn, off)| {
-                    let f = Frag::new(self.compression.code(), off, unit.frag.len() as u16, unit.blocks, sub);
+                    let f = Frag::new(unit.codec.code(), off, unit.frag.len() as u16, unit.blocks, sub);
                     MapEntry::fragment(pbn, f, d.crc)
                 })
             }
@@ -129,11 +131,13 @@ impl Volume {
         if d.unit.is_some() && in_unit.is_none() && d.frag.is_none() && d.raw.is_none() {
             // No run could take the extent (free space too scattered): the chunk alone.
             d.frag = packer::compress(self.compression, self.compression_level, chunk);
+            d.frag_codec = self.compression;
         }
         let single = match (in_unit, d.frag.as_deref()) {
             (Some(e), _) => Some(e),
             (None, Some(f)) => self.pack(st, f)?.map(|(pbn, off)| {
-                MapEntry::fragment(pbn, Frag::new(self.compression.code(), off, f.len() as u16, 1, 0), d.crc)
+                debug_assert!(d.frag_codec != Compression::None, "a fragment records the codec that made it");
+                MapEntry::fragment(pbn, Frag::new(d.frag_codec.code(), off, f.len() as u16, 1, 0), d.crc)
             }),
             (None, None) => None,
         };

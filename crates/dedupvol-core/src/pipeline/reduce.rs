@@ -1,6 +1,7 @@
 //! Stages 2 and 3: dedup candidates (under the state lock), then byte verification and
 //! compression (no lock, in parallel).
 
+use super::defer::Deferral;
 use super::executor::{for_each, Executor};
 use super::lbas::Lbas;
 use super::{chunk, DataPlan, Plan, Unit};
@@ -14,6 +15,7 @@ use crate::read::cache::{Block, ContentCache};
 use crate::volume::state::State;
 use crate::woj::Woj;
 use parking_lot::Mutex;
+use std::sync::Arc;
 
 /// Stage 2 (state lock held): each data chunk's dedup candidate, from memory. A candidate
 /// not on the device yet (the device may still hold its block's previous life) is verified
@@ -106,6 +108,7 @@ pub(crate) fn verify_and_compress(
     lbas: &Lbas,
     plans: &mut [Plan],
     early: Vec<Job>,
+    defer: Option<&Arc<Deferral>>,
 ) -> Vec<Unit> {
     for_each(exec, plans, |i, p| {
         let Plan::Data(d) = p else { return };
@@ -157,7 +160,8 @@ pub(crate) fn verify_and_compress(
     let mut adopted: Vec<Job> = Vec::new();
     for mut job in early {
         let range = job.first..job.first + job.n;
-        let to_store = |p: Option<&Plan>| matches!(p, Some(Plan::Data(d)) if needs_store(d) && !d.batch_dup && !d.journal);
+        let to_store =
+            |p: Option<&Plan>| matches!(p, Some(Plan::Data(d)) if needs_store(d) && !d.batch_dup && !d.journal);
         if job.unit.is_some() {
             if range.clone().all(|k| to_store(plans.get(k))) {
                 for k in range {
@@ -174,6 +178,7 @@ pub(crate) fn verify_and_compress(
             if to_store(plans.get(k)) {
                 if let Some(Plan::Data(d)) = plans.get_mut(k) {
                     d.frag = frag;
+                    d.frag_codec = job.codec;
                     d.raw = raw;
                     d.early = true;
                 }
@@ -183,11 +188,17 @@ pub(crate) fn verify_and_compress(
     // The jobs: extents over runs of compressible chunks to store, single chunks otherwise.
     let member = |p: &Plan| extent_member(p, compression);
     let single = |p: &Plan| matches!(p, Plan::Data(d) if needs_store(d) && !d.batch_dup && !d.early);
-    let mut jobs = form_jobs(plans, 0, lbas, extent_max, member, single);
+    let mut jobs = form_jobs(plans, 0, lbas, extent_max, compression, member, single);
+    let backlog = Deferral::assign(defer, &mut jobs, exec.width());
     let probed: &[Plan] = plans;
     for_each(exec, &mut jobs, |_, job| {
-        run_job(job, compression, level, buf, |k| matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible));
+        let t = if defer.is_some() { Deferral::thread_cpu_ns() } else { 0 };
+        run_job(job, level, buf, |k| matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible));
+        if defer.is_some() && job.codec == compression {
+            Deferral::note_cost(defer, job.n, Deferral::thread_cpu_ns().saturating_sub(t));
+        }
     });
+    drop(backlog);
     jobs.splice(0..0, adopted);
     let mut units = Vec::new();
     for job in jobs {
@@ -199,12 +210,13 @@ pub(crate) fn verify_and_compress(
                         d.unit = Some((u, sub as u8));
                     }
                 }
-                units.push(Unit { blocks: job.n as u8, frag, placed: None });
+                units.push(Unit { blocks: job.n as u8, frag, codec: job.codec, placed: None });
             }
             None => {
                 for (p, (frag, raw)) in plans.iter_mut().skip(job.first).zip(job.singles) {
                     if let Plan::Data(d) = p {
                         d.frag = frag;
+                        d.frag_codec = job.codec;
                         d.raw = raw;
                     }
                 }
@@ -222,6 +234,7 @@ pub(crate) fn form_jobs(
     offset: usize,
     lbas: &Lbas,
     extent_max: u8,
+    codec: Compression,
     member: impl Fn(&Plan) -> bool,
     single: impl Fn(&Plan) -> bool,
 ) -> Vec<Job> {
@@ -242,14 +255,14 @@ pub(crate) fn form_jobs(
             let mut at = i;
             while at < i + run {
                 let n = size.min(i + run - at);
-                jobs.push(Job { first: offset + at, n, unit: None, singles: Vec::new() });
+                jobs.push(Job { first: offset + at, n, unit: None, singles: Vec::new(), codec });
                 at += n;
             }
             i += run;
             continue;
         }
         if plans.get(i).is_some_and(&single) {
-            jobs.push(Job { first: offset + i, n: 1, unit: None, singles: Vec::new() });
+            jobs.push(Job { first: offset + i, n: 1, unit: None, singles: Vec::new(), codec });
         }
         i += 1;
     }
@@ -258,8 +271,9 @@ pub(crate) fn form_jobs(
 
 /// Compresses one job: its extent as one unit, or (one chunk, or an extent that did not
 /// compress) its chunks one by one; `incompressible(k)` is the probe's verdict on chunk k.
-pub(crate) fn run_job(job: &mut Job, compression: Compression, level: i8, buf: &[u8], incompressible: impl Fn(usize) -> bool) {
+pub(crate) fn run_job(job: &mut Job, level: i8, buf: &[u8], incompressible: impl Fn(usize) -> bool) {
     let first = job.first;
+    let compression = job.codec;
     if job.n >= 2 {
         if let Some(bytes) = buf.get(first * BLOCK_SIZE..(first + job.n) * BLOCK_SIZE) {
             job.unit = packer::compress_probed(compression, level, bytes, false);
@@ -314,6 +328,8 @@ pub(crate) struct Job {
     pub(crate) unit: Option<Vec<u8>>,
     /// Per chunk: its fragment, or its raw copy.
     pub(crate) singles: Vec<(Option<Vec<u8>>, Option<Block>)>,
+    /// The codec the job compresses with (the volume's, or the fast one: `defer`).
+    pub(crate) codec: Compression,
 }
 
 /// Stage 2 for write-once journaling (state lock held): each WOJ candidate's journal block

@@ -320,8 +320,17 @@ impl Volume {
         // which write-once journaling's stage 1 is not.
         let predictor = (sb.dedup && woj.is_none() && opts.unique_predictor && !opts.read_only)
             .then(|| Mutex::new(crate::dedup::predictor::Predictor::new(state.dedup.index().capacity())));
+        let defer =
+            (opts.defer_compression_micros > 0 && sb.compression == crate::config::Compression::Zstd).then(|| {
+                Arc::new(crate::pipeline::defer::Deferral::new(
+                    sb.compression,
+                    opts.defer_compression_micros,
+                    opts.defer_fixed_cost_ns,
+                ))
+            });
         let v = Volume {
             predictor,
+            defer,
             woj: woj.map(Mutex::new),
             data,
             meta,
@@ -339,7 +348,10 @@ impl Volume {
             commit_lock: Mutex::new(()),
             tickets,
             writer,
-            exec: CpuPool::shared(),
+            exec: match opts.workers {
+                Some(n) => Arc::new(CpuPool::with_width(n)),
+                None => CpuPool::shared(),
+            },
             batcher: crate::pipeline::batcher::Batcher::new(opts.batch),
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: std::array::from_fn(|_| Mutex::new(())),

@@ -88,6 +88,8 @@ pub struct Volume {
     /// The unique-chunk predictor (None: dedup off, write-once journaling on, or turned
     /// off). Taken alone, once per batch to predict and once to record.
     pub(crate) predictor: Option<Mutex<crate::dedup::predictor::Predictor>>,
+    /// Deferred compression's gauge (None: off; `OpenOptions::defer_compression_micros`).
+    pub(crate) defer: Option<Arc<crate::pipeline::defer::Deferral>>,
     /// Combines small writes into batches (`pipeline::batcher`).
     pub(crate) batcher: crate::pipeline::batcher::Batcher,
     pub(crate) cache: Mutex<ContentCache>,

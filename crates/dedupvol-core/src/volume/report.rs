@@ -167,6 +167,9 @@ impl Volume {
                 if let Some(pr) = &self.predictor {
                     p.predictor = pr.lock().stats;
                 }
+                if let Some(d) = &self.defer {
+                    p.deferral = d.stats();
+                }
                 p
             },
         }

@@ -7,8 +7,8 @@ use crate::config::{WritePolicy, BLOCK_SIZE};
 use crate::data::writer::{write_ticketed, Batch};
 use crate::error::{Error, Result};
 use crate::pipeline::batcher::{self, Outcome, Stage};
-use crate::pipeline::lbas::Lbas;
 use crate::pipeline::fingerprint::{fingerprint, fingerprint_predicted};
+use crate::pipeline::lbas::Lbas;
 use crate::pipeline::{reduce, Plan};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -109,6 +109,7 @@ impl Volume {
                 self.compression,
                 self.compression_level,
                 self.extent_blocks_max,
+                self.defer.as_ref(),
             ),
             None => (fingerprint(&*self.exec, buf, self.dedup, woj, lbas), Vec::new()),
         };
@@ -151,6 +152,7 @@ impl Volume {
             lbas,
             &mut plans,
             early,
+            self.defer.as_ref(),
         );
         lap(Stage::Compress);
         // 4. Claim or place, stage, journal and apply (state lock).

@@ -1,0 +1,78 @@
+//! The write pipeline's scheduling features: the unique-chunk predictor and deferred
+//! compression change when and how chunks are compressed, never what reads back, what is
+//! shared, or what the audit finds.
+mod common;
+use common::*;
+use dedupvol_core::{check_volume, OpenOptions, Storage, Volume};
+use std::sync::Arc;
+
+/// Writes `n` requests of 16 compressible blocks, every fourth request a repeat of an
+/// earlier one; returns the expected contents by block.
+fn write_mix(vol: &Volume, n: u64) -> Vec<Vec<u8>> {
+    let mut want = Vec::new();
+    for r in 0..n {
+        let src = if r % 4 == 3 { r / 2 } else { r };
+        let mut buf = Vec::new();
+        for b in 0..16 {
+            buf.extend_from_slice(&block(src * 100 + b, 0));
+        }
+        vol.write(r * 16 * 4096, &buf, false).expect("write");
+        want.extend(buf.chunks(4096).map(|c| c.to_vec()));
+    }
+    want
+}
+
+fn read_all(vol: &Volume, want: &[Vec<u8>]) {
+    for (lba, w) in want.iter().enumerate() {
+        let mut b = vec![0u8; 4096];
+        vol.read(lba as u64 * 4096, &mut b).expect("read");
+        assert!(&b == w, "block {lba}");
+    }
+}
+
+fn reopen(dev: &Arc<dedupvol_core::MemStorage>, vol: Volume, opts: &OpenOptions) -> Volume {
+    vol.close().expect("close");
+    Volume::open(dev.clone() as Arc<dyn Storage>, None, opts).expect("open")
+}
+
+#[test]
+fn the_predictor_guesses_repeats_and_changes_nothing_stored() {
+    let (dev, vol) = mem_volume(64 << 20, 16 << 20, |_| {});
+    let vol = reopen(&dev, vol, &small_open());
+    let want = write_mix(&vol, 64);
+    read_all(&vol, &want);
+    let st = vol.stats();
+    let p = st.pipeline.predictor;
+    assert!(p.enabled);
+    assert_eq!(p.unique_right + p.unique_wrong + p.duplicate_right + p.duplicate_wrong, 64 * 16);
+    assert!(p.accuracy > 0.97, "{p:?}");
+    assert!(p.memory_bytes_per_entry <= 2.0);
+    // The same data without the predictor stores exactly as much.
+    let (dev2, vol2) = mem_volume(64 << 20, 16 << 20, |_| {});
+    let vol2 = reopen(&dev2, vol2, &OpenOptions { unique_predictor: false, ..small_open() });
+    write_mix(&vol2, 64);
+    let st2 = vol2.stats();
+    assert!(!st2.pipeline.predictor.enabled);
+    assert_eq!(st.data_blocks_used, st2.data_blocks_used);
+    assert_eq!(st.counters.dedup_hits, st2.counters.dedup_hits);
+    vol.close().expect("close");
+    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{:?}", r.problems);
+}
+
+#[test]
+fn deferred_chunks_are_stored_with_the_fast_codec_and_read_back() {
+    let (dev, vol) = mem_volume(64 << 20, 16 << 20, |_| {});
+    // A budget of 1 us: every chunk beyond the first is deferred.
+    let opts = OpenOptions { defer_compression_micros: 1, ..small_open() };
+    let vol = reopen(&dev, vol, &opts);
+    let want = write_mix(&vol, 32);
+    read_all(&vol, &want);
+    let d = vol.stats().pipeline.deferral;
+    assert!(d.enabled && d.deferred_chunks > 0, "{d:?}");
+    let vol = reopen(&dev, vol, &opts);
+    read_all(&vol, &want);
+    vol.close().expect("close");
+    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{:?}", r.problems);
+}
