@@ -321,7 +321,7 @@ impl Volume {
             }
         };
         let data = match &sb.stripe {
-            Some(stripe) => assemble_stripe(data, &sb, stripe, |p| {
+            Some(stripe) => assemble_stripe(data, &sb, stripe, |_, p| {
                 crate::io::open_device(Path::new(p), opts.read_only, mode, opts.take_over)
             })?,
             None => data,
@@ -354,10 +354,31 @@ impl Volume {
         let sb = Superblock::read(&Dev::new(data.clone(), Arc::new(IoCounters::default())), 0)?.0;
         match &sb.stripe {
             Some(stripe) => {
-                assemble_stripe(data, &sb, stripe, |p| crate::io::open_device(Path::new(p), read_only, mode, false))
+                assemble_stripe(data, &sb, stripe, |_, p| crate::io::open_device(Path::new(p), read_only, mode, false))
             }
             None => Ok(data),
         }
+    }
+
+    /// The stripe over a striped volume's devices given in hand (`first`, then the extra
+    /// devices in their order), each checked against its header as `open_path` does: for
+    /// in-memory devices and tests. `Volume::open` and `check_volume` take the result.
+    pub fn stripe_devices(first: Arc<dyn Storage>, extra: Vec<Arc<dyn Storage>>) -> Result<Arc<dyn Storage>> {
+        let sb = Superblock::read(&Dev::new(first.clone(), Arc::new(IoCounters::default())), 0)?.0;
+        let Some(stripe) = &sb.stripe else {
+            return Err(Error::InvalidArgument(format!("volume {} has one data device", uuid_hex(&sb.uuid))));
+        };
+        if extra.len() + 1 != stripe.device_count() {
+            return Err(Error::InvalidArgument(format!(
+                "volume {} is striped over {} data devices, {} given",
+                uuid_hex(&sb.uuid),
+                stripe.device_count(),
+                extra.len() + 1
+            )));
+        }
+        assemble_stripe(first, &sb, stripe, |i, p| {
+            extra.get(i).cloned().ok_or_else(|| Error::InvalidArgument(format!("no device given for {p}")))
+        })
     }
 
     /// Opens a volume, replaying the journal if it was not closed cleanly:
@@ -625,20 +646,21 @@ fn assemble_stripe(
     first: Arc<dyn Storage>,
     sb: &Superblock,
     stripe: &StripeLayout,
-    open: impl Fn(&str) -> Result<Arc<dyn Storage>>,
+    open: impl Fn(usize, &str) -> Result<Arc<dyn Storage>>,
 ) -> Result<Arc<dyn Storage>> {
     let n = stripe.device_count();
     let mut members: Vec<(Arc<dyn Storage>, u64)> = Vec::with_capacity(n);
     members.push((first, sb.geometry.data_start * BLOCK_SIZE_U64));
     for (i, path) in stripe.paths.iter().enumerate() {
         let index = i as u32 + 1;
-        let refuse = |why: String| {
-            Error::NotAVolume(format!(
-                "data device {index} of {n} ({path}) of volume {}: {why}; the volume needs all of its data devices",
-                uuid_hex(&sb.uuid)
-            ))
+        let refuse = |reason: String| Error::DataDevice {
+            index,
+            count: n as u32,
+            path: path.clone(),
+            volume: uuid_hex(&sb.uuid),
+            reason,
         };
-        let dev = open(path).map_err(|e| refuse(format!("cannot be opened: {e}")))?;
+        let dev = open(i, path).map_err(|e| refuse(format!("cannot be opened: {e}")))?;
         let mut block = vec![0u8; crate::config::BLOCK_SIZE];
         Dev::new(dev.clone(), Arc::new(IoCounters::default()))
             .read(IoKind::Superblock, &mut block, 0)
