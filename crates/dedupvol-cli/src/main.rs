@@ -99,6 +99,7 @@ mod service;
 mod stats_cmd;
 mod trace_cmds;
 mod volume_cmds;
+mod stripe_bench;
 mod woj_bench;
 mod workload_cmds;
 
