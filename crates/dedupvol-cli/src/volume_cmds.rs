@@ -543,11 +543,18 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     outln!("  journal       {} blocks", g.journal_blocks)?;
     outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
     outln!("  refcounts     {} pages x 2 slots", g.refcount_pages)?;
-    outln!(
-        "  growth room   logical up to {}, data device up to {} (without moving metadata; also while served)",
-        human(g.max_logical_blocks() * 4096),
-        human(g.max_data_dev_blocks() * 4096)
-    )?;
+    if s.data_devices.is_empty() {
+        outln!(
+            "  growth room   logical up to {}, data device up to {} (without moving metadata; also while served)",
+            human(g.max_logical_blocks() * 4096),
+            human(g.max_data_dev_blocks() * 4096)
+        )?;
+    } else {
+        outln!(
+            "  growth room   logical up to {} (without moving metadata; also while served); the striped data region is fixed",
+            human(g.max_logical_blocks() * 4096)
+        )?;
+    }
     outln!("compression     {}", dedupvol_core::compression_name(s.compression, s.compression_level))?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     let io = if dedupvol_core::RadosUrl::parse(&a.path).is_some() {

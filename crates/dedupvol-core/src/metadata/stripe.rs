@@ -87,7 +87,7 @@ pub struct StripeRaw {
 const _: () = assert!(std::mem::size_of::<StripePathRaw>() == 256);
 const _: () = assert!(std::mem::size_of::<StripeRaw>() == 1816);
 const _: () = assert!(STRIPE_RECORD_OFFSET + std::mem::size_of::<StripeRaw>() <= BLOCK_SIZE);
-const _: () = assert!(STRIPE_UNIT_BLOCKS % RUN_BLOCKS_MAX == 0);
+const _: () = assert!(STRIPE_UNIT_BLOCKS.is_multiple_of(RUN_BLOCKS_MAX));
 
 /// The stripe as the superblock records it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,7 +118,7 @@ impl StripeLayout {
         let n = self.device_count() as u64;
         let ok = (2..=DATA_DEVICES_MAX).contains(&self.device_count())
             && self.unit_blocks > 0
-            && self.unit_blocks % RUN_BLOCKS_MAX == 0
+            && self.unit_blocks.is_multiple_of(RUN_BLOCKS_MAX)
             && self.rows > 0
             && self.member_data_start >= 1
             && n.checked_mul(self.rows).and_then(|u| u.checked_mul(self.unit_blocks)) == Some(geo.data_blocks)

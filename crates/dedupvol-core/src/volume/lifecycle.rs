@@ -1,8 +1,11 @@
 //! A volume's life: format, open (superblocks, recovery, state), close.
 //!
 //! Invariants:
-//! - Format writes the metadata device's superblocks before the data device's: a crash
-//!   mid-format leaves the data device unformatted, never pointing at a half-made one.
+//! - Format writes the metadata device's superblocks, then each extra data device's header,
+//!   before the first data device's superblocks: a crash mid-format leaves the data device
+//!   unformatted, never pointing at a half-made volume.
+//! - A striped volume opens only with every extra data device present, in its place and
+//!   of this volume (`assemble_stripe` checks each header before anything is written).
 //! - Open changes nothing on the devices until everything it must allocate (the
 //!   fingerprint index) is allocated and the journal is replayed: a failed open leaves
 //!   the volume as it was.
