@@ -51,6 +51,8 @@ pub struct Row {
     pub logical_bytes: u64,
     pub physical_bytes: u64,
     pub ratio: f64,
+    /// Written blocks shared with stored data (dedup hits), all volumes together.
+    pub dedup_blocks: u64,
     /// Data bytes written to each device (one entry per device of the configuration).
     pub device_bytes: Vec<u64>,
     pub seconds: f64,
@@ -200,6 +202,7 @@ fn write_all(
         logical_bytes: logical,
         physical_bytes: physical,
         ratio: if physical == 0 { 0.0 } else { logical as f64 / physical as f64 },
+        dedup_blocks: stats.iter().map(|s| s.lifetime.dedup_hits).sum(),
         device_bytes: per_device(&stats),
         seconds,
         mb_per_s: if seconds > 0.0 { logical as f64 / 1e6 / seconds } else { 0.0 },
@@ -282,7 +285,7 @@ pub fn run(src: &Source, s: &Settings) -> anyhow::Result<Report> {
 pub fn render(r: &Report) -> String {
     let mib = |b: u64| format!("{:.1}", b as f64 / (1 << 20) as f64);
     let mut out = format!(
-        "data: {} ({} MiB, pieces of {} KiB)\n\n{:<38} {:>8} {:>11} {:>11} {:>8}  per-device data written (MiB)\n",
+        "data: {} ({} MiB, pieces of {} KiB)\n\n{:<38} {:>7} {:>11} {:>12} {:>12} {:>8}  per-device data written (MiB)\n",
         r.data,
         r.stream_bytes >> 20,
         r.piece_bytes >> 10,
@@ -290,6 +293,7 @@ pub fn render(r: &Report) -> String {
         "ratio",
         "logical MiB",
         "physical MiB",
+        "dedup blocks",
         "MB/s"
     );
     for row in &r.rows {
@@ -300,11 +304,12 @@ pub fn render(r: &Report) -> String {
             _ => String::new(),
         };
         out.push_str(&format!(
-            "{:<38} {:>8.2} {:>11} {:>11} {:>8.1}  {}{spread}\n",
+            "{:<38} {:>7.2} {:>11} {:>12} {:>12} {:>8.1}  {}{spread}\n",
             row.config,
             row.ratio,
             mib(row.logical_bytes),
             mib(row.physical_bytes),
+            row.dedup_blocks,
             row.mb_per_s,
             row.device_bytes.iter().map(|&b| mib(b)).collect::<Vec<_>>().join(" / ")
         ));
