@@ -278,3 +278,31 @@ fn memory_devices_striped_in_hand() {
     let swapped = vec![devs[2].clone(), devs[1].clone()];
     assert!(matches!(Volume::stripe_devices(devs[0].clone(), swapped), Err(Error::DataDevice { index: 1, .. })));
 }
+
+/// With a metadata device, the first data device keeps only its superblocks before its
+/// units; the metadata device's superblock carries the same stripe record.
+#[test]
+fn striped_with_a_metadata_device() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let paths: Vec<PathBuf> = ["d0", "d1", "d2"].iter().map(|n| dir.path().join(n)).collect();
+    let meta = dir.path().join("meta");
+    std::fs::File::create(&meta).and_then(|f| f.set_len(16 << 20)).expect("meta file");
+    Volume::format_path_striped(&paths[0], &paths[1..], Some(8 << 20), Some(&meta), &opts(32 << 20), false)
+        .expect("format");
+    let vol = open(&paths[0]).expect("open via the recorded paths");
+    assert_eq!(vol.geometry().data_start, 2);
+    for i in 0..3000u64 {
+        vol.write(i * 4096, &pattern(i), false).expect("write");
+    }
+    vol.close().expect("close");
+    let vol = open(&paths[0]).expect("reopen");
+    let mut b = vec![0u8; 4096];
+    for i in 0..3000u64 {
+        vol.read(i * 4096, &mut b).expect("read");
+        assert_eq!(b, pattern(i), "block {i}");
+    }
+    vol.close().expect("close");
+    let data = Volume::open_data_path(&paths[0], true, IoMode::Direct).expect("stripe");
+    let m = dedupvol_core::open_device(&meta, true, IoMode::Direct, false).expect("meta");
+    assert!(check_volume(data, Some(m), false).expect("check").is_clean());
+}
