@@ -97,9 +97,9 @@ mod serve;
 mod serve_config;
 mod service;
 mod stats_cmd;
+mod stripe_bench;
 mod trace_cmds;
 mod volume_cmds;
-mod stripe_bench;
 mod woj_bench;
 mod workload_cmds;
 

@@ -263,8 +263,14 @@ pub fn run(src: &Source, s: &Settings) -> anyhow::Result<Report> {
     let c = path("single".into());
     let _cleanup_c = Files(vec![c.clone()]);
     let single_bytes = pieces * PIECE_BYTES + pieces * PIECE_BYTES / 8 + DEVICE_SLACK_BYTES;
-    Volume::format_path(&c, Some(single_bytes), None, &format_opts(s, pieces * PIECE_BYTES, s.index_memory_bytes), true)
-        .context("formatting the single volume")?;
+    Volume::format_path(
+        &c,
+        Some(single_bytes),
+        None,
+        &format_opts(s, pieces * PIECE_BYTES, s.index_memory_bytes),
+        true,
+    )
+    .context("formatting the single volume")?;
     eprintln!("  (c) one volume on one file …");
     rows.push(write_all(src, vec![open(&c, s)?], "(c) 1 volume on 1 device".into(), |st| {
         st.iter().map(|x| x.lifetime.data_write_bytes).collect()

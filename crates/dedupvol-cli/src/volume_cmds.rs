@@ -402,15 +402,9 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         dedupvol_core::create_device(m, Some(bytes))
             .with_context(|| format!("creating the metadata device {}", m.display()))?;
     }
-    let formatted = Volume::format_path_striped(
-        &a.path,
-        &a.data_device,
-        a.physical_size,
-        a.meta_device.as_deref(),
-        &opts,
-        a.force,
-    )
-    .with_context(|| format!("formatting {}", a.path.display()));
+    let formatted =
+        Volume::format_path_striped(&a.path, &a.data_device, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
+            .with_context(|| format!("formatting {}", a.path.display()));
     if let Err(e) = formatted {
         for d in &created_extra {
             let _ = std::fs::remove_file(d);

@@ -20,8 +20,20 @@ fn a_volume_over_four_files() {
     let p = |n: &str| dir.path().join(n).display().to_string();
     let (a, b, c, d) = (p("a"), p("b"), p("c"), p("d"));
     ok(&[
-        "format", &a, "--data-device", &b, "--data-device", &c, "--data-device", &d, "--physical-size", "24M",
-        "--logical-size", "64M", "--index-memory", "1M",
+        "format",
+        &a,
+        "--data-device",
+        &b,
+        "--data-device",
+        &c,
+        "--data-device",
+        &d,
+        "--physical-size",
+        "24M",
+        "--logical-size",
+        "64M",
+        "--index-memory",
+        "1M",
     ]);
     // Formatting an extra device again is refused without --force.
     let o = dedupvol(&["format", &b, "--logical-size", "16M"]);
@@ -57,7 +69,8 @@ fn a_volume_over_four_files() {
 fn bench_stripe_prints_its_table() {
     let dir = tempfile::tempdir().expect("tmp");
     let d = dir.path().display().to_string();
-    let out = ok(&["bench", "--mode", "stripe", "--size", "24M", "--dir", &d, "--index-memory", "4M", "--io", "buffered"]);
+    let out =
+        ok(&["bench", "--mode", "stripe", "--size", "24M", "--dir", &d, "--index-memory", "4M", "--io", "buffered"]);
     for row in ["(a) 1 volume striped over 4 devices", "(b) 4 volumes, dedup per device", "(c) 1 volume on 1 device"] {
         assert!(out.contains(row), "{out}");
     }

@@ -229,10 +229,8 @@ fn per_device_bytes_are_balanced_on_sequential_and_random_writes() {
         vol.read(i * 4096, &mut b).expect("read");
     }
     let d = vol.stats().data_devices;
-    for (what, v) in [
-        ("written", data_written(&d)),
-        ("read", d.iter().map(|d| d.data_read_bytes).collect::<Vec<_>>()),
-    ] {
+    for (what, v) in [("written", data_written(&d)), ("read", d.iter().map(|d| d.data_read_bytes).collect::<Vec<_>>())]
+    {
         eprintln!("bytes {what} per device: {v:?}");
         let (lo, hi) = (*v.iter().min().expect("devices"), *v.iter().max().expect("devices"));
         assert!(lo > 0 && hi * 10 <= lo * 11, "bytes {what} per device out of balance: {v:?}");

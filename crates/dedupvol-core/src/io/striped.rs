@@ -256,7 +256,11 @@ mod tests {
 
     fn striped() -> (StripedStorage, Vec<Arc<MemStorage>>) {
         let mems: Vec<Arc<MemStorage>> = (0..3).map(|_| Arc::new(MemStorage::new(64 << 10))).collect();
-        let members = mems.iter().enumerate().map(|(i, m)| (m.clone() as Arc<dyn Storage>, if i == 0 { 8192 } else { 4096 })).collect();
+        let members = mems
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.clone() as Arc<dyn Storage>, if i == 0 { 8192 } else { 4096 }))
+            .collect();
         (StripedStorage::new(members, 8192, 16384, 2).expect("stripe"), mems)
     }
 

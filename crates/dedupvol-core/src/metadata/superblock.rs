@@ -559,6 +559,34 @@ mod tests {
         assert_eq!(sb.lifetime, want, "counters 0..3 kept, the rest (syncs) read as zero");
     }
 
+    /// A striped volume's superblock carries version 3 and its stripe record; an extra
+    /// device's header, read as a superblock, is refused with a message naming it.
+    #[test]
+    fn a_striped_superblock_round_trips_and_a_member_header_is_named() {
+        use crate::metadata::stripe::{MemberHeader, StripeLayout};
+        let mut sb = sample();
+        let per_device = sb.geometry.data_blocks / 2 / 256;
+        sb.geometry.data_blocks = 2 * per_device * 256;
+        sb.geometry.data_dev_blocks = sb.geometry.data_start + sb.geometry.data_blocks;
+        sb.stripe =
+            Some(StripeLayout { unit_blocks: 256, rows: per_device, member_data_start: 2, paths: vec!["/x".into()] });
+        let buf = sb.encode(0);
+        assert_eq!(buf[12..16], FORMAT_VERSION_STRIPED.to_le_bytes());
+        assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
+        // A stripe that does not add up to the data region is a damaged copy.
+        let mut bad = sb.clone();
+        if let Some(s) = bad.stripe.as_mut() {
+            s.rows += 1;
+        }
+        assert!(matches!(Superblock::decode(&bad.encode(0), 0), Err(Error::Corruption(_))));
+        let stripe = sb.stripe.as_ref().expect("stripe");
+        let header = MemberHeader::for_device(sb.uuid, 1, stripe).encode();
+        match Superblock::decode(&header, 0) {
+            Err(Error::NotAVolume(m)) => assert!(m.contains("data device 1 of 2"), "{m}"),
+            other => panic!("a member header decoded as {other:?}"),
+        }
+    }
+
     /// Volumes formatted before the level existed hold 0 in its byte: zstd at the
     /// default level, which is what they compressed with. A level no codec accepts is a
     /// damaged copy, not a setting.

@@ -260,11 +260,14 @@ impl Volume {
     ) -> Result<()> {
         // Recorded as typed for a RADOS URL, else by absolute path.
         let recorded = |p: &Path| {
-            if RadosUrl::parse(p).is_some() { Some(p.to_path_buf()) } else { std::fs::canonicalize(p).ok() }
+            if RadosUrl::parse(p).is_some() {
+                Some(p.to_path_buf())
+            } else {
+                std::fs::canonicalize(p).ok()
+            }
         };
         let data = crate::io::create_device(path, physical_size)?;
-        let mut seen: Vec<std::path::PathBuf> =
-            std::iter::once(path).chain(meta_device).filter_map(recorded).collect();
+        let mut seen: Vec<std::path::PathBuf> = std::iter::once(path).chain(meta_device).filter_map(recorded).collect();
         let mut extra_devs = Vec::with_capacity(extra.len());
         for p in extra {
             let dev = crate::io::create_device(p, physical_size)?;
