@@ -258,29 +258,39 @@ impl Volume {
         opts: &FormatOptions,
         force: bool,
     ) -> Result<()> {
-        // Recorded as typed for a RADOS URL, else by absolute path.
+        // Recorded as typed for a RADOS URL, else by absolute path (of its folder, for a
+        // file not created yet).
         let recorded = |p: &Path| {
             if RadosUrl::parse(p).is_some() {
-                Some(p.to_path_buf())
-            } else {
-                std::fs::canonicalize(p).ok()
+                return Some(p.to_path_buf());
             }
+            std::fs::canonicalize(p).ok().or_else(|| {
+                let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                Some(std::fs::canonicalize(parent).ok()?.join(p.file_name()?))
+            })
         };
+        // Every device once, checked before any is opened (a second open of one file
+        // would meet the first one's lock and blame another process).
+        let mut seen: Vec<std::path::PathBuf> = Vec::with_capacity(extra.len() + 2);
+        for p in std::iter::once(path).chain(meta_device).chain(extra.iter().map(|p| p.as_path())) {
+            let abs = recorded(p).ok_or_else(|| {
+                Error::InvalidArgument(format!("device {}: cannot find its absolute path", p.display()))
+            })?;
+            if seen.contains(&abs) {
+                return Err(Error::InvalidArgument(format!(
+                    "{} is given twice (as the volume's path, a data device or the metadata device)",
+                    p.display()
+                )));
+            }
+            seen.push(abs);
+        }
         let data = crate::io::create_device(path, physical_size)?;
-        let mut seen: Vec<std::path::PathBuf> = std::iter::once(path).chain(meta_device).filter_map(recorded).collect();
         let mut extra_devs = Vec::with_capacity(extra.len());
         for p in extra {
             let dev = crate::io::create_device(p, physical_size)?;
             let abs = recorded(p).ok_or_else(|| {
                 Error::InvalidArgument(format!("data device {}: cannot find its absolute path", p.display()))
             })?;
-            if seen.contains(&abs) {
-                return Err(Error::InvalidArgument(format!(
-                    "{} is given twice (as a data device and as another data or metadata device)",
-                    p.display()
-                )));
-            }
-            seen.push(abs.clone());
             extra_devs.push((dev, abs.display().to_string()));
         }
         let meta = match meta_device {
