@@ -97,6 +97,7 @@ mod serve;
 mod serve_config;
 mod service;
 mod stats_cmd;
+mod stripe_bench;
 mod trace_cmds;
 mod volume_cmds;
 mod woj_bench;

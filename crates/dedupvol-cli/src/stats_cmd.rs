@@ -311,6 +311,20 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
             d.inline_chunks
         )?;
     }
+    for d in &s.data_devices {
+        outln!(
+            "data device {}       {} data read, {} data written{} ({})",
+            d.index,
+            human(d.data_read_bytes),
+            human(d.data_written_bytes),
+            if d.head_read_bytes + d.head_written_bytes > 0 {
+                format!(", {} + {} superblock and metadata", human(d.head_read_bytes), human(d.head_written_bytes))
+            } else {
+                String::new()
+            },
+            d.name
+        )?;
+    }
     // Kept in the volume (updated at checkpoints and close), not counted by this process.
     let l = &s.lifetime;
     outln!("lifetime: opens     {} read-write ({} after a crash)", l.read_write_opens, l.recoveries)?;

@@ -56,9 +56,16 @@ pub struct FormatArgs {
     /// Client-visible size (K/M/G/T suffixes); may exceed the physical size (thin provisioning).
     #[arg(long, value_parser = size)]
     logical_size: u64,
-    /// Create or extend the file to this size.
+    /// Create or extend the file to this size (each data device's, when there are several).
     #[arg(long, value_parser = size)]
     physical_size: Option<u64>,
+    /// Stripe the data region over this device too (repeat for more; at most 8 data
+    /// devices with PATH). A file or block device, under the same size rules as PATH; the
+    /// volume records its path and a header on it, and finds it again by itself.
+    /// Duplicates are found across every device: the metadata stays on PATH (or
+    /// --meta-device).
+    #[arg(long = "data-device", value_name = "DEVICE")]
+    data_device: Vec<PathBuf>,
     /// Put the journal, block map and reference counts on this (fast) device: a file, a
     /// block device or rados://POOL/NAME.
     #[arg(long)]
@@ -372,8 +379,19 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    let mut created_extra = Vec::new();
+    for d in &a.data_device {
+        match std::fs::metadata(d) {
+            Ok(m) if m.is_dir() => bail!("data device {} is a directory", d.display()),
+            Ok(_) => {}
+            Err(_) if a.physical_size.is_none() => {
+                bail!("data device {} does not exist: pass --physical-size to create it", d.display())
+            }
+            Err(_) => created_extra.push(d.clone()),
+        }
+    }
     if !a.force {
-        for target in std::iter::once(&a.path).chain(a.meta_device.as_ref()) {
+        for target in std::iter::once(&a.path).chain(a.meta_device.as_ref()).chain(&a.data_device) {
             if let Some(what) = crate::probe::foreign_content(target)? {
                 bail!("{} {what}; formatting would destroy it (pass --force to overwrite)", target.display());
             }
@@ -384,9 +402,13 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
         dedupvol_core::create_device(m, Some(bytes))
             .with_context(|| format!("creating the metadata device {}", m.display()))?;
     }
-    let formatted = Volume::format_path(&a.path, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
-        .with_context(|| format!("formatting {}", a.path.display()));
+    let formatted =
+        Volume::format_path_striped(&a.path, &a.data_device, a.physical_size, a.meta_device.as_deref(), &opts, a.force)
+            .with_context(|| format!("formatting {}", a.path.display()));
     if let Err(e) = formatted {
+        for d in &created_extra {
+            let _ = std::fs::remove_file(d);
+        }
         // Leave the target as it was: a file we created goes, a file we grew shrinks back.
         match &before {
             None => {
@@ -417,6 +439,7 @@ fn format(a: FormatArgs) -> anyhow::Result<ExitCode> {
             "data_bytes": s.data_blocks_total * BLOCK_SIZE as u64,
             "metadata_bytes": s.metadata_bytes,
             "separate_metadata_device": s.separate_metadata_device,
+            "data_devices": s.data_devices.iter().map(|d| &d.name).collect::<Vec<_>>(),
         });
         outln!("{}", serde_json::to_string_pretty(&j)?)?;
         return Ok(ExitCode::SUCCESS);
@@ -460,6 +483,7 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
             "slabs": g.slab_count(),
             "metadata_bytes": s.metadata_bytes,
             "separate_metadata_device": s.separate_metadata_device,
+            "data_devices": s.data_devices,
             "journal_blocks": g.journal_blocks,
             "block_map_pages": g.block_map_pages,
             "refcount_pages": g.refcount_pages,
@@ -490,6 +514,17 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
         g.slab_count(),
         human(g.slab_blocks * 4096)
     )?;
+    if !s.data_devices.is_empty() {
+        outln!(
+            "  striped over  {} data devices, {} of data each, in units of {}",
+            s.data_devices.len(),
+            human(g.data_blocks / s.data_devices.len() as u64 * 4096),
+            human(dedupvol_core::format::STRIPE_UNIT_BLOCKS * 4096)
+        )?;
+        for d in &s.data_devices {
+            outln!("  device {}      {} ({})", d.index, d.name, human(d.size_bytes))?;
+        }
+    }
     outln!(
         "metadata        {}{}",
         human(s.metadata_bytes),
@@ -502,11 +537,18 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     outln!("  journal       {} blocks", g.journal_blocks)?;
     outln!("  block map     {} pages x 2 slots", g.block_map_pages)?;
     outln!("  refcounts     {} pages x 2 slots", g.refcount_pages)?;
-    outln!(
-        "  growth room   logical up to {}, data device up to {} (without moving metadata; also while served)",
-        human(g.max_logical_blocks() * 4096),
-        human(g.max_data_dev_blocks() * 4096)
-    )?;
+    if s.data_devices.is_empty() {
+        outln!(
+            "  growth room   logical up to {}, data device up to {} (without moving metadata; also while served)",
+            human(g.max_logical_blocks() * 4096),
+            human(g.max_data_dev_blocks() * 4096)
+        )?;
+    } else {
+        outln!(
+            "  growth room   logical up to {} (without moving metadata; also while served); the striped data region is fixed",
+            human(g.max_logical_blocks() * 4096)
+        )?;
+    }
     outln!("compression     {}", dedupvol_core::compression_name(s.compression, s.compression_level))?;
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     let io = if dedupvol_core::RadosUrl::parse(&a.path).is_some() {
@@ -564,7 +606,9 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         Some(m) => Some(m.clone()),
         None => recorded_meta(&a.vol.path)?,
     };
-    let data = dedupvol_core::open_device(&a.vol.path, !a.repair, IoMode::Direct, false)?;
+    // A striped volume's data device is the stripe over all of its devices.
+    let data = Volume::open_data_path(&a.vol.path, !a.repair, IoMode::Direct)
+        .with_context(|| format!("opening {}", a.vol.path.display()))?;
     let meta = match meta_path {
         Some(m) => Some(dedupvol_core::open_device(&m, !a.repair, IoMode::Direct, false)?),
         None => None,

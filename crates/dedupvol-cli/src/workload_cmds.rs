@@ -46,6 +46,11 @@ pub enum BenchMode {
     /// Write-once journaling against BLAKE3 dedup: CPU per GB and blocks saved on a
     /// replayed ext4 data=journal stream (in memory; see --woj-mib, --woj-txn-blocks).
     Woj,
+    /// The same data (--file, else generated --dup/--compress/--size) into one volume
+    /// striped over --data-devices files, into as many single-device volumes each given
+    /// every Nth 1 MiB piece (dedup per device), and into one volume on one file: ratio,
+    /// physical and per-device bytes, MB/s.
+    Stripe,
 }
 
 #[derive(Args)]
@@ -149,6 +154,9 @@ pub struct BenchArgs {
     /// Skip the disk sequential-write measurement.
     #[arg(long)]
     no_disk: bool,
+    /// --mode stripe: data devices of the striped volume (and independent volumes).
+    #[arg(long, default_value_t = 4)]
+    data_devices: usize,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -257,6 +265,9 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         crate::woj_bench::run(a.woj_mib, a.woj_txn_blocks, &a.woj_configs, compression, level)?;
         return Ok(ExitCode::SUCCESS);
     }
+    if a.mode == BenchMode::Stripe {
+        return run_stripe_bench(&a);
+    }
     if let (Some(p), false) = (&a.volume, a.force) {
         refuse_if_holding_data(p)?;
     }
@@ -289,7 +300,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         BenchMode::Seq => size,
         BenchMode::Targets => size.max(a.writes.saturating_mul(4096)),
         BenchMode::Overwrite => a.writes.saturating_mul(4096),
-        BenchMode::Ingest | BenchMode::Primitives | BenchMode::Woj => 0,
+        BenchMode::Ingest | BenchMode::Primitives | BenchMode::Woj | BenchMode::Stripe => 0,
     };
     if let Some(avail) = crate::memory::mem_available_bytes() {
         if held_bytes > avail {
@@ -351,7 +362,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             Scenario::Seq { data: spec.clone(), size_bytes: size },
             None,
         )),
-        BenchMode::Primitives | BenchMode::Woj => {}
+        BenchMode::Primitives | BenchMode::Woj | BenchMode::Stripe => {}
         BenchMode::Overwrite => scenarios.push(("overwrite-4k".into(), overwrite(spec.clone()), None)),
         BenchMode::Ingest => {
             if a.file.is_empty() {
@@ -415,6 +426,54 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
     // A scenario whose engine run failed is an operation error (the table says which).
     let failed = report.scenarios.iter().any(|s| s.engine_error.is_some());
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// `bench --mode stripe` (see `stripe_bench`).
+fn run_stripe_bench(a: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let max = dedupvol_core::format::DATA_DEVICES_MAX;
+    if !(2..=max).contains(&a.data_devices) {
+        usage_bail!("--data-devices {} must be 2..={max}", a.data_devices);
+    }
+    let dir = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    if !dir.is_dir() {
+        bail!("--dir {} is not a directory", dir.display());
+    }
+    let (compression, compression_level) =
+        dedupvol_core::parse_compression(&a.compression).map_err(|e| crate::usage(format!("--compression: {e}")))?;
+    let source = if a.file.is_empty() {
+        let mut spec = DataSpec::new(pct("dup", a.dup)?, pct("compress", a.compress)?, a.seed);
+        spec.zero_fraction = pct("zero", a.zero)?;
+        spec.working_set_blocks = working_set_blocks(&a.working_set)?;
+        let size = size_arg("size", &a.size)?.next_multiple_of(4096);
+        let describe = spec.describe();
+        let model = ContentModel::new(spec).map_err(crate::usage)?;
+        crate::stripe_bench::Source::Generated(Box::new(model), size, describe)
+    } else {
+        crate::stripe_bench::Source::Files(a.file.clone())
+    };
+    let verify = FormatOptions::default().verify;
+    let settings = crate::stripe_bench::Settings {
+        devices: a.data_devices,
+        dir,
+        compression,
+        compression_level,
+        index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
+        io_mode: a
+            .io
+            .parse::<IoMode>()
+            .map_err(|e| crate::usage(format!("--io: {e}")))?
+            .for_verify(verify == DedupVerify::Hash),
+    };
+    if !a.json {
+        eprintln!("dedupvol bench: striped against per-device dedup against one device, in {}", settings.dir.display());
+    }
+    let report = crate::stripe_bench::run(&source, &settings)?;
+    if a.json {
+        outln!("{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        out!("{}", crate::stripe_bench::render(&report))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Refuses a `bench --volume` target that holds a dedupvol volume or any other data (the

@@ -51,6 +51,21 @@ pub enum Error {
     /// The device does not hold a dedupvol volume (or not one we can read).
     #[error("not a dedupvol volume: {0}")]
     NotAVolume(String),
+    /// An extra data device of a striped volume is missing, unreadable, too small, or
+    /// holds another device's or another volume's header (swapped, renamed, reused).
+    #[error("data device {index} of {count} ({path}) of volume {volume}: {reason}; the volume needs all of its data devices")]
+    DataDevice {
+        /// The device's place in the stripe (1..count).
+        index: u32,
+        /// Data devices of the volume.
+        count: u32,
+        /// The path the superblock records for it.
+        path: String,
+        /// The volume's uuid (hex).
+        volume: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The device already holds a volume and `force` was not given.
     #[error("{0} already holds a dedupvol volume; pass --force to overwrite it")]
     AlreadyFormatted(String),
@@ -121,6 +136,7 @@ impl Error {
             Error::ReadOnly => libc::EROFS,
             Error::InUse(_) => libc::EBUSY,
             Error::NotAVolume(_) | Error::AlreadyFormatted(_) => libc::EINVAL,
+            Error::DataDevice { .. } => libc::ENODEV,
             Error::OutOfMemory(_) => libc::ENOMEM,
         }
     }

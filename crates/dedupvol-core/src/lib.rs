@@ -50,7 +50,10 @@ pub use config::{
 pub use dedup::index::IndexRebuild;
 pub use dedup::predictor::PredictorStats;
 pub use error::{Corruption, Error, Result};
-pub use io::{create_device, open_device, FileStorage, IoMode, MemStorage, RadosStorage, RadosUrl, Storage};
+pub use io::{
+    create_device, open_device, DataDeviceIo, FileStorage, IoMode, MemStorage, RadosStorage, RadosUrl, Storage,
+    StripedStorage,
+};
 pub use metadata::layout::{Geometry, GrowthRoom};
 pub use obs::io::{IoFigure, IoKind, IoStats};
 pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings, Stats, TierStats};
@@ -107,8 +110,13 @@ pub mod format {
     };
     pub use crate::metadata::layout::{BM_ENTRIES_PER_PAGE, RC_ENTRIES_PER_PAGE};
     pub use crate::metadata::refcount::REFCOUNT_MAX;
+    pub use crate::metadata::stripe::{
+        MemberHeader, MemberHeaderRaw, StripeLayout, StripeRaw, DATA_DEVICES_MAX, MEMBER_DATA_START_BLOCKS,
+        STRIPE_PATH_BYTES_MAX, STRIPE_RECORD_OFFSET, STRIPE_UNIT_BLOCKS,
+    };
     pub use crate::metadata::superblock::{
-        LifetimeRaw, Superblock, SuperblockRaw, LIFETIME_RECORD_OFFSET, SUPERBLOCK_MAGIC,
+        LifetimeRaw, Superblock, SuperblockRaw, FORMAT_VERSION, FORMAT_VERSION_STRIPED, LIFETIME_RECORD_OFFSET,
+        SUPERBLOCK_MAGIC,
     };
     pub use crate::tier::layout::{
         SlotRecordRaw as TierSlotRecordRaw, TierHeaderRaw, TIER_FORMAT_VERSION, TIER_HEADER_BYTES, TIER_MAGIC,

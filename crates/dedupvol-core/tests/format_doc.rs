@@ -35,6 +35,15 @@ fn format_doc_constants_match_code() {
         ("TIER_SLOTS_MAX", format::TIER_SLOTS_MAX),
         ("TIER_FORMAT_VERSION", u64::from(format::TIER_FORMAT_VERSION)),
         ("RADOS_OBJECT_BYTES", format::RADOS_OBJECT_BYTES),
+        ("FORMAT_VERSION", u64::from(format::FORMAT_VERSION)),
+        ("FORMAT_VERSION_STRIPED", u64::from(format::FORMAT_VERSION_STRIPED)),
+        ("DATA_DEVICES_MAX", format::DATA_DEVICES_MAX as u64),
+        ("STRIPE_UNIT_BLOCKS", format::STRIPE_UNIT_BLOCKS),
+        ("STRIPE_RECORD_OFFSET", format::STRIPE_RECORD_OFFSET as u64),
+        ("STRIPE_RECORD_BYTES", std::mem::size_of::<format::StripeRaw>() as u64),
+        ("STRIPE_PATH_BYTES_MAX", format::STRIPE_PATH_BYTES_MAX as u64),
+        ("MEMBER_HEADER_BYTES", std::mem::size_of::<format::MemberHeaderRaw>() as u64),
+        ("MEMBER_DATA_START_BLOCKS", format::MEMBER_DATA_START_BLOCKS),
     ];
     for (name, value) in code {
         let row = doc
@@ -62,6 +71,10 @@ fn format_doc_constants_match_code() {
     }
     let tail = format::CHAPTER_PAGE_HEADER_BYTES + format::RECORDS_PER_PAGE * format::RECORD_BYTES;
     assert!(doc.contains(&format!("| {tail} | {} | zero |", dedupvol_core::BLOCK_SIZE - tail)));
+    // The stripe record's and the extra device header's fields.
+    for row in ["| 1024 | 4 | magic `DVST` |", "| 1040 | 8 | rows:", "| 44 | 4 | device index d", "| 64 | 8 | rows |"] {
+        assert!(doc.contains(row), "docs/format.md lacks the row {row}");
+    }
     for (off, field) in [(47usize, "index mode")] {
         assert!(doc.contains(&format!("| {off} |")), "offset {off} ({field}) missing from the doc");
     }

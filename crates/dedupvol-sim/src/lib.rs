@@ -21,9 +21,11 @@ pub mod driver;
 pub mod engine;
 pub mod kill9;
 pub mod model;
+pub mod striped;
 pub mod toy;
 
 pub use disk::{FaultConfig, FaultCounts, SimDisk, SimMachine};
 pub use driver::{replay_command, run_seed, Failure, FaultKinds, RunConfig, RunStats, SimOptions};
 pub use engine::SimEngine;
+pub use striped::StripedVolume;
 pub use toy::{set_toy_bug, ToyBug, ToyVolume};

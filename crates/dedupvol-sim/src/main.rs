@@ -27,7 +27,9 @@ struct Args {
     /// Workload operations per seed.
     #[arg(long, default_value_t = 400)]
     ops: u64,
-    /// Engine: dedupvol (the real one) or toy (the simulator's self-test engine).
+    /// Engine: dedupvol (the real one), dedupvol-striped (the real one, its data region
+    /// striped over parts of the data disk; no persistent data faults) or toy (the
+    /// simulator's self-test engine).
     #[arg(long, default_value = "dedupvol")]
     engine: String,
     /// Print every operation.
@@ -73,6 +75,8 @@ struct Args {
 fn run_one(engine: &str, seed: u64, opts: &SimOptions) -> Result<RunStats, dedupvol_sim::Failure> {
     if engine == "toy" {
         run_seed::<ToyVolume>(seed, opts)
+    } else if engine == "dedupvol-striped" {
+        run_seed::<dedupvol_sim::StripedVolume>(seed, opts)
     } else {
         run_seed::<dedupvol_core::Volume>(seed, opts)
     }
@@ -84,8 +88,8 @@ fn main() {
         dedupvol_sim::kill9::child_writer(path, args.child_start, args.child_lie);
         return;
     }
-    if args.engine != "toy" && args.engine != "dedupvol" {
-        eprintln!("unknown engine {:?} (dedupvol or toy)", args.engine);
+    if !["toy", "dedupvol", "dedupvol-striped"].contains(&args.engine.as_str()) {
+        eprintln!("unknown engine {:?} (dedupvol, dedupvol-striped or toy)", args.engine);
         std::process::exit(2);
     }
     let faults = match FaultKinds::parse(&args.faults) {

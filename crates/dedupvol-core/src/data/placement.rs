@@ -7,7 +7,9 @@
 //!   with `Error::Corruption` naming the structure that pointed there (a map entry or an
 //!   index entry read from disk), so a damaged pointer cannot reach the superblock,
 //!   the journal or another device's bytes.
-//! - A run of blocks is contiguous on one device: a request never spans two devices.
+//! - A run of blocks is contiguous on one device: a request never spans two devices. (A
+//!   striped volume's device is one `StripedStorage`, which splits a request crossing a
+//!   stripe unit below this layer.)
 
 use crate::config::BLOCK_SIZE_U64;
 use crate::error::{Error, Result};

@@ -85,6 +85,10 @@ impl Dev {
     pub fn name(&self) -> String {
         self.inner.name()
     }
+    /// Traffic of each data device of a striped device (empty for one device).
+    pub fn data_devices_io(&self) -> Vec<super::DataDeviceIo> {
+        self.inner.data_devices_io()
+    }
     /// True when both handles are the same device object.
     pub fn same_as(&self, other: &Dev) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

@@ -15,15 +15,17 @@ mod file;
 pub(crate) mod hugemem;
 mod memory;
 mod rados;
+mod striped;
 
 pub(crate) use crate::obs::io::{IoCounters, IoKind};
 pub(crate) use dev::Dev;
 pub use file::FileStorage;
 pub use memory::MemStorage;
 pub use rados::{RadosStorage, RadosUrl, OBJECT_BYTES as RADOS_OBJECT_BYTES};
+pub use striped::StripedStorage;
 
 use crate::error::{Error, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::io;
 use std::sync::Arc;
 
@@ -75,6 +77,30 @@ pub trait Storage: Send + Sync {
     fn name(&self) -> String {
         "device".to_string()
     }
+    /// Traffic of each data device under a device striped over several (`StripedStorage`);
+    /// empty for a single device.
+    fn data_devices_io(&self) -> Vec<DataDeviceIo> {
+        Vec::new()
+    }
+}
+
+/// Bytes one data device of a striped volume moved since open.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataDeviceIo {
+    /// Place in the stripe (0: the volume's first device).
+    pub index: u32,
+    /// Path or name.
+    pub name: String,
+    /// Size of the device.
+    pub size_bytes: u64,
+    /// Bytes read from its data units.
+    pub data_read_bytes: u64,
+    /// Bytes written to its data units.
+    pub data_written_bytes: u64,
+    /// Bytes read before the data region (superblocks, metadata; device 0 only).
+    pub head_read_bytes: u64,
+    /// Bytes written before the data region (device 0 only).
+    pub head_written_bytes: u64,
 }
 
 /// Opens an existing device by path: a `rados://POOL/NAME` URL (`take_over`: fence its
@@ -190,5 +216,8 @@ impl<T: Storage + ?Sized> Storage for Arc<T> {
     }
     fn name(&self) -> String {
         (**self).name()
+    }
+    fn data_devices_io(&self) -> Vec<DataDeviceIo> {
+        (**self).data_devices_io()
     }
 }

@@ -7,4 +7,5 @@ pub(crate) mod block_map;
 pub(crate) mod journal;
 pub(crate) mod layout;
 pub(crate) mod refcount;
+pub(crate) mod stripe;
 pub(crate) mod superblock;

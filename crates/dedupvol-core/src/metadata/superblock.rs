@@ -10,11 +10,17 @@
 //! - The lifetime counters record sits in the block's tail, covered by the same crc. A
 //!   block without its magic (a volume formatted before the record existed) has zero
 //!   lifetime counters; a record is written by every superblock write of a read-write open.
+//! - A volume striped over several data devices has version `FORMAT_VERSION_STRIPED` and a
+//!   stripe record (`metadata::stripe`) in the block's tail; a single-device volume keeps
+//!   version `FORMAT_VERSION` and no record, so it reads exactly as before, and a build
+//!   that knows only version 2 refuses a striped volume instead of reading its first
+//!   device as the whole data region.
 
 use crate::config::{Compression, DedupVerify, IndexMode, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Corruption, Error, Result};
 use crate::io::{Dev, IoKind};
 use crate::metadata::layout::Geometry;
+use crate::metadata::stripe::{MemberHeader, StripeLayout, MEMBER_ROLE};
 use crate::obs::stats::LifetimeCounters;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -23,6 +29,9 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"DEDUPVOL";
 /// On-disk format version.
 pub const FORMAT_VERSION: u32 = 2;
+/// The version of a volume striped over several data devices: version 2 plus the stripe
+/// record.
+pub const FORMAT_VERSION_STRIPED: u32 = 3;
 /// Offset of the checksum field.
 pub const SUPERBLOCK_CRC_OFFSET: usize = 8;
 /// Longest metadata-device path remembered in the superblock.
@@ -196,6 +205,8 @@ pub struct Superblock {
     pub meta_path: Option<String>,
     /// Counters over the volume's life, as of this superblock write.
     pub lifetime: LifetimeCounters,
+    /// The data region's stripe over several devices (None: one data device).
+    pub stripe: Option<StripeLayout>,
 }
 
 impl Superblock {
@@ -211,7 +222,7 @@ impl Superblock {
         let raw = SuperblockRaw {
             magic: SUPERBLOCK_MAGIC,
             checksum: U32::new(0),
-            version: U32::new(FORMAT_VERSION),
+            version: U32::new(if self.stripe.is_some() { FORMAT_VERSION_STRIPED } else { FORMAT_VERSION }),
             uuid: self.uuid,
             generation: U64::new(self.generation),
             role,
@@ -252,6 +263,9 @@ impl Superblock {
         if let Some(tail) = buf.get_mut(LIFETIME_RECORD_OFFSET..) {
             let _ = LifetimeRaw::encode(&self.lifetime).write_to_prefix(tail);
         }
+        if let Some(stripe) = &self.stripe {
+            stripe.encode_into(&mut buf);
+        }
         crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
         buf
     }
@@ -284,10 +298,25 @@ impl Superblock {
                     .to_string(),
             ));
         }
-        if raw.version.get() != FORMAT_VERSION {
+        if raw.version.get() != FORMAT_VERSION && raw.version.get() != FORMAT_VERSION_STRIPED {
             return Err(Error::NotAVolume(format!(
-                "unsupported format version {} (this build reads version {FORMAT_VERSION})",
+                "unsupported format version {} (this build reads versions {FORMAT_VERSION} and {FORMAT_VERSION_STRIPED})",
                 raw.version.get()
+            )));
+        }
+        if raw.role == MEMBER_ROLE {
+            // Block 0 of an extra data device: say which device it is.
+            let what = match MemberHeader::decode(buf) {
+                Ok(h) => format!(
+                    "data device {} of {} of striped volume {}",
+                    h.device_index,
+                    h.device_count,
+                    crate::volume::uuid_hex(&h.uuid)
+                ),
+                Err(e) => e,
+            };
+            return Err(Error::NotAVolume(format!(
+                "this is {what}, not a volume's first data device (open the volume by its first device)"
             )));
         }
         if raw.role != expect_role {
@@ -346,6 +375,13 @@ impl Superblock {
             slab_blocks: raw.slab_blocks.get(),
         };
         geometry.validate()?;
+        let stripe = if raw.version.get() == FORMAT_VERSION_STRIPED {
+            let s = StripeLayout::decode(buf)?;
+            s.validate(&geometry)?;
+            Some(s)
+        } else {
+            None
+        };
         let n = usize::from(raw.meta_path_len.get()).min(META_PATH_BYTES_MAX);
         let meta_path =
             raw.meta_path.get(..n).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned());
@@ -368,6 +404,7 @@ impl Superblock {
             index_saved_entries: raw.index_saved_entries.get(),
             meta_path,
             lifetime: LifetimeRaw::decode(buf),
+            stripe,
         }))
     }
 
@@ -481,6 +518,7 @@ mod tests {
             index_saved_entries: 0,
             meta_path: Some("/dev/fast".into()),
             lifetime: LifetimeCounters { read_write_opens: 3, blocks_written: 1 << 40, syncs: 9, ..Default::default() },
+            stripe: None,
         }
     }
 
@@ -519,6 +557,34 @@ mod tests {
         let sb = Superblock::decode(&buf, 0).expect("decode").expect("a volume");
         let want = LifetimeCounters { read_write_opens: 3, blocks_written: 1 << 40, ..Default::default() };
         assert_eq!(sb.lifetime, want, "counters 0..3 kept, the rest (syncs) read as zero");
+    }
+
+    /// A striped volume's superblock carries version 3 and its stripe record; an extra
+    /// device's header, read as a superblock, is refused with a message naming it.
+    #[test]
+    fn a_striped_superblock_round_trips_and_a_member_header_is_named() {
+        use crate::metadata::stripe::{MemberHeader, StripeLayout};
+        let mut sb = sample();
+        let per_device = sb.geometry.data_blocks / 2 / 256;
+        sb.geometry.data_blocks = 2 * per_device * 256;
+        sb.geometry.data_dev_blocks = sb.geometry.data_start + sb.geometry.data_blocks;
+        sb.stripe =
+            Some(StripeLayout { unit_blocks: 256, rows: per_device, member_data_start: 2, paths: vec!["/x".into()] });
+        let buf = sb.encode(0);
+        assert_eq!(buf[12..16], FORMAT_VERSION_STRIPED.to_le_bytes());
+        assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
+        // A stripe that does not add up to the data region is a damaged copy.
+        let mut bad = sb.clone();
+        if let Some(s) = bad.stripe.as_mut() {
+            s.rows += 1;
+        }
+        assert!(matches!(Superblock::decode(&bad.encode(0), 0), Err(Error::Corruption(_))));
+        let stripe = sb.stripe.as_ref().expect("stripe");
+        let header = MemberHeader::for_device(sb.uuid, 1, stripe).encode();
+        match Superblock::decode(&header, 0) {
+            Err(Error::NotAVolume(m)) => assert!(m.contains("data device 1 of 2"), "{m}"),
+            other => panic!("a member header decoded as {other:?}"),
+        }
     }
 
     /// Volumes formatted before the level existed hold 0 in its byte: zstd at the

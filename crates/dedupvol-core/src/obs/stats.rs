@@ -129,6 +129,10 @@ pub struct Stats {
     pub write_policy: WritePolicy,
     /// I/O counters of this process by category.
     pub io: IoStats,
+    /// Bytes each data device moved (this process), for a volume striped over several;
+    /// empty for one data device.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_devices: Vec<crate::io::DataDeviceIo>,
     /// The hot-chunk tier of this session (None: no tier configured or it could not be
     /// opened).
     pub tier: Option<TierStats>,

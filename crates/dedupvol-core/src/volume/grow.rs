@@ -124,6 +124,7 @@ impl Volume {
         let old = sb.geometry;
         let logical = logical_size.map_or(Ok(old.logical_blocks), |b| blocks_of("logical size", b))?;
         let data_dev = physical_size.map_or(Ok(old.data_dev_blocks), |b| blocks_of("physical size", b))?;
+        refuse_striped_resize(sb.stripe.as_ref(), old.data_dev_blocks, data_dev)?;
         if logical < old.logical_blocks {
             return Err(Error::InvalidArgument(format!(
                 "the logical size of an open volume only grows ({} bytes now, {} asked): stop the server and shrink the closed volume",
@@ -233,6 +234,7 @@ pub fn resize_closed(
     let old = vol.geometry();
     let logical = logical_size.map_or(Ok(old.logical_blocks), |b| blocks_of("logical size", b))?;
     let data_dev = physical_size.map_or(Ok(old.data_dev_blocks), |b| blocks_of("physical size", b))?;
+    refuse_striped_resize(vol.sb.lock().stripe.as_ref(), old.data_dev_blocks, data_dev)?;
     if data_dev < old.data_dev_blocks {
         return Err(Error::InvalidArgument(format!(
             "the physical size cannot shrink ({} bytes recorded, {} asked): data may live anywhere in it",
@@ -310,4 +312,20 @@ pub fn resize_closed(
     let separate = (new.meta_dev_blocks > 0).then_some(&meta_dev);
     write_superblock(&data_dev_h, separate, &mut sb)?;
     Ok(report)
+}
+
+/// A striped volume's data region is fixed at format: its units are spread over every
+/// device, and growing it would need every device to grow by the same number of units.
+fn refuse_striped_resize(
+    stripe: Option<&crate::metadata::stripe::StripeLayout>,
+    old_blocks: u64,
+    new_blocks: u64,
+) -> Result<()> {
+    match stripe {
+        Some(s) if new_blocks != old_blocks => Err(Error::InvalidArgument(format!(
+            "the physical size of a volume striped over {} data devices is fixed at format",
+            s.device_count()
+        ))),
+        _ => Ok(()),
+    }
 }

@@ -1,8 +1,11 @@
 //! A volume's life: format, open (superblocks, recovery, state), close.
 //!
 //! Invariants:
-//! - Format writes the metadata device's superblocks before the data device's: a crash
-//!   mid-format leaves the data device unformatted, never pointing at a half-made one.
+//! - Format writes the metadata device's superblocks, then each extra data device's header,
+//!   before the first data device's superblocks: a crash mid-format leaves the data device
+//!   unformatted, never pointing at a half-made volume.
+//! - A striped volume opens only with every extra data device present, in its place and
+//!   of this volume (`assemble_stripe` checks each header before anything is written).
 //! - Open changes nothing on the devices until everything it must allocate (the
 //!   fingerprint index) is allocated and the journal is replayed: a failed open leaves
 //!   the volume as it was.
@@ -21,9 +24,12 @@ use crate::dedup::chapter::RingLayout;
 use crate::dedup::index::Index;
 use crate::dedup::Deduper;
 use crate::error::{Error, Result};
-use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, RadosStorage, RadosUrl, Storage};
+use crate::io::{Dev, FileStorage, IoCounters, IoKind, IoMode, RadosStorage, RadosUrl, Storage, StripedStorage};
 use crate::metadata::allocator::Allocator;
 use crate::metadata::layout::{Geometry, GrowthRoom};
+use crate::metadata::stripe::{
+    MemberHeader, StripeLayout, DATA_DEVICES_MAX, MEMBER_DATA_START_BLOCKS, STRIPE_PATH_BYTES_MAX, STRIPE_UNIT_BLOCKS,
+};
 use crate::metadata::superblock::Superblock;
 use crate::obs::stats::{LifetimeCounters, ReductionCounters};
 use crate::pipeline::executor::CpuPool;
@@ -87,17 +93,47 @@ impl Volume {
         opts: &FormatOptions,
         force: bool,
     ) -> Result<()> {
-        Self::format_with_hint(data, meta, opts, force, None)
+        Self::format_with_hint(data, Vec::new(), meta, opts, force, None)
     }
 
+    /// Formats a volume whose data region is striped over `data` and the `extra` data
+    /// devices, each given with the path the superblock records for it (`open_path`
+    /// opens it by that path).
+    pub fn format_striped(
+        data: Arc<dyn Storage>,
+        extra: Vec<(Arc<dyn Storage>, String)>,
+        meta: Option<Arc<dyn Storage>>,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<()> {
+        Self::format_with_hint(data, extra, meta, opts, force, None)
+    }
+
+    /// Formats a new volume:
+    /// 1. the geometry, for the whole data capacity when striped (`stripe_geometry`);
+    /// 2. the metadata device's superblocks; 3. each extra data device's header;
+    /// 4. the first data device's superblocks, last, so that a crash before them leaves
+    ///    no volume behind.
     fn format_with_hint(
         data: Arc<dyn Storage>,
+        extra: Vec<(Arc<dyn Storage>, String)>,
         meta: Option<Arc<dyn Storage>>,
         opts: &FormatOptions,
         force: bool,
         meta_path: Option<String>,
     ) -> Result<()> {
         opts.validate()?;
+        if extra.len() + 1 > DATA_DEVICES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "{} data devices given; a volume stripes over at most {DATA_DEVICES_MAX}",
+                extra.len() + 1
+            )));
+        }
+        if let Some((_, p)) = extra.iter().find(|(_, p)| p.is_empty() || p.len() > STRIPE_PATH_BYTES_MAX) {
+            return Err(Error::InvalidArgument(format!(
+                "data device path {p:?} must be 1 to {STRIPE_PATH_BYTES_MAX} bytes long (the superblock records it)"
+            )));
+        }
         if let Some(machine) = crate::io::hugemem::physical_memory_bytes().filter(|&m| opts.index_memory_bytes > m) {
             // A bound this machine could never honour is a mistake, not a setting.
             return Err(Error::InvalidArgument(format!(
@@ -107,20 +143,23 @@ impl Volume {
         }
         let io = Arc::new(IoCounters::default());
         let data = Dev::new(data, io.clone());
+        let extra: Vec<(Dev, String)> = extra.into_iter().map(|(d, p)| (Dev::new(d, io.clone()), p)).collect();
         let meta = meta.map(|m| Dev::new(m, io));
         if !force {
-            for dev in std::iter::once(&data).chain(meta.iter()) {
+            for dev in std::iter::once(&data).chain(meta.iter()).chain(extra.iter().map(|(d, _)| d)) {
                 if Superblock::probe(dev)? {
                     return Err(Error::AlreadyFormatted(dev.name()));
                 }
             }
         }
-        let window_blocks = window_blocks(opts, data.len() / BLOCK_SIZE_U64);
+        // Metadata is sized for every data device's bytes (an upper bound on the region).
+        let data_bytes = data.len() + extra.iter().map(|(d, _)| d.len()).sum::<u64>();
+        let window_blocks = window_blocks(opts, data_bytes / BLOCK_SIZE_U64);
         let logical_blocks = opts.logical_size_bytes / BLOCK_SIZE_U64;
         let layout = |room| {
             Geometry::compute_with_room(
                 logical_blocks,
-                data.len(),
+                data_bytes,
                 meta.as_ref().map(|m| m.len()),
                 opts.slab_size_bytes / BLOCK_SIZE_U64,
                 opts.journal_size_bytes,
@@ -130,7 +169,7 @@ impl Volume {
         };
         let default_room = GrowthRoom::default_for(
             logical_blocks,
-            data.len() / BLOCK_SIZE_U64,
+            data_bytes / BLOCK_SIZE_U64,
             meta.as_ref().map(|m| m.len() / BLOCK_SIZE_U64),
         );
         let geo = match (opts.max_logical_size_bytes, opts.max_physical_size_bytes) {
@@ -140,6 +179,12 @@ impl Volume {
                 max_logical_blocks: l.map_or(default_room.max_logical_blocks, |b| b / BLOCK_SIZE_U64),
                 max_data_dev_blocks: p.map_or(default_room.max_data_dev_blocks, |b| b / BLOCK_SIZE_U64),
             })?,
+        };
+        let (geo, stripe) = if extra.is_empty() {
+            (geo, None)
+        } else {
+            let (g, s) = stripe_geometry(geo, &data, &extra)?;
+            (g, Some(s))
         };
         let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode)
             .map_or(0, |r| Index::memory_wanted(opts.index_mode, &r));
@@ -176,9 +221,18 @@ impl Volume {
             index_saved_entries: 0,
             meta_path,
             lifetime: LifetimeCounters::default(),
+            stripe,
         };
         if let Some(m) = &meta {
             write_copies(m, &sb, 1)?;
+        }
+        if let Some(stripe) = &sb.stripe {
+            for (i, (dev, _)) in extra.iter().enumerate() {
+                let header = MemberHeader::for_device(sb.uuid, i as u32 + 1, stripe).encode();
+                dev.write(IoKind::Superblock, &header, 0)?;
+                dev.write(IoKind::Superblock, &vec![0u8; crate::config::BLOCK_SIZE], BLOCK_SIZE_U64)?;
+                dev.sync()?;
+            }
         }
         write_copies(&data, &sb, 0)
     }
@@ -191,18 +245,61 @@ impl Volume {
         opts: &FormatOptions,
         force: bool,
     ) -> Result<()> {
+        Self::format_path_striped(path, &[], physical_size, meta_device, opts, force)
+    }
+
+    /// Formats a volume striped over `path` and the `extra` data devices (files or block
+    /// devices; `physical_size` creates or extends each file to that size, as for `path`).
+    pub fn format_path_striped(
+        path: &Path,
+        extra: &[std::path::PathBuf],
+        physical_size: Option<u64>,
+        meta_device: Option<&Path>,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<()> {
+        // Recorded as typed for a RADOS URL, else by absolute path (of its folder, for a
+        // file not created yet).
+        let recorded = |p: &Path| {
+            if RadosUrl::parse(p).is_some() {
+                return Some(p.to_path_buf());
+            }
+            std::fs::canonicalize(p).ok().or_else(|| {
+                let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                Some(std::fs::canonicalize(parent).ok()?.join(p.file_name()?))
+            })
+        };
+        // Every device once, checked before any is opened (a second open of one file
+        // would meet the first one's lock and blame another process).
+        let mut seen: Vec<std::path::PathBuf> = Vec::with_capacity(extra.len() + 2);
+        for p in std::iter::once(path).chain(meta_device).chain(extra.iter().map(|p| p.as_path())) {
+            let abs = recorded(p).ok_or_else(|| {
+                Error::InvalidArgument(format!("device {}: cannot find its absolute path", p.display()))
+            })?;
+            if seen.contains(&abs) {
+                return Err(Error::InvalidArgument(format!(
+                    "{} is given twice (as the volume's path, a data device or the metadata device)",
+                    p.display()
+                )));
+            }
+            seen.push(abs);
+        }
         let data = crate::io::create_device(path, physical_size)?;
+        let mut extra_devs = Vec::with_capacity(extra.len());
+        for p in extra {
+            let dev = crate::io::create_device(p, physical_size)?;
+            let abs = recorded(p).ok_or_else(|| {
+                Error::InvalidArgument(format!("data device {}: cannot find its absolute path", p.display()))
+            })?;
+            extra_devs.push((dev, abs.display().to_string()));
+        }
         let meta = match meta_device {
             Some(m) => Some(crate::io::open_device(m, false, IoMode::Direct, false)?),
             None => None,
         };
         // A RADOS URL is recorded as typed; a file by its absolute path.
-        let hint = meta_device
-            .and_then(
-                |m| if RadosUrl::parse(m).is_some() { Some(m.to_path_buf()) } else { std::fs::canonicalize(m).ok() },
-            )
-            .map(|p| p.display().to_string());
-        Self::format_with_hint(data, meta, opts, force, hint)
+        let hint = meta_device.and_then(recorded).map(|p| p.display().to_string());
+        Self::format_with_hint(data, extra_devs, meta, opts, force, hint)
     }
 
     /// Opens a volume by path. A volume formatted with a metadata device remembers its path;
@@ -239,6 +336,12 @@ impl Volume {
                 (Arc::new(if mode == IoMode::Buffered { file.into_buffered() } else { file }), sb, mode)
             }
         };
+        let data = match &sb.stripe {
+            Some(stripe) => assemble_stripe(data, &sb, stripe, |_, p| {
+                crate::io::open_device(Path::new(p), opts.read_only, mode, opts.take_over)
+            })?,
+            None => data,
+        };
         let meta_path = match meta_device {
             Some(m) => Some(m.to_path_buf()),
             None if sb.geometry.meta_dev_blocks > 0 => match sb.meta_path {
@@ -256,6 +359,42 @@ impl Volume {
             None => None,
         };
         Ok((data, meta))
+    }
+
+    /// The data device of the volume at `path` as the engine addresses it: the device
+    /// itself, or, for a volume striped over several devices, the stripe over all of them
+    /// (found by the paths in its superblock and checked against their headers). For tools
+    /// that take devices (`check_volume`); `open_path` does this itself.
+    pub fn open_data_path(path: &Path, read_only: bool, mode: IoMode) -> Result<Arc<dyn Storage>> {
+        let data = crate::io::open_device(path, read_only, mode, false)?;
+        let sb = Superblock::read(&Dev::new(data.clone(), Arc::new(IoCounters::default())), 0)?.0;
+        match &sb.stripe {
+            Some(stripe) => {
+                assemble_stripe(data, &sb, stripe, |_, p| crate::io::open_device(Path::new(p), read_only, mode, false))
+            }
+            None => Ok(data),
+        }
+    }
+
+    /// The stripe over a striped volume's devices given in hand (`first`, then the extra
+    /// devices in their order), each checked against its header as `open_path` does: for
+    /// in-memory devices and tests. `Volume::open` and `check_volume` take the result.
+    pub fn stripe_devices(first: Arc<dyn Storage>, extra: Vec<Arc<dyn Storage>>) -> Result<Arc<dyn Storage>> {
+        let sb = Superblock::read(&Dev::new(first.clone(), Arc::new(IoCounters::default())), 0)?.0;
+        let Some(stripe) = &sb.stripe else {
+            return Err(Error::InvalidArgument(format!("volume {} has one data device", uuid_hex(&sb.uuid))));
+        };
+        if extra.len() + 1 != stripe.device_count() {
+            return Err(Error::InvalidArgument(format!(
+                "volume {} is striped over {} data devices, {} given",
+                uuid_hex(&sb.uuid),
+                stripe.device_count(),
+                extra.len() + 1
+            )));
+        }
+        assemble_stripe(first, &sb, stripe, |i, p| {
+            extra.get(i).cloned().ok_or_else(|| Error::InvalidArgument(format!("no device given for {p}")))
+        })
     }
 
     /// Opens a volume, replaying the journal if it was not closed cleanly:
@@ -435,6 +574,23 @@ pub(crate) fn open_devices(
     let (sb, data_notes) = Superblock::read(&data, 0)?;
     let mut notes: Vec<OpenNote> = data_notes.into_iter().map(OpenNote::SuperblockCopy).collect();
     let geo = sb.geometry;
+    let striped_devices = data.data_devices_io().len();
+    match &sb.stripe {
+        Some(s) if striped_devices != s.device_count() => {
+            return Err(Error::InvalidArgument(format!(
+                "volume {} is striped over {} data devices; open it by its first device's path, which finds the others",
+                uuid_hex(&sb.uuid),
+                s.device_count()
+            )))
+        }
+        None if striped_devices > 0 => {
+            return Err(Error::InvalidArgument(format!(
+                "volume {} has one data device, but was given a stripe of {striped_devices}",
+                uuid_hex(&sb.uuid)
+            )))
+        }
+        _ => {}
+    }
     let separate = geo.meta_dev_blocks > 0;
     let meta = match (meta, separate) {
         (Some(m), true) => {
@@ -476,6 +632,92 @@ pub(crate) fn open_devices(
         }
     }
     Ok((data, meta, sb, notes))
+}
+
+/// The geometry of a striped volume from the one `Geometry` computed for all its data
+/// bytes: the same metadata regions (sized for an upper bound of the data region), and a
+/// data region of the units every device can hold, the same number on each.
+fn stripe_geometry(geo: Geometry, first: &Dev, extra: &[(Dev, String)]) -> Result<(Geometry, StripeLayout)> {
+    let unit = STRIPE_UNIT_BLOCKS;
+    let rows_on = |dev: &Dev, start: u64| (dev.len() / BLOCK_SIZE_U64).saturating_sub(start) / unit;
+    let mut rows = rows_on(first, geo.data_start);
+    let mut smallest = first.name();
+    for (dev, _) in extra {
+        let r = rows_on(dev, MEMBER_DATA_START_BLOCKS);
+        if r < rows {
+            rows = r;
+            smallest = dev.name();
+        }
+    }
+    if rows == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "data device {smallest} is too small: each data device must hold one {}-byte stripe unit after its \
+             header (the first device also holds the superblocks and metadata: {} bytes)",
+            unit * BLOCK_SIZE_U64,
+            geo.data_start * BLOCK_SIZE_U64
+        )));
+    }
+    let stripe = StripeLayout {
+        unit_blocks: unit,
+        rows,
+        member_data_start: MEMBER_DATA_START_BLOCKS,
+        paths: extra.iter().map(|(_, p)| p.clone()).collect(),
+    };
+    let mut g = geo;
+    g.data_blocks = stripe.device_count() as u64 * rows * unit;
+    g.data_dev_blocks = g.data_start + g.data_blocks;
+    // The refcount pages were sized for every device's blocks, at least the region.
+    g.validate().map_err(|e| Error::internal("striped geometry breaks its invariants", e.to_string()))?;
+    stripe.validate(&g).map_err(|e| Error::internal("stripe breaks its invariants", e.to_string()))?;
+    Ok((g, stripe))
+}
+
+/// The stripe over `first` and the extra devices the superblock names (opened with
+/// `open`), after checking each device's header: a device that cannot be opened, is too
+/// small, or whose header names another volume or another place is refused with an error
+/// naming it, and nothing is written.
+fn assemble_stripe(
+    first: Arc<dyn Storage>,
+    sb: &Superblock,
+    stripe: &StripeLayout,
+    open: impl Fn(usize, &str) -> Result<Arc<dyn Storage>>,
+) -> Result<Arc<dyn Storage>> {
+    let n = stripe.device_count();
+    let mut members: Vec<(Arc<dyn Storage>, u64)> = Vec::with_capacity(n);
+    members.push((first, sb.geometry.data_start * BLOCK_SIZE_U64));
+    for (i, path) in stripe.paths.iter().enumerate() {
+        let index = i as u32 + 1;
+        let refuse = |reason: String| Error::DataDevice {
+            index,
+            count: n as u32,
+            path: path.clone(),
+            volume: uuid_hex(&sb.uuid),
+            reason,
+        };
+        let dev = open(i, path).map_err(|e| refuse(format!("cannot be opened: {e}")))?;
+        let mut block = vec![0u8; crate::config::BLOCK_SIZE];
+        Dev::new(dev.clone(), Arc::new(IoCounters::default()))
+            .read(IoKind::Superblock, &mut block, 0)
+            .map_err(|e| refuse(format!("its header cannot be read: {e}")))?;
+        let found = MemberHeader::decode(&block).map_err(|e| refuse(format!("block 0 holds {e}")))?;
+        found.check(&MemberHeader::for_device(sb.uuid, index, stripe)).map_err(refuse)?;
+        if dev.len() < stripe.member_blocks() * BLOCK_SIZE_U64 {
+            return Err(refuse(format!(
+                "it has {} bytes, the stripe needs {} (was it truncated?)",
+                dev.len(),
+                stripe.member_blocks() * BLOCK_SIZE_U64
+            )));
+        }
+        members.push((dev, stripe.member_data_start * BLOCK_SIZE_U64));
+    }
+    let s = StripedStorage::new(
+        members,
+        sb.geometry.data_start * BLOCK_SIZE_U64,
+        stripe.unit_blocks * BLOCK_SIZE_U64,
+        stripe.rows,
+    )
+    .map_err(|e| Error::NotAVolume(format!("volume {}: {e}", uuid_hex(&sb.uuid))))?;
+    Ok(Arc::new(s))
 }
 
 /// Writes a new generation of the superblock: the metadata device's copies first (when

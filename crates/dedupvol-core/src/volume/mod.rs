@@ -33,7 +33,7 @@ pub(crate) mod cleaner;
 mod commit;
 pub(crate) mod grow;
 mod lifecycle;
-pub(crate) use lifecycle::{uuid_lo, OpenNote};
+pub(crate) use lifecycle::{uuid_hex, uuid_lo, OpenNote};
 mod mapping;
 mod recovery;
 mod report;

@@ -159,6 +159,7 @@ impl Volume {
             verify: sb.verify,
             write_policy: self.policy,
             io: self.io.snapshot(),
+            data_devices: self.data.dev().data_devices_io(),
             tier: self.tier.as_ref().map(|t| t.stats()),
             scrub: self.scrub_status(),
             woj: self.woj.as_ref().map(|w| w.lock().snapshot()),
