@@ -268,9 +268,11 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     let p = &s.pipeline;
     if p.fingerprint.batches > 0 {
         outln!(
-            "pipeline            {} batches of {:.1} chunks; stage utilisation fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}",
+            "pipeline            {} batches of {:.1} chunks, write latency p50 {} us, p99 {} us; stage utilisation fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}",
             p.fingerprint.batches,
             p.chunks_per_batch,
+            p.latency_p50_micros,
+            p.latency_p99_micros,
             p.fingerprint.utilisation,
             p.index.utilisation,
             p.compress.utilisation,
@@ -278,15 +280,13 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
         )?;
         if p.batching {
             outln!(
-                "  batcher           {} requests in {} batches ({} retried alone), queue {} chunks (peak {}), {} backpressure waits, latency p50 {} us, p99 {} us",
+                "  batcher           {} requests in {} batches ({} retried alone), queue {} chunks (peak {}), {} backpressure waits",
                 p.batched_requests,
                 p.batches,
                 p.batches_retried,
                 p.queue_chunks,
                 p.queue_chunks_peak,
-                p.backpressure_waits,
-                p.latency_p50_micros,
-                p.latency_p99_micros
+                p.backpressure_waits
             )?;
         }
     }

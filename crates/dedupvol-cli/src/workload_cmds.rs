@@ -136,7 +136,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     batch_wait_us: u64,
     /// Predict unique chunks so their compression runs beside fingerprinting (on or off).
-    #[arg(long, default_value = "on")]
+    #[arg(long, default_value = "off")]
     predictor: String,
     /// Deferred compression's budget in microseconds (0: never defer; see `serve
     /// --defer-compression-us`).

@@ -38,7 +38,7 @@ fn reopen(dev: &Arc<dedupvol_core::MemStorage>, vol: Volume, opts: &OpenOptions)
 #[test]
 fn the_predictor_guesses_repeats_and_changes_nothing_stored() {
     let (dev, vol) = mem_volume(64 << 20, 16 << 20, |_| {});
-    let vol = reopen(&dev, vol, &small_open());
+    let vol = reopen(&dev, vol, &OpenOptions { unique_predictor: true, ..small_open() });
     let want = write_mix(&vol, 64);
     read_all(&vol, &want);
     let st = vol.stats();

@@ -121,7 +121,7 @@ fn small_writes_from_many_threads_are_batched_and_land_where_they_were_sent() {
     let (dev, vol) = mem_volume(64 << 20, 16 << 20, |o| o.journal_size_bytes = Some(512 << 10));
     vol.close().expect("close");
     let batch = dedupvol_core::BatchOptions { enabled: true, wait_micros: 50, ..Default::default() };
-    let opts = dedupvol_core::OpenOptions { batch, ..small_open() };
+    let opts = dedupvol_core::OpenOptions { batch, unique_predictor: true, ..small_open() };
     let vol = Volume::open(dev.clone() as Arc<dyn Storage>, None, &opts).expect("open");
     let vol = Arc::new(vol);
     const PER: u64 = 300;

@@ -271,7 +271,7 @@ pub fn render_bench(r: &BenchReport) -> String {
             if p.fingerprint.batches > 0 {
                 out.push_str(&format!(
                     "  pipeline: {} batches of {:.1} chunks; batcher {} ({} requests in {} batches, {:.1} per batch, \
-                     latency p50 {} us / p99 {} us / max {} us, {} backpressure waits); stage busy s: \
+                     {} backpressure waits); write latency p50 {} us / p99 {} us / max {} us; stage busy s: \
                      fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}\n",
                     p.fingerprint.batches,
                     p.chunks_per_batch,
@@ -279,10 +279,10 @@ pub fn render_bench(r: &BenchReport) -> String {
                     p.batched_requests,
                     p.batches,
                     p.requests_per_batch,
+                    p.backpressure_waits,
                     p.latency_p50_micros,
                     p.latency_p99_micros,
                     p.latency_max_micros,
-                    p.backpressure_waits,
                     p.fingerprint.busy_micros as f64 / 1e6,
                     p.index.busy_micros as f64 / 1e6,
                     p.compress.busy_micros as f64 / 1e6,

@@ -162,7 +162,8 @@ pub struct PipelineStats {
     /// Chunks waiting or in the stages right now, and the most seen.
     pub queue_chunks: u64,
     pub queue_chunks_peak: u64,
-    /// Latency of batched requests from queueing to their outcome, in microseconds.
+    /// Latency of writes through the pipeline, in microseconds: a batched request's from
+    /// queueing to its outcome, another's from the start of its stages to their end.
     pub latency_p50_micros: u64,
     pub latency_p99_micros: u64,
     pub latency_max_micros: u64,
@@ -251,7 +252,7 @@ impl Batcher {
         run: impl Fn(&Batch) -> std::result::Result<Vec<u64>, ()>,
     ) -> Outcome {
         let chunks = buf.len() / BLOCK_SIZE;
-        debug_assert!(self.takes(chunks) && buf.len() % BLOCK_SIZE == 0, "the batcher takes whole small writes");
+        debug_assert!(self.takes(chunks) && buf.len().is_multiple_of(BLOCK_SIZE), "the batcher takes whole small writes");
         let slot =
             Arc::new(Slot { outcome: Mutex::new(None), queued_at: Instant::now(), writer: std::thread::current() });
         let mut q = self.q.lock();
@@ -359,6 +360,15 @@ impl Batcher {
         }
         self.cv.notify_all();
         q
+    }
+
+    /// Records the latency of a write that ran its stages alone (batching off, a large
+    /// request, or a retry), so that the figures compare with and without batching.
+    pub(crate) fn note_latency(&self, elapsed: Duration) {
+        let us = elapsed.as_micros().clamp(1, u128::from(LATENCY_MICROS_MAX)) as u64;
+        if let Some(h) = self.counters.lock().latency.as_mut() {
+            let _ = h.record(us);
+        }
     }
 
     /// Counts a batch through `stage` (`elapsed` of wall-clock time).

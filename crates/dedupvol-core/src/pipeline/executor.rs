@@ -18,6 +18,8 @@ pub(crate) trait Executor: Send + Sync {
 
 /// Chunks per request below which a stage stays on the calling thread.
 const PARALLEL_CHUNKS_MIN: usize = 64;
+/// Jobs a parallel stage is cut into per worker.
+const JOBS_PER_WORKER: usize = 4;
 /// Threads one volume's pipeline uses at most.
 const POOL_THREADS_MAX: usize = 8;
 
@@ -31,7 +33,10 @@ pub(crate) fn for_each<T: Send>(exec: &dyn Executor, items: &mut [T], f: impl Fn
         }
         return;
     }
-    let per = items.len().div_ceil(width);
+    // Several jobs per worker, taken in turn: items cost unequal work (a piece of unique
+    // chunks is hashed and compressed, a piece of duplicates only hashed), and equal
+    // shares of items left one worker idle while the other finished its share.
+    let per = items.len().div_ceil(width * JOBS_PER_WORKER).max(1);
     let f = &f;
     let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = items
         .chunks_mut(per)

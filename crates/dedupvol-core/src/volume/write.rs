@@ -76,13 +76,16 @@ impl Volume {
             }
         }
         let lbas = Lbas::run(lba0);
-        match self.write_batch_once(&lbas, buf) {
+        let t = Instant::now();
+        let r = match self.write_batch_once(&lbas, buf) {
             Err(Error::NoSpace(_)) if self.state.lock().alloc.pending_len() > 0 => {
                 self.flush()?;
                 self.write_batch_once(&lbas, buf)
             }
             r => r,
-        }
+        };
+        self.batcher.note_latency(t.elapsed());
+        r
     }
 
     /// One batch through the pipeline (see the module docs of `volume` for the steps):
