@@ -35,8 +35,11 @@
 //! - As for the cleaner: a logical block is remapped only if its entry is still the one
 //!   scanned, under the hold that appends the new copy; a fragment is moved only after
 //!   every block of it that a mapping uses decoded to that mapping's crc.
-//! - A group's new unit holds exactly its blocks, in the order the remap assumes
-//!   (asserted: blocks × 4 KiB = the bytes compressed).
+//! - A group's new unit holds exactly its blocks, in the order the remap assumes, and at
+//!   most `UNIT_BLOCKS_MAX` of them (asserted: blocks × 4 KiB = the bytes compressed).
+//! - The first idle pass after an open reads the whole block map once (what an earlier
+//!   session left in another codec is not known); later passes run only when new
+//!   mappings of another codec were made (`State::fast_codec_hint`).
 //! - A pass compresses at most `RecompressOptions::budget_bytes` logical bytes (at least
 //!   one group) and holds the state lock for at most `SCAN_LBAS_PER_HOLD` map entries or
 //!   `GROUPS_PER_HOLD` groups at a time.
@@ -274,6 +277,10 @@ impl Volume {
                 let Some(Ready { blocks, frag, hashes }) = ready else { continue };
                 let n = blocks.len() / BLOCK_SIZE;
                 assert_eq!(n, g.blocks(), "a group's new unit holds exactly its blocks");
+                assert!(
+                    (1..=usize::from(crate::metadata::block_map::UNIT_BLOCKS_MAX)).contains(&n),
+                    "a group is at most one unit: whole units are never merged past the cut"
+                );
                 // Only mappings unchanged since the scan move.
                 let mut still: Vec<Vec<(u64, MapEntry)>> = Vec::with_capacity(g.members.len());
                 for (f, _) in &g.members {
