@@ -24,9 +24,10 @@ a unique block's bytes the codec saves, r the share of reads; u = (1-z)(1-d) uni
 blocks; p = u(1-c) stored bytes per logical byte):
 
   (1) CPU µs per block = (1-r)(1-z)(B/BLAKE3 + B/crc32c) + (1-r)u(B/probe + B/codec)
-                       + r(1-z)(B/crc32c + B/decompress) + (1-r)m_write + r m_read
+                       + r(1-z)(B/crc32c + B/decompress) + m
+      m = (1-r)(u m_unique + (1-u) m_write) + r m_read
       CPU bound = cores × B / (1)
-  (2) lock bound = min(volumes, cores) × B / ((1-r)m_write + r m_read)
+  (2) lock bound = min(volumes, cores) × B / m
       (a volume's metadata work runs under its state lock, one core at a time)
   (3) data devices bound = SSDs / (w/ssd_write + rd/ssd_read), w = (1-r)(p + M_w without \
 an NVDIMM), rd = r(1-z)(1-c); a RADOS pool: remote_mb_s / (w + rd)
@@ -43,7 +44,8 @@ M_w and M_h are the metadata bytes written and held per logical byte, from the o
 format (journal entries, block map and reference count pages, index records). The rates \
 are one core's: BLAKE3 and crc32c on 4 KiB blocks, the write path's probe, zstd and LZ4 on \
 64 KiB extents, and the engine's own per-block cost (m_write: duplicate writes to an \
-in-memory volume less their hashing; m_read: reads served from its cache). They take about \
+in-memory volume less their hashing; m_unique: unique writes, stored raw, less their \
+hashing; m_read: reads served from its cache). They take about \
 three seconds to measure; --save-rates keeps them for --rates. docs/design.md, \"Sizing \
 model\", explains every term.";
 
@@ -259,7 +261,7 @@ fn print_table(input: &ModelInput, volumes: u32, rows: &[Projection]) -> std::io
     outln!("per-core rates ({}):", r.measured_on)?;
     outln!(
         "  BLAKE3 {:.0} MB/s, crc32c {:.0} MB/s, probe {:.0} MB/s, zstd {:.0}/{:.0} MB/s, LZ4 {:.0}/{:.0} MB/s \
-         (compress/decompress), metadata {:.2} µs per written block, {:.2} µs per read block",
+         (compress/decompress), metadata {:.2} µs per duplicate, {:.2} per unique, {:.2} per read block",
         r.blake3_mb_s,
         r.crc32c_mb_s,
         r.probe_mb_s,
@@ -268,15 +270,19 @@ fn print_table(input: &ModelInput, volumes: u32, rows: &[Projection]) -> std::io
         r.lz4_compress_mb_s,
         r.lz4_decompress_mb_s,
         r.write_metadata_us_per_block,
+        r.write_unique_metadata_us_per_block,
         r.read_metadata_us_per_block
     )?;
     outln!(
-        "mix: {:.0}% zero, {:.0}% of the rest duplicates, {:.0}% saved by {:?} on unique blocks, {:.0}% reads: \
+        "mix: {:.0}% zero, {:.0}% of the rest duplicates, {:.0}% saved by {} on unique blocks, {:.0}% reads: \
          {:.2}x reduction; {} volume(s)",
         m.zero * 100.0,
         m.dup * 100.0,
         m.compress * 100.0,
-        input.codec,
+        match input.codec {
+            Codec::Zstd => "zstd",
+            Codec::Lz4 => "LZ4",
+        },
         m.read * 100.0,
         1.0 / m.stored(),
         volumes

@@ -19,6 +19,7 @@ const RATES: &str = r#"{
   "lz4_compress_mb_s": 4096.0,
   "lz4_decompress_mb_s": 8192.0,
   "write_metadata_us_per_block": 0.5,
+  "write_unique_metadata_us_per_block": 0.5,
   "read_metadata_us_per_block": 0.25
 }"#;
 

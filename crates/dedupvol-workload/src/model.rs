@@ -91,9 +91,13 @@ pub struct Rates {
     pub lz4_compress_mb_s: f64,
     /// LZ4 decompression of those extents (MB/s of output).
     pub lz4_decompress_mb_s: f64,
-    /// The engine's own work per written block besides hashing: index lookup and claim,
-    /// block map, reference counts and journal (µs per 4 KiB block, one core).
+    /// The engine's own work per written duplicate (or zero) block besides hashing: index
+    /// lookup and claim, block map, reference counts and journal (µs per 4 KiB block, one
+    /// core).
     pub write_metadata_us_per_block: f64,
+    /// The same for a written unique block, which also allocates, stages and records its
+    /// copy in the index (µs per 4 KiB block, one core; compression not included).
+    pub write_unique_metadata_us_per_block: f64,
     /// The engine's own work per block read from its cache: lookup, cache, copy (µs per
     /// 4 KiB block, one core).
     pub read_metadata_us_per_block: f64,
@@ -159,6 +163,7 @@ impl Rates {
             ("lz4_compress_mb_s", self.lz4_compress_mb_s),
             ("lz4_decompress_mb_s", self.lz4_decompress_mb_s),
             ("write_metadata_us_per_block", self.write_metadata_us_per_block),
+            ("write_unique_metadata_us_per_block", self.write_unique_metadata_us_per_block),
             ("read_metadata_us_per_block", self.read_metadata_us_per_block),
         ] {
             if !(value.is_finite() && value > 0.0) {
@@ -232,7 +237,7 @@ pub fn measure_rates(compress_fraction: f64, seed: u64) -> Result<Rates, ModelEr
     let lz4_decompress_mb_s = rate(lz4_units.len() * extent, || {
         lz4_units.iter().map(|u| lz4_flex::block::decompress_into(u, &mut out).unwrap_or(0)).sum()
     });
-    let (write_us, read_us) = measure_metadata(&model)?;
+    let (write_us, unique_us, read_us) = measure_metadata(&model)?;
     let rates = Rates {
         version: RATES_VERSION,
         measured_on: format!(
@@ -249,6 +254,7 @@ pub fn measure_rates(compress_fraction: f64, seed: u64) -> Result<Rates, ModelEr
         lz4_compress_mb_s,
         lz4_decompress_mb_s,
         write_metadata_us_per_block: write_us.max(METADATA_US_MIN),
+        write_unique_metadata_us_per_block: unique_us.max(METADATA_US_MIN),
         read_metadata_us_per_block: read_us.max(METADATA_US_MIN),
     };
     rates.validate()?;
@@ -260,14 +266,16 @@ fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "this host".into(), |s| s.trim().to_string())
 }
 
-/// µs per block of duplicate writes (less their hashing) and of cached reads on an
-/// in-memory volume, one writer, requests small enough to stay on the caller's core. The
-/// hashing the writes did (BLAKE3 and crc32c of the same blocks) is timed round by round
-/// between them, so a load that slows both is subtracted with it.
-fn measure_metadata(model: &ContentModel) -> Result<(f64, f64), ModelError> {
+/// µs per block of duplicate writes and of unique writes (less their hashing), and of
+/// cached reads, on an in-memory volume without compression, one writer, requests small
+/// enough to stay on the caller's core. The hashing the writes did (BLAKE3 and crc32c of
+/// the same blocks) is timed round by round between them, so a load that slows both is
+/// subtracted with it; the median round is kept.
+fn measure_metadata(model: &ContentModel) -> Result<(f64, f64, f64), ModelError> {
     let m = |e: dedupvol_core::Error| ModelError::Measure(e.to_string());
     let distinct = METADATA_DISTINCT_BLOCKS;
-    let total = distinct * (METADATA_ROUNDS + 1);
+    // The first copies, their duplicates, then as many unique blocks.
+    let total = distinct * (2 * METADATA_ROUNDS + 1);
     let logical = (total * BLOCK_BYTES) as u64;
     let dev = Arc::new(MemStorage::new(logical + (64 << 20)));
     let fmt = FormatOptions {
@@ -288,25 +296,38 @@ fn measure_metadata(model: &ContentModel) -> Result<(f64, f64), ModelError> {
     vol.flush().map_err(m)?;
     // Per round: the engine's time less the hashing's; the median round is kept, so a
     // burst of load from elsewhere on the machine moves the figure little.
-    let mut per_block_us: Vec<f64> = Vec::with_capacity(METADATA_ROUNDS);
-    let mut sink = 0usize;
-    for round in 1..=METADATA_ROUNDS {
+    let round_us = |round: usize, data: &[u8]| -> Result<f64, ModelError> {
         let start = Instant::now();
-        for (k, r) in first.chunks(req).enumerate() {
+        for (k, r) in data.chunks(req).enumerate() {
             vol.write(((round * distinct * BLOCK_BYTES) + k * req) as u64, r, false).map_err(m)?;
         }
         let engine_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
-        for c in first.chunks_exact(BLOCK_BYTES) {
+        let mut sink = 0usize;
+        for c in data.chunks_exact(BLOCK_BYTES) {
             sink = sink.wrapping_add(blake3::hash(c).as_bytes()[0] as usize + crc32c::crc32c(c) as usize);
         }
+        std::hint::black_box(sink);
         let hash_s = start.elapsed().as_secs_f64();
-        per_block_us.push((engine_s - hash_s) * 1e6 / distinct as f64);
+        Ok((engine_s - hash_s) * 1e6 / distinct as f64)
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(METADATA_US_MIN)
+    };
+    let mut dup_us = Vec::with_capacity(METADATA_ROUNDS);
+    for round in 1..=METADATA_ROUNDS {
+        dup_us.push(round_us(round, &first)?);
     }
-    std::hint::black_box(sink);
+    let mut unique_us = Vec::with_capacity(METADATA_ROUNDS);
+    let mut fresh = vec![0u8; distinct * BLOCK_BYTES];
+    for round in METADATA_ROUNDS + 1..=2 * METADATA_ROUNDS {
+        model.fill_range((round * distinct) as u64, &mut fresh);
+        unique_us.push(round_us(round, &fresh)?);
+    }
     vol.flush().map_err(m)?;
-    per_block_us.sort_by(f64::total_cmp);
-    let write_us = per_block_us.get(per_block_us.len() / 2).copied().unwrap_or(METADATA_US_MIN);
+    let write_us = median(dup_us);
+    let unique_us = median(unique_us);
     let timed = (distinct * METADATA_ROUNDS) as f64;
     let mut buf = vec![0u8; req];
     let start = Instant::now();
@@ -315,7 +336,7 @@ fn measure_metadata(model: &ContentModel) -> Result<(f64, f64), ModelError> {
     }
     let read_us = start.elapsed().as_secs_f64() * 1e6 / timed;
     vol.close().map_err(m)?;
-    Ok((write_us, read_us))
+    Ok((write_us, unique_us, read_us))
 }
 
 /// The codec the volume compresses with.
@@ -541,7 +562,9 @@ pub fn cpu_work(rates: &Rates, mix: &Mix, codec: Codec) -> CpuWork {
         hashing_us: w * nonzero * (b / rates.blake3_mb_s + b / rates.crc32c_mb_s),
         compression_us: w * mix.unique() * (b / rates.probe_mb_s + if compressed { b / zc } else { 0.0 }),
         decompression_us: mix.read * nonzero * (b / rates.crc32c_mb_s + if compressed { b / zd } else { 0.0 }),
-        metadata_us: w * rates.write_metadata_us_per_block + mix.read * rates.read_metadata_us_per_block,
+        metadata_us: w * (mix.unique() * rates.write_unique_metadata_us_per_block
+            + (1.0 - mix.unique()) * rates.write_metadata_us_per_block)
+            + mix.read * rates.read_metadata_us_per_block,
     }
 }
 
@@ -799,6 +822,7 @@ mod tests {
             lz4_compress_mb_s: 4096.0,
             lz4_decompress_mb_s: 8192.0,
             write_metadata_us_per_block: 0.5,
+            write_unique_metadata_us_per_block: 0.5,
             read_metadata_us_per_block: 0.25,
         }
     }
@@ -901,6 +925,16 @@ mod tests {
         i.memory.sparse_index = true;
         let s = project(&i, &Config { volumes: 1, ..cfg(8, 1) }).expect("sparse");
         assert!(s.dram_gb < p.dram_gb);
+    }
+
+    #[test]
+    fn unique_blocks_pay_their_own_metadata_figure() {
+        let mut r = fixed_rates();
+        r.write_unique_metadata_us_per_block = 2.5;
+        let mix = Mix { zero: 0.2, dup: 0.5, compress: 0.5, read: 0.0 };
+        // u = 0.8 × 0.5 = 0.4: 0.4 × 2.5 + 0.6 × 0.5.
+        let w = cpu_work(&r, &mix, Codec::Zstd);
+        assert!((w.metadata_us - 1.3).abs() < 1e-9, "{w:?}");
     }
 
     #[test]
