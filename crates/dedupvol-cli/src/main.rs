@@ -90,6 +90,7 @@ mod interrupt;
 mod logging;
 mod memory;
 mod metrics;
+mod model_cmd;
 mod probe;
 mod replay;
 mod scrub_cmd;
@@ -120,6 +121,10 @@ enum Command {
     Workload(workload_cmds::WorkloadCommand),
     #[command(flatten)]
     Trace(trace_cmds::TraceCommand),
+    /// Size a server before buying it: throughput bound and cost of cores × SSDs (with or
+    /// without an NVDIMM, or a RADOS pool) from this machine's per-core rates.
+    #[command(long_about = model_cmd::MODEL_LONG_ABOUT)]
+    Model(model_cmd::ModelArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
     Completions {
         /// The shell.
@@ -208,6 +213,7 @@ fn main() -> ExitCode {
         Command::Serve(c) => c.run(),
         Command::Workload(c) => c.run(),
         Command::Trace(c) => c.run(),
+        Command::Model(c) => c.run(),
         Command::Completions { shell } => completions(shell),
         Command::Man { out_dir } => man_pages(out_dir),
     };

@@ -242,6 +242,22 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     if let Some(t) = &s.tier {
         outln!("{}", tier_summary(t))?;
     }
+    // This process's background work (a served volume's, through its admin socket).
+    let c = &s.counters;
+    outln!(
+        "cleaner             {} passes, {} fragments moved ({}), {} blocks remapped",
+        c.cleaner_passes,
+        c.cleaner_fragments_moved,
+        human(c.cleaner_bytes_moved),
+        c.cleaner_blocks_remapped
+    )?;
+    outln!(
+        "recompression       {} passes, {} fragments, {} recompressed, {} saved",
+        c.recompress_passes,
+        c.recompress_fragments,
+        human(c.recompress_bytes),
+        human(c.recompress_bytes_saved)
+    )?;
     if let Some(sc) = &s.scrub {
         outln!(
             "scrub               {} {}: {} blocks and {} metadata pages read ({}), {} damaged, {} repaired, {} logical blocks lost{}",

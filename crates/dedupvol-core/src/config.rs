@@ -455,6 +455,12 @@ pub struct OpenOptions {
     /// address) and break its lock instead of refusing to open (`RadosStorage`). For a
     /// server that takes over from a dead one; files ignore it.
     pub take_over: bool,
+    /// Store new data with this codec and level in this session instead of the volume's
+    /// (None: the volume's). Nothing on disk changes: every fragment records its codec,
+    /// and `Volume::recompress` (run by the idle `Cleaner`) brings such data to the
+    /// volume's codec. For tests of that path and of data stored by a fast codec.
+    #[doc(hidden)]
+    pub store_codec: Option<(Compression, i8)>,
 }
 
 impl OpenOptions {
@@ -488,6 +494,7 @@ impl Default for OpenOptions {
             woj_weak_hash_mask: u64::MAX,
             index_rebuild: crate::dedup::index::IndexRebuild::Auto,
             take_over: false,
+            store_codec: None,
         }
     }
 }

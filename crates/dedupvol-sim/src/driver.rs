@@ -64,6 +64,11 @@ const REBUILD_CRASH_PCT: u32 = 10;
 const CLEAN_STEP_PCT: u32 = 3;
 /// See `CLEAN_STEP_PCT`.
 const CLEAN_CRASH_PCT: u32 = 25;
+/// Percent of operations followed by a recompression pass (`SimOptions::recompress`,
+/// `recompress_rng`), and of those passes with a crash armed inside them.
+const RECOMPRESS_STEP_PCT: u32 = 5;
+/// See `RECOMPRESS_STEP_PCT`.
+const RECOMPRESS_CRASH_PCT: u32 = 25;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
 /// Percent of crash recoveries followed at once by a clean close and an audit.
@@ -107,6 +112,10 @@ pub struct SimOptions {
     /// Percent of seeds that run with write-once journaling on a random journal range
     /// (the workload then writes journal blocks and, later, their checkpoint copies).
     pub woj_pct: u32,
+    /// Every session of a compressing volume stores with the other codec
+    /// (`OpenOptions::store_codec`), and recompression passes, some with a crash armed
+    /// inside, bring that data to the volume's codec between operations.
+    pub recompress: bool,
 }
 
 impl Default for SimOptions {
@@ -121,6 +130,7 @@ impl Default for SimOptions {
             compressible_duplicates: false,
             heal_rewrites: false,
             woj_pct: WOJ_PCT_DEFAULT,
+            recompress: false,
         }
     }
 }
@@ -364,6 +374,13 @@ impl RunConfig {
             open.defer_compression_micros = pick(&mut pr, &[1u64, 20, 100]);
             open.defer_fixed_cost_ns = Some(10_000);
         }
+        if opts.recompress {
+            open.store_codec = match format.compression {
+                Compression::Zstd => Some((Compression::Lz4, 0)),
+                Compression::Lz4 => Some((Compression::Zstd, 0)),
+                Compression::None => None,
+            };
+        }
         if let Some((start, len)) = woj_journal {
             open.woj = dedupvol_core::WojMode::Range { offset: start * B, len: len * B };
             if wr.gen_bool(0.5) {
@@ -478,6 +495,12 @@ pub struct RunStats {
     pub cleaner_passes: u64,
     /// Crashes armed inside a cleaner pass that struck.
     pub crashes_in_clean: u64,
+    /// Recompression passes run between operations.
+    pub recompress_passes: u64,
+    /// Fragments those passes replaced.
+    pub fragments_recompressed: u64,
+    /// Crashes armed inside a recompression pass that struck.
+    pub crashes_in_recompress: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
     /// Engine counters summed over every volume instance that was closed or crashed.
@@ -514,6 +537,9 @@ impl RunStats {
         self.crashes_in_rebuild += o.crashes_in_rebuild;
         self.cleaner_passes += o.cleaner_passes;
         self.crashes_in_clean += o.crashes_in_clean;
+        self.recompress_passes += o.recompress_passes;
+        self.fragments_recompressed += o.fragments_recompressed;
+        self.crashes_in_recompress += o.crashes_in_recompress;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
         self.io_calls += o.io_calls;
@@ -638,6 +664,8 @@ struct Run<'a, E: SimEngine> {
     rebuild_rng: ChaCha8Rng,
     /// Draws of the cleaner passes, apart from `rng` so seeds keep their operations.
     cleaner_rng: ChaCha8Rng,
+    /// Draws of the recompression passes (`SimOptions::recompress` only).
+    recompress_rng: ChaCha8Rng,
     model: Model,
     vol: Option<E>,
     stats: RunStats,
@@ -703,6 +731,7 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         rng,
         rebuild_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x1DE8_B11D),
         cleaner_rng: ChaCha8Rng::seed_from_u64(seed ^ 0xC1EA_4E12),
+        recompress_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x4EC0_3955),
         model: Model::new(),
         vol: None,
         stats: RunStats::default(),
@@ -817,6 +846,13 @@ impl<E: SimEngine> Run<'_, E> {
             }
             if self.vol.is_some() && !self.machine.is_crashed() && self.cleaner_rng.gen_range(0..100) < CLEAN_STEP_PCT {
                 self.op_clean()?;
+            }
+            if self.opts.recompress
+                && self.vol.is_some()
+                && !self.machine.is_crashed()
+                && self.recompress_rng.gen_range(0..100) < RECOMPRESS_STEP_PCT
+            {
+                self.op_recompress()?;
             }
             if self.opts.audit_every_op && !self.machine.is_crashed() {
                 self.machine.set_passthrough(true);
@@ -1145,6 +1181,39 @@ impl<E: SimEngine> Run<'_, E> {
         };
         if self.machine.is_crashed() {
             self.stats.crashes_in_clean += 1;
+        } else if armed {
+            self.machine.disarm_crash();
+        }
+        r
+    }
+
+    /// A recompression pass (stores data again with the volume's codec, changes no
+    /// content; a crash may be armed inside it). Mirrors `op_clean`.
+    fn op_recompress(&mut self) -> Result<(), String> {
+        let armed = self.cfg.crash_ppm > 0 && self.recompress_rng.gen_range(0..100) < RECOMPRESS_CRASH_PCT;
+        if armed {
+            let after = self.recompress_rng.gen_range(0..16);
+            self.note(format!("arm crash after {after} I/O calls in a recompression pass"));
+            self.machine.arm_crash(after);
+        }
+        let budget = if self.recompress_rng.gen_bool(0.5) { 64 << 10 } else { 1 << 20 };
+        let before = self.machine.evidence();
+        self.stats.recompress_passes += 1;
+        let r = self.vol().recompress(budget);
+        let r = match r {
+            Ok(n) => {
+                self.note(format!("recompression pass: {n} fragments replaced"));
+                self.stats.fragments_recompressed += n;
+                if !self.machine.is_crashed() && self.recompress_rng.gen_bool(0.5) {
+                    self.op_flush()
+                } else {
+                    Ok(())
+                }
+            }
+            Err(e) => self.mutation_error("recompression pass", &e, &before),
+        };
+        if self.machine.is_crashed() {
+            self.stats.crashes_in_recompress += 1;
         } else if armed {
             self.machine.disarm_crash();
         }

@@ -50,6 +50,12 @@ pub trait SimEngine: Sized {
     fn clean(&self, _budget_bytes: u64, _live_max: u32) -> Result<u64> {
         Ok(0)
     }
+    /// Runs one recompression pass (stores data of another codec again with the volume's,
+    /// changes no content); the number of fragments replaced. Engines without one do
+    /// nothing.
+    fn recompress(&self, _budget_bytes: u64) -> Result<u64> {
+        Ok(0)
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -148,6 +154,9 @@ impl SimEngine for Volume {
     }
     fn clean(&self, budget_bytes: u64, live_max: u32) -> Result<u64> {
         Volume::clean(self, &dedupvol_core::CleanOptions { budget_bytes, live_max }).map(|r| r.fragments_moved)
+    }
+    fn recompress(&self, budget_bytes: u64) -> Result<u64> {
+        Volume::recompress(self, &dedupvol_core::RecompressOptions { budget_bytes }).map(|r| r.fragments_recompressed)
     }
     fn audit(&self) -> std::result::Result<(), String> {
         self.audit_memory()

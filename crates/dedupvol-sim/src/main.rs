@@ -54,6 +54,10 @@ struct Args {
     /// Percent of seeds run with write-once journaling on a random journal range.
     #[arg(long, default_value_t = dedupvol_sim::driver::WOJ_PCT_DEFAULT)]
     woj_pct: u32,
+    /// Store every session's data with the other codec and run recompression passes
+    /// (some with a crash inside) between operations.
+    #[arg(long)]
+    recompress: bool,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -109,6 +113,7 @@ fn main() {
         compressible_duplicates: args.compressible_duplicates,
         heal_rewrites: args.heal_rewrites,
         woj_pct: args.woj_pct.min(100),
+        recompress: args.recompress,
     };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };
@@ -197,7 +202,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -221,6 +226,9 @@ fn figures(s: &RunStats) -> String {
         s.coverage.index_rebuild_pages_skipped,
         s.cleaner_passes,
         s.crashes_in_clean,
+        s.recompress_passes,
+        s.fragments_recompressed,
+        s.crashes_in_recompress,
         s.io_calls
     )
 }

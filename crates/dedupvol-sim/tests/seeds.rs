@@ -125,3 +125,21 @@ fn simulator_seeds_pass_with_woj_and_forced_collisions() {
     assert!(total.coverage.woj_collisions > 0, "no forced collision reached the byte comparison");
     assert!(total.crashes >= CI_WOJ_SEEDS, "too few crashes: {}", total.crashes);
 }
+
+/// Seeds run with recompression (every session stores with the other codec; passes bring
+/// it to the volume's codec between operations, a quarter with a crash armed inside).
+const CI_RECOMPRESS_SEEDS: u64 = 160;
+
+#[test]
+fn simulator_seeds_pass_with_recompression_and_crashes_inside_it() {
+    let opts = SimOptions { recompress: true, ..SimOptions::default() };
+    let start = 40_000;
+    let (total, failures) = run_seeds(start..start + CI_RECOMPRESS_SEEDS, &opts);
+    eprintln!(
+        "{CI_RECOMPRESS_SEEDS} recompression seeds: {} passes, {} fragments replaced, {} crashes inside them",
+        total.recompress_passes, total.fragments_recompressed, total.crashes_in_recompress
+    );
+    assert!(failures.is_empty(), "{} of {CI_RECOMPRESS_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(total.fragments_recompressed > 0, "no fragment was recompressed");
+    assert!(total.crashes_in_recompress > 0, "no crash struck inside a recompression pass");
+}

@@ -6,6 +6,7 @@
 //!   I/O stream a benchmark replays;
 //! - [`estimate`]: the exact zero/dedup/compression estimate of files or devices, modelling
 //!   the engine's fragment packing;
+//! - [`model`]: the sizing model (throughput bound and cost of a server from per-core rates);
 //! - [`primitives`]: the machine's limits (BLAKE3, LZ4, zstd, disk), measured in the run;
 //! - [`bench`]: the in-process engine benchmark with its no-reduction baselines;
 //! - [`trace`]: the FIU block trace format (streaming parser);
@@ -20,6 +21,7 @@
 pub mod bench;
 pub mod content;
 pub mod estimate;
+pub mod model;
 pub mod primitives;
 pub mod rng;
 pub mod table;

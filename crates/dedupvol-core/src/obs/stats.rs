@@ -73,6 +73,14 @@ pub struct ReductionCounters {
     /// Compressed bytes of fragments dropped from the map since the last cleaner pass
     /// (a hint of dead space: a fragment shared by several blocks counts once per block).
     pub dead_fragment_bytes_hint: u64,
+    /// Recompression passes (fragments of another codec brought to the volume's).
+    pub recompress_passes: u64,
+    /// Fragments of another codec the recompressor replaced.
+    pub recompress_fragments: u64,
+    /// Logical bytes the recompressor compressed again.
+    pub recompress_bytes: u64,
+    /// Compressed bytes it saved: the old fragments' bytes less the new ones'.
+    pub recompress_bytes_saved: u64,
 }
 
 /// A full statistics snapshot.

@@ -88,14 +88,14 @@ pub struct CleanReport {
 }
 
 /// A live fragment found by the scan: its mappings.
-struct Found {
-    frag: Frag,
-    uses: Vec<(u64, MapEntry)>,
+pub(super) struct Found {
+    pub(super) frag: Frag,
+    pub(super) uses: Vec<(u64, MapEntry)>,
 }
 
 impl Found {
     /// Its blocks still mapped, by index in the unit, in order.
-    fn live_subs(&self) -> Vec<usize> {
+    pub(super) fn live_subs(&self) -> Vec<usize> {
         let mut subs: Vec<usize> = self.uses.iter().map(|(_, e)| e.frag.sub()).collect();
         subs.sort_unstable();
         subs.dedup();
@@ -282,6 +282,29 @@ impl Volume {
     /// mapping that names it (each names one block of its unit); None when it cannot be
     /// read or does not decode to them (it is then left where it is).
     fn read_fragment(&self, f: &Found) -> Option<Read> {
+        let (bytes, unit) = self.decode_found(f)?;
+        let subs = f.live_subs();
+        let hashes = if self.dedup {
+            subs.iter()
+                .filter_map(|&s| {
+                    unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE).map(|b| (s, *blake3::hash(b).as_bytes()))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if subs.len() == f.frag.unit_blocks() {
+            return Some(Read { moved: Moved::Copy(bytes), hashes });
+        }
+        let live: Vec<u8> =
+            subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
+        Some(Read { moved: Moved::Rewrite(live, subs), hashes })
+    }
+
+    /// A live fragment's bytes and its whole unit decoded (no lock), checked against the
+    /// crc of every mapping that names it; None when it cannot be read or does not decode
+    /// to them.
+    pub(super) fn decode_found(&self, f: &Found) -> Option<(Vec<u8>, Vec<u8>)> {
         let (_, e0) = f.uses.first()?;
         let mut span = vec![0u8; f.frag.span() as usize * BLOCK_SIZE];
         let cached: Vec<_> = {
@@ -302,35 +325,30 @@ impl Volume {
             let at = e.frag.sub() * BLOCK_SIZE;
             unit.get(at..at + BLOCK_SIZE).is_some_and(|b| crc32c::crc32c(b) == e.crc)
         });
-        if !ok {
-            return None;
-        }
-        let subs = f.live_subs();
-        let hashes = if self.dedup {
-            subs.iter()
-                .filter_map(|&s| {
-                    unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE).map(|b| (s, *blake3::hash(b).as_bytes()))
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        if subs.len() == f.frag.unit_blocks() {
-            return Some(Read { moved: Moved::Copy(bytes), hashes });
-        }
-        let live: Vec<u8> =
-            subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
-        Some(Read { moved: Moved::Rewrite(live, subs), hashes })
+        ok.then_some((bytes, unit))
     }
 
-    /// Stores whole blocks again (state lock held): compressed as one unit (or alone, for
-    /// one block), else raw; returns each block's new entry (crc 0: the caller's) and the
-    /// bytes written. None when no run can take the unit.
+    /// Stores whole blocks again (state lock held): compressed with the volume's codec as
+    /// one unit (or alone, for one block), else raw; returns each block's new entry (crc
+    /// 0: the caller's) and the bytes written. None when no run can take the unit.
     fn store_blocks(&self, st: &mut super::state::State, blocks: &[u8]) -> Result<Option<(Vec<MapEntry>, u64)>> {
+        let (codec, level) = self.volume_codec;
+        let frag = packer::compress(codec, level, blocks);
+        self.store_unit(st, blocks, frag.as_deref())
+    }
+
+    /// Stores whole blocks already compressed with the volume's codec as `frag` (state
+    /// lock held), or raw when `frag` is None: see `store_blocks`.
+    pub(super) fn store_unit(
+        &self,
+        st: &mut super::state::State,
+        blocks: &[u8],
+        frag: Option<&[u8]>,
+    ) -> Result<Option<(Vec<MapEntry>, u64)>> {
         let n = blocks.len() / BLOCK_SIZE;
-        let codec = self.compression;
-        if let Some(frag) = packer::compress(codec, self.compression_level, blocks) {
-            let Some((pbn, off)) = self.pack(st, &frag)? else { return Ok(None) };
+        let codec = self.volume_codec.0;
+        if let Some(frag) = frag {
+            let Some((pbn, off)) = self.pack(st, frag)? else { return Ok(None) };
             let entries = (0..n)
                 .map(|sub| {
                     MapEntry::fragment(pbn, Frag::new(codec.code(), off, frag.len() as u16, n as u8, sub as u8), 0)
@@ -348,26 +366,74 @@ impl Volume {
     }
 }
 
+/// How long a volume must go without client writes before the cleaner thread spends
+/// its passes on recompression.
+pub const RECOMPRESS_IDLE_DEFAULT: Duration = Duration::from_secs(1);
+
+/// What a cleaner thread runs, and when.
+#[derive(Debug, Clone)]
+pub struct CleanerOptions {
+    /// How often the thread looks.
+    pub interval: Duration,
+    /// Dead-space hint (bytes) at which a cleaner pass runs.
+    pub trigger_bytes: u64,
+    /// The cleaner passes' options.
+    pub clean: CleanOptions,
+    /// Recompression passes while the volume is idle (None: never).
+    pub recompress: Option<super::recompress::RecompressOptions>,
+    /// No client write for this long makes the volume idle.
+    pub idle: Duration,
+}
+
 /// A cleaner thread for a shared volume: every `interval` it runs a pass when the
-/// dead-space hint reaches `trigger_bytes`. Stops when dropped or when the volume goes.
+/// dead-space hint reaches `trigger_bytes`, and, once no client has written for `idle`,
+/// recompression passes while data of another codec is left. Stops when dropped or when
+/// the volume goes.
 pub struct Cleaner {
     stop: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Cleaner {
-    /// Starts the thread (None when it cannot be spawned).
+    /// Starts the thread with recompression when idle (None when it cannot be spawned).
     pub fn spawn(vol: &Arc<Volume>, interval: Duration, trigger_bytes: u64, opts: CleanOptions) -> Option<Cleaner> {
+        Cleaner::spawn_with(
+            vol,
+            CleanerOptions {
+                interval,
+                trigger_bytes,
+                clean: opts,
+                recompress: Some(super::recompress::RecompressOptions::default()),
+                idle: RECOMPRESS_IDLE_DEFAULT,
+            },
+        )
+    }
+
+    /// Starts the thread (None when it cannot be spawned).
+    pub fn spawn_with(vol: &Arc<Volume>, opts: CleanerOptions) -> Option<Cleaner> {
         let weak: Weak<Volume> = Arc::downgrade(vol);
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let handle = std::thread::Builder::new()
             .name("dedupvol-cleaner".into())
             .spawn(move || {
+                // Client writes seen at the last look, and since when they stand still.
+                let mut writes: Option<u64> = None;
+                let mut quiet_since = std::time::Instant::now();
                 while !flag.load(Ordering::Acquire) {
-                    std::thread::sleep(interval);
+                    std::thread::sleep(opts.interval);
                     let Some(v) = weak.upgrade() else { break };
-                    if v.dead_bytes_hint() >= trigger_bytes && v.clean(&opts).is_err() {
+                    if v.dead_bytes_hint() >= opts.trigger_bytes && v.clean(&opts.clean).is_err() {
+                        break;
+                    }
+                    let Some(ro) = &opts.recompress else { continue };
+                    let now = v.state.lock().red.blocks_written;
+                    if writes != Some(now) {
+                        writes = Some(now);
+                        quiet_since = std::time::Instant::now();
+                        continue;
+                    }
+                    if quiet_since.elapsed() >= opts.idle && v.recompress_hint() > 0 && v.recompress(ro).is_err() {
                         break;
                     }
                 }

@@ -442,6 +442,8 @@ impl Volume {
             red: ReductionCounters::default(),
             staging: Staging::default(),
             cleaner_window: 0,
+            // Unknown: fragments of another codec may be left from an earlier session.
+            fast_codec_hint: u64::MAX,
         };
         let data = DataDevice::new(data, &geo);
         let tickets = Arc::new(Tickets::default());
@@ -477,8 +479,12 @@ impl Volume {
             logical_blocks: std::sync::atomic::AtomicU64::new(geo.logical_blocks),
             policy: opts.write_policy.unwrap_or(sb.write_policy),
             dedup: sb.dedup,
-            compression: sb.compression,
-            compression_level: crate::config::effective_level(sb.compression, sb.compression_level),
+            compression: opts.store_codec.map_or(sb.compression, |(c, _)| c),
+            compression_level: opts.store_codec.map_or_else(
+                || crate::config::effective_level(sb.compression, sb.compression_level),
+                |(c, l)| crate::config::effective_level(c, l),
+            ),
+            volume_codec: (sb.compression, crate::config::effective_level(sb.compression, sb.compression_level)),
             cache_writes: opts.writes_cached(sb.verify),
             extent_blocks_max: opts.extent_blocks_max.clamp(1, crate::metadata::block_map::UNIT_BLOCKS_MAX),
             lifetime_base: sb.lifetime,

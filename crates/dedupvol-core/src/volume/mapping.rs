@@ -50,6 +50,9 @@ impl Volume {
         if let Some(f) = old.fragment_of() {
             st.red.dead_fragment_bytes_hint += u64::from(f.len);
         }
+        if let Some(f) = new.fragment_of().filter(|f| f.codec != self.volume_codec.0.code()) {
+            st.fast_codec_hint = st.fast_codec_hint.saturating_add(u64::from(f.len));
+        }
         if old.is_data() {
             let mut freed: Vec<u64> = Vec::new();
             st.rc.dec(&old, seq, |p| freed.push(p))?;

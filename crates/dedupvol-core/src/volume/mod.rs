@@ -30,6 +30,7 @@
 
 pub(crate) mod block_status;
 pub(crate) mod cleaner;
+pub(crate) mod recompress;
 mod commit;
 pub(crate) mod grow;
 mod lifecycle;
@@ -97,9 +98,14 @@ pub struct Volume {
     pub(crate) io: Arc<IoCounters>,
     pub(crate) policy: WritePolicy,
     pub(crate) dedup: bool,
+    /// The codec the write path stores with: the volume's, unless this session was opened
+    /// with another (`OpenOptions::store_codec`).
     pub(crate) compression: Compression,
     /// `compression`'s level in effect (`config::effective_level`).
     pub(crate) compression_level: i8,
+    /// The volume's codec and level in effect (the superblock's): what the cleaner and the
+    /// recompressor store with, and what a fragment of another codec is brought to.
+    pub(crate) volume_codec: (Compression, i8),
     /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
     pub(crate) cache_writes: bool,
     /// Largest extent formed, in blocks (`OpenOptions::extent_blocks_max`).

@@ -25,6 +25,10 @@ pub(crate) struct State {
     pub(crate) staging: Staging,
     /// Where the cleaner's next window of the data region starts.
     pub(crate) cleaner_window: u64,
+    /// Bytes of fragments mapped with a codec other than the volume's since the last
+    /// recompression pass that found none (`u64::MAX` at open: not known yet). Zero means
+    /// a pass would find nothing, so the idle cleaner thread does not scan.
+    pub(crate) fast_codec_hint: u64,
 }
 
 impl State {

@@ -1,0 +1,395 @@
+//! The recompressor: brings data stored with another codec than the volume's (the fast
+//! codec, when compression could not keep up with a burst, or a session opened with
+//! `OpenOptions::store_codec`) to the volume's codec, so the volume ends at the ratio
+//! inline compression would have given. Built on the cleaner's machinery: the same bounded
+//! scan, the same checked reads, the same append to the open run and remap of mappings
+//! unchanged since the scan.
+//!
+//! A pass: (1) scans the block map in holds of `SCAN_LBAS_PER_HOLD` entries, collecting
+//! every fragment whose codec is not the volume's (at most `FOUND_MAX`); (2) groups them:
+//! a unit whose blocks are each mapped once, by consecutive logical blocks in unit order,
+//! is *linear*, and linear units that follow each other logically are merged into one run
+//! and cut again into near-equal units of at most `extent_blocks_max` blocks, as the write
+//! path cuts a run of chunks (so data stored as single blocks becomes extents again); any
+//! other unit (shared by duplicates, or with dead blocks) is a group of its own, its live
+//! blocks; (3) reads and decodes each group's fragments and checks every block against
+//! its mappings' crcs, then compresses the group with the volume's codec (no lock);
+//! (4) under the state lock, appends the new unit to the open run (or stores its blocks
+//! raw when the codec cannot shrink it), remaps every logical block still mapped exactly
+//! as scanned, and records the new copies in the index.
+//!
+//! Decision, per fragment found by the scan:
+//!
+//! | codec is the volume's | its blocks in the open run or `Staging` | unit linear | group |
+//! |---|---|---|---|
+//! | yes | – | – | not taken |
+//! | no | yes | – | not taken (next pass: it is written by then) |
+//! | no | no | yes | merged with the linear units logically next to it |
+//! | no | no | no | alone: its live blocks as one unit |
+//!
+//! Raw blocks are never taken: a block stored raw because compression was deferred looks
+//! like one the probe found incompressible, and trying every raw block again would spend
+//! the CPU on data that does not shrink. Deferral should store the fast codec instead.
+//!
+//! Invariants:
+//! - As for the cleaner: a logical block is remapped only if its entry is still the one
+//!   scanned, under the hold that appends the new copy; a fragment is moved only after
+//!   every block of it that a mapping uses decoded to that mapping's crc.
+//! - A group's new unit holds exactly its blocks, in the order the remap assumes, and at
+//!   most `UNIT_BLOCKS_MAX` of them (asserted: blocks × 4 KiB = the bytes compressed).
+//! - The first idle pass after an open reads the whole block map once (what an earlier
+//!   session left in another codec is not known); later passes run only when new
+//!   mappings of another codec were made (`State::fast_codec_hint`).
+//! - A pass compresses at most `RecompressOptions::budget_bytes` logical bytes (at least
+//!   one group) and holds the state lock for at most `SCAN_LBAS_PER_HOLD` map entries or
+//!   `GROUPS_PER_HOLD` groups at a time.
+//! - Everything it writes goes through the commit path of client writes.
+
+use super::cleaner::Found;
+use super::Volume;
+use crate::config::BLOCK_SIZE;
+use crate::data::packer;
+use crate::error::Result;
+use crate::metadata::block_map::MapEntry;
+use std::collections::BTreeMap;
+
+/// Map entries read per state-lock hold while scanning.
+const SCAN_LBAS_PER_HOLD: u64 = 8192;
+/// Groups placed per state-lock hold.
+const GROUPS_PER_HOLD: usize = 16;
+/// Fragments one pass collects at most (bounds its memory; the rest wait for the next).
+const FOUND_MAX: usize = 1 << 20;
+
+/// What a pass may do.
+#[derive(Debug, Clone)]
+pub struct RecompressOptions {
+    /// Logical bytes a pass compresses at most (at least one group).
+    pub budget_bytes: u64,
+}
+
+impl Default for RecompressOptions {
+    fn default() -> Self {
+        // 64 MiB: about a tenth of a second of zstd-1 on one core.
+        RecompressOptions { budget_bytes: 64 << 20 }
+    }
+}
+
+/// What a pass did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RecompressReport {
+    /// Logical blocks scanned.
+    pub scanned_blocks: u64,
+    /// Fragments of another codec found.
+    pub fragments_found: u64,
+    /// Fragments replaced.
+    pub fragments_recompressed: u64,
+    /// Logical bytes compressed again.
+    pub bytes_recompressed: u64,
+    /// Compressed bytes of the fragments replaced.
+    pub bytes_before: u64,
+    /// Bytes stored for them now.
+    pub bytes_after: u64,
+    /// Logical blocks remapped.
+    pub blocks_remapped: u64,
+    /// True when the pass stopped on its budget (or its collection bound) with fragments
+    /// of another codec left.
+    pub more: bool,
+}
+
+/// The fragments one new unit replaces: each with the blocks of its unit that go into it
+/// (by index in the old unit, in order).
+struct Group {
+    members: Vec<(Found, Vec<usize>)>,
+}
+
+impl Group {
+    fn blocks(&self) -> usize {
+        self.members.iter().map(|(_, subs)| subs.len()).sum()
+    }
+}
+
+/// A group read and compressed (no lock): its blocks, the new unit (None: store raw), the
+/// fingerprints of its blocks when dedup is on.
+struct Ready {
+    blocks: Vec<u8>,
+    frag: Option<Vec<u8>>,
+    hashes: Vec<[u8; 32]>,
+}
+
+/// The logical block of a linear unit's first block: every block mapped once, by
+/// consecutive logical blocks in unit order.
+fn linear_start(f: &Found) -> Option<u64> {
+    let n = f.frag.unit_blocks();
+    if f.uses.len() != n {
+        return None;
+    }
+    let mut uses: Vec<(usize, u64)> = f.uses.iter().map(|(l, e)| (e.frag.sub(), *l)).collect();
+    uses.sort_unstable();
+    let (_, l0) = *uses.first()?;
+    uses.iter().enumerate().all(|(k, &(sub, l))| sub == k && l == l0 + k as u64).then_some(l0)
+}
+
+/// Near-equal cut of a run of `run` blocks into units of at most `max`: a run of 20 makes
+/// two of 10, not 16 and 4 (the write path's cut).
+fn cut(run: usize, max: usize) -> Vec<usize> {
+    let units = run.div_ceil(max.max(1));
+    let size = run.div_ceil(units.max(1));
+    let mut out = Vec::with_capacity(units);
+    let mut left = run;
+    while left > 0 {
+        let n = size.min(left);
+        out.push(n);
+        left -= n;
+    }
+    out
+}
+
+/// Groups the fragments found (see the module docs), in logical order.
+fn group(found: Vec<Found>, extent_max: usize) -> Vec<Group> {
+    let mut linear: BTreeMap<u64, Found> = BTreeMap::new();
+    let mut groups: Vec<(u64, Group)> = Vec::new();
+    for f in found {
+        match linear_start(&f) {
+            Some(l0) => {
+                linear.insert(l0, f);
+            }
+            None => {
+                let subs = f.live_subs();
+                let first = f.uses.iter().map(|(l, _)| *l).min().unwrap_or(0);
+                groups.push((first, Group { members: vec![(f, subs)] }));
+            }
+        }
+    }
+    // Runs of linear units, each unit whole; a run is cut at unit boundaries near the
+    // write path's cut (a unit is never split: its blocks are decoded together, and a
+    // unit split across two new ones would keep no benefit).
+    let mut run: Vec<Found> = Vec::new();
+    let mut run_end = 0u64;
+    let flush = |run: &mut Vec<Found>, groups: &mut Vec<(u64, Group)>| {
+        let total: usize = run.iter().map(|f| f.frag.unit_blocks()).sum();
+        let mut sizes = cut(total, extent_max).into_iter();
+        let mut target = sizes.next().unwrap_or(total);
+        let mut current = Group { members: Vec::new() };
+        let mut first = None;
+        for f in run.drain(..) {
+            let n = f.frag.unit_blocks();
+            if !current.members.is_empty() && current.blocks() + n > target {
+                groups.push((first.unwrap_or(0), std::mem::replace(&mut current, Group { members: Vec::new() })));
+                first = None;
+                target = sizes.next().unwrap_or(target);
+            }
+            first = first.or_else(|| linear_start(&f));
+            let subs: Vec<usize> = (0..n).collect();
+            current.members.push((f, subs));
+        }
+        if !current.members.is_empty() {
+            groups.push((first.unwrap_or(0), current));
+        }
+    };
+    for (l0, f) in linear {
+        if !run.is_empty() && l0 != run_end {
+            flush(&mut run, &mut groups);
+        }
+        run_end = l0 + f.frag.unit_blocks() as u64;
+        run.push(f);
+    }
+    flush(&mut run, &mut groups);
+    groups.sort_by_key(|(first, _)| *first);
+    groups.into_iter().map(|(_, g)| g).collect()
+}
+
+impl Volume {
+    /// Fragment bytes of another codec than the volume's mapped since the last pass that
+    /// found none (`u64::MAX`: not known since the open). Zero: a pass has nothing to do.
+    pub fn recompress_hint(&self) -> u64 {
+        self.state.lock().fast_codec_hint
+    }
+
+    /// One recompression pass (see the module docs). Read-only volumes, and volumes
+    /// without compression, do nothing.
+    pub fn recompress(&self, opts: &RecompressOptions) -> Result<RecompressReport> {
+        let mut report = RecompressReport::default();
+        let (codec, level) = self.volume_codec;
+        if self.read_only {
+            return Ok(report);
+        }
+        {
+            let mut st = self.state.lock();
+            // Mappings made from here on count towards the next pass.
+            st.fast_codec_hint = 0;
+            if codec == crate::config::Compression::None {
+                // Nothing to bring anything to: fragments of any codec stay as they are.
+                return Ok(report);
+            }
+            st.red.recompress_passes += 1;
+        }
+        // (1) The map, in chunks.
+        let target = codec.code();
+        let mut frags: BTreeMap<(u64, u16), Found> = BTreeMap::new();
+        let mut lba = 0;
+        while lba < self.logical_blocks() {
+            let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
+            let mut st = self.state.lock();
+            for l in lba..end {
+                let Ok(e) = st.map.get(l) else { continue };
+                let Some(f) = e.fragment_of().filter(|f| f.codec != target) else { continue };
+                if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
+                    report.more = true;
+                    continue;
+                }
+                frags.entry((e.pbn, f.off)).or_insert_with(|| Found { frag: f, uses: Vec::new() }).uses.push((l, e));
+            }
+            let durable = st.journal.durable_seq();
+            st.map.evict(durable)?;
+            drop(st);
+            report.scanned_blocks += end - lba;
+            lba = end;
+        }
+        report.fragments_found = frags.len() as u64;
+        // Fragments still in memory (the open run, Staging) wait: the read below is of the
+        // device.
+        let found: Vec<Found> = {
+            let st = self.state.lock();
+            frags
+                .into_values()
+                .filter(|f| {
+                    let first = f.uses.first().map_or(0, |(_, e)| e.pbn);
+                    let waiting =
+                        (first..first + f.frag.span()).any(|p| st.staging.get(p).is_some() || st.packer.is_open(p));
+                    report.more |= waiting;
+                    !waiting
+                })
+                .collect()
+        };
+        // (2) Groups.
+        let groups = group(found, usize::from(self.extent_blocks_max));
+        // (3) and (4), a few groups at a time.
+        let mut groups = groups.into_iter().peekable();
+        while groups.peek().is_some() {
+            if report.bytes_recompressed >= opts.budget_bytes {
+                report.more = true;
+                break;
+            }
+            let batch: Vec<Group> = groups.by_ref().take(GROUPS_PER_HOLD).collect();
+            let ready: Vec<Option<Ready>> = batch.iter().map(|g| self.read_group(g, codec, level)).collect();
+            let mut st = self.state.lock();
+            for (g, ready) in batch.iter().zip(ready) {
+                let Some(Ready { blocks, frag, hashes }) = ready else { continue };
+                let n = blocks.len() / BLOCK_SIZE;
+                assert_eq!(n, g.blocks(), "a group's new unit holds exactly its blocks");
+                assert!(
+                    (1..=usize::from(crate::metadata::block_map::UNIT_BLOCKS_MAX)).contains(&n),
+                    "a group is at most one unit: whole units are never merged past the cut"
+                );
+                // Only mappings unchanged since the scan move.
+                let mut still: Vec<Vec<(u64, MapEntry)>> = Vec::with_capacity(g.members.len());
+                for (f, _) in &g.members {
+                    let mut s = Vec::new();
+                    for &(l, e) in &f.uses {
+                        if st.map.get(l)? == e {
+                            s.push((l, e));
+                        }
+                    }
+                    still.push(s);
+                }
+                if still.iter().all(Vec::is_empty) {
+                    continue;
+                }
+                let Some((entries, stored)) = self.store_unit(&mut st, &blocks, frag.as_deref())? else { continue };
+                report.bytes_after += stored;
+                report.bytes_recompressed += blocks.len() as u64;
+                // Block `at + k` of the new unit is block `subs[k]` of member `m`.
+                let mut at = 0usize;
+                for ((f, subs), still) in g.members.iter().zip(still) {
+                    for (l, e) in still {
+                        let Some(k) = subs.iter().position(|&s| s == e.frag.sub()) else { continue };
+                        let Some(&to) = entries.get(at + k) else { continue };
+                        self.apply_entry(&mut st, l, MapEntry { crc: e.crc, ..to })?;
+                        report.blocks_remapped += 1;
+                    }
+                    report.bytes_before += u64::from(f.frag.len);
+                    report.fragments_recompressed += 1;
+                    at += subs.len();
+                }
+                // The index follows the data, as for the cleaner's moves.
+                for (hash, to) in hashes.iter().zip(&entries) {
+                    st.dedup.record(hash, to);
+                }
+            }
+            self.note_pressure(&st);
+            let durable = st.journal.durable_seq();
+            st.map.evict(durable)?;
+        }
+        let mut st = self.state.lock();
+        st.red.recompress_fragments += report.fragments_recompressed;
+        st.red.recompress_bytes += report.bytes_recompressed;
+        st.red.recompress_bytes_saved += report.bytes_before.saturating_sub(report.bytes_after);
+        if report.more {
+            // Left for the next pass.
+            st.fast_codec_hint = st.fast_codec_hint.max(1);
+        }
+        Ok(report)
+    }
+
+    /// A group's blocks, decoded and checked, compressed with the volume's codec (no
+    /// lock); None when a member cannot be read or fails its check (the group then stays
+    /// where it is, for the next pass or for scrub to report).
+    fn read_group(&self, g: &Group, codec: crate::config::Compression, level: i8) -> Option<Ready> {
+        let mut blocks = Vec::with_capacity(g.blocks() * BLOCK_SIZE);
+        for (f, subs) in &g.members {
+            let (_, unit) = self.decode_found(f)?;
+            for &s in subs {
+                blocks.extend_from_slice(unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)?);
+            }
+        }
+        let frag = packer::compress(codec, level, &blocks);
+        let hashes =
+            if self.dedup { blocks.chunks_exact(BLOCK_SIZE).map(|b| *blake3::hash(b).as_bytes()).collect() } else { Vec::new() };
+        Some(Ready { blocks, frag, hashes })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metadata::block_map::Frag;
+
+    fn unit(l0: u64, n: u8) -> Found {
+        let uses = (0..n).map(|s| (l0 + u64::from(s), MapEntry::fragment(100, Frag::new(1, 0, 10, n, s), 0))).collect();
+        Found { frag: Frag::new(1, 0, 10, n, 0), uses }
+    }
+
+    #[test]
+    fn the_cut_is_the_write_paths() {
+        assert_eq!(cut(20, 16), vec![10, 10]);
+        assert_eq!(cut(16, 16), vec![16]);
+        assert_eq!(cut(33, 16), vec![11, 11, 11]);
+        assert_eq!(cut(1, 16), vec![1]);
+    }
+
+    #[test]
+    fn single_blocks_in_logical_order_become_extents_again() {
+        let found: Vec<Found> = (0..20).rev().map(|l| unit(l, 1)).collect();
+        let g = group(found, 16);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![10, 10]);
+        let first: Vec<u64> = g[0].members.iter().map(|(f, _)| f.uses[0].0).collect();
+        assert_eq!(first, (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_gap_or_a_shared_unit_ends_a_run() {
+        let mut found = vec![unit(0, 4), unit(4, 4), unit(10, 4)];
+        let mut shared = unit(20, 2);
+        shared.uses.push((30, MapEntry::fragment(100, Frag::new(1, 0, 10, 2, 1), 0)));
+        found.push(shared);
+        let g = group(found, 16);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![8, 4, 2]);
+    }
+
+    #[test]
+    fn whole_units_are_never_split() {
+        let found = vec![unit(0, 12), unit(12, 12)];
+        let g = group(found, 16);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![12, 12]);
+    }
+}

@@ -1,0 +1,276 @@
+//! The recompressor: data stored with LZ4 on a zstd volume (a session opened with
+//! `OpenOptions::store_codec`, as a write path that defers zstd under a burst stores it)
+//! is brought to zstd. Every byte reads back, `check` is clean, and the volume ends within
+//! 1% of the space the same data takes written inline with zstd; single blocks become
+//! extents again; the idle cleaner thread does it by itself; a crash in the middle loses
+//! nothing.
+
+mod common;
+
+use common::small_open;
+use dedupvol_core::{
+    check_volume, CleanOptions, Cleaner, CleanerOptions, Compression, FormatOptions, MemStorage, OpenOptions,
+    RecompressOptions, Storage, Volume,
+};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const B: usize = 4096;
+
+/// Text-like data: words from a small vocabulary picked by a xorshift, so LZ4 and zstd
+/// both shrink it, zstd by more. Every 64th block repeats an earlier one (duplicates).
+fn data(blocks: usize, seed: u64) -> Vec<u8> {
+    const WORDS: &[&str] = &[
+        "block ", "volume ", "fragment ", "extent ", "journal ", "the ", "of ", "and ", "to ", "index ", "map ",
+        "zstd ", "lz4 ", "codec ", "unit ", "run ", "cleaner ", "pass ", "crc ", "page ", "0x3f ", "1024 ", "—",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out: Vec<u8> = Vec::with_capacity(blocks * B);
+    for i in 0..blocks {
+        if i % 64 == 63 {
+            let src = (i / 2) * B;
+            let copy: Vec<u8> = out[src..src + B].to_vec();
+            out.extend_from_slice(&copy);
+            continue;
+        }
+        let start = out.len();
+        while out.len() < start + B {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let w = WORDS[(x % WORDS.len() as u64) as usize].as_bytes();
+            if x % 11 == 0 {
+                out.extend_from_slice(format!("{:08x} ", x >> 32).as_bytes());
+            } else {
+                out.extend_from_slice(w);
+            }
+        }
+        out.truncate(start + B);
+    }
+    out
+}
+
+fn format(dev: &Arc<MemStorage>, logical: u64) {
+    let opts = FormatOptions {
+        logical_size_bytes: logical,
+        index_memory_bytes: 1 << 20,
+        slab_size_bytes: 1 << 20,
+        compression: Compression::Zstd,
+        ..FormatOptions::default()
+    };
+    Volume::format(dev.clone() as Arc<dyn Storage>, None, &opts, false).expect("format");
+}
+
+fn open(dev: &Arc<MemStorage>, store: Option<Compression>) -> Volume {
+    let opts = OpenOptions { store_codec: store.map(|c| (c, 0)), ..small_open() };
+    Volume::open(dev.clone() as Arc<dyn Storage>, None, &opts).expect("open")
+}
+
+fn write_all(vol: &Volume, data: &[u8], request: usize) {
+    for (k, r) in data.chunks(request).enumerate() {
+        vol.write((k * request) as u64, r, false).expect("write");
+    }
+    vol.flush().expect("flush");
+}
+
+/// Physical data blocks in use once everything is durable.
+fn used(vol: &Volume) -> u64 {
+    vol.flush().expect("flush");
+    vol.stats().data_blocks_used
+}
+
+/// A volume holding `d` written inline with zstd in `request`-byte writes: its blocks used.
+fn inline_zstd(d: &[u8], request: usize) -> u64 {
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format(&dev, 64 << 20);
+    let vol = open(&dev, None);
+    write_all(&vol, d, request);
+    let n = used(&vol);
+    vol.close().expect("close");
+    n
+}
+
+/// Runs passes until none finds anything; returns the passes' reports summed.
+fn recompress_all(vol: &Volume, budget: u64) -> (u64, u64, u64, u64) {
+    let (mut passes, mut before, mut after, mut bytes) = (0, 0, 0, 0);
+    loop {
+        let r = vol.recompress(&RecompressOptions { budget_bytes: budget }).expect("recompress");
+        passes += 1;
+        before += r.bytes_before;
+        after += r.bytes_after;
+        bytes += r.bytes_recompressed;
+        if !r.more && r.fragments_found == r.fragments_recompressed {
+            // One more: nothing of another codec is left.
+            let last = vol.recompress(&RecompressOptions { budget_bytes: budget }).expect("last pass");
+            assert_eq!(last.fragments_found, 0, "{last:?}");
+            return (passes, before, after, bytes);
+        }
+        vol.flush().expect("flush between passes");
+        assert!(passes < 1000, "the recompressor does not converge");
+    }
+}
+
+fn read_back(vol: &Volume, want: &[u8]) {
+    let mut back = vec![0u8; want.len()];
+    vol.read(0, &mut back).expect("read");
+    assert!(back == want, "content changed by the recompressor");
+}
+
+#[test]
+fn lz4_data_on_a_zstd_volume_ends_within_one_percent_of_inline_zstd() {
+    let d = data(4096, 7); // 16 MiB
+    let inline = inline_zstd(&d, 128 << 10);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format(&dev, 64 << 20);
+    let vol = open(&dev, Some(Compression::Lz4));
+    write_all(&vol, &d, 128 << 10);
+    vol.close().expect("close");
+    let vol = open(&dev, None);
+    let lz4 = used(&vol);
+    assert!(vol.recompress_hint() > 0, "an open does not know there is nothing to do");
+    assert!(lz4 as f64 > inline as f64 * 1.05, "LZ4 should take more room: {lz4} vs {inline}");
+    let t = Instant::now();
+    let (passes, before, after, bytes) = recompress_all(&vol, 4 << 20);
+    let secs = t.elapsed().as_secs_f64();
+    let end = used(&vol);
+    eprintln!(
+        "recompressed {bytes} logical bytes in {passes} passes, {secs:.2} s: fragments {before} -> {after} bytes; \
+         blocks used: LZ4 {lz4}, after {end}, inline zstd {inline} ({:.2}x -> {:.2}x, inline {:.2}x)",
+        d.len() as f64 / (lz4 as f64 * 4096.0),
+        d.len() as f64 / (end as f64 * 4096.0),
+        d.len() as f64 / (inline as f64 * 4096.0),
+    );
+    assert!(passes > 1, "a 4 MiB budget takes several passes for 16 MiB");
+    assert!(
+        (end as f64 - inline as f64).abs() <= inline as f64 * 0.01,
+        "after recompression {end} blocks, inline zstd {inline}"
+    );
+    let s = vol.stats();
+    assert_eq!(s.counters.recompress_bytes, bytes);
+    assert_eq!(s.counters.recompress_bytes_saved, before - after);
+    assert!(s.counters.recompress_passes >= passes);
+    assert_eq!(vol.recompress_hint(), 0);
+    read_back(&vol, &d);
+    vol.close().expect("close");
+    let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+    let vol = open(&dev, None);
+    read_back(&vol, &d);
+    vol.close().expect("close");
+}
+
+#[test]
+fn single_blocks_become_extents_again() {
+    let d = data(1024, 11);
+    // Written a block at a time, each block is compressed alone.
+    let inline_single = inline_zstd(&d, B);
+    let inline_extents = inline_zstd(&d, 128 << 10);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format(&dev, 64 << 20);
+    let vol = open(&dev, Some(Compression::Lz4));
+    write_all(&vol, &d, B);
+    vol.close().expect("close");
+    let vol = open(&dev, None);
+    recompress_all(&vol, 64 << 20);
+    let end = used(&vol);
+    assert!(end < inline_single, "extents again: {end} blocks, single zstd blocks {inline_single}");
+    assert!(
+        (end as f64) <= inline_extents as f64 * 1.02,
+        "{end} blocks against {inline_extents} for inline extents"
+    );
+    read_back(&vol, &d);
+    vol.close().expect("close");
+    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+}
+
+#[test]
+fn overwrites_and_discards_during_recompression_keep_the_newest_data() {
+    let mut d = data(2048, 3);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format(&dev, 64 << 20);
+    let vol = open(&dev, Some(Compression::Lz4));
+    write_all(&vol, &d, 64 << 10);
+    vol.close().expect("close");
+    let vol = open(&dev, None);
+    // A pass on a small budget, then overwrites (some of them over data still LZ4), a
+    // discard, and passes to the end.
+    vol.recompress(&RecompressOptions { budget_bytes: 1 << 20 }).expect("first pass");
+    let fresh = data(64, 99);
+    for k in 0..16usize {
+        let at = (k * 97 % 2000) * B;
+        vol.write(at as u64, &fresh[k * B..(k + 1) * B], false).expect("overwrite");
+        d[at..at + B].copy_from_slice(&fresh[k * B..(k + 1) * B]);
+    }
+    vol.discard((1500 * B) as u64, (8 * B) as u64).expect("discard");
+    d[1500 * B..1508 * B].fill(0);
+    recompress_all(&vol, 2 << 20);
+    read_back(&vol, &d);
+    // The cleaner afterwards finds the blocks the overwrites left partly dead.
+    vol.clean(&CleanOptions::default()).expect("clean");
+    read_back(&vol, &d);
+    vol.close().expect("close");
+    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+}
+
+#[test]
+fn a_crash_inside_recompression_loses_nothing() {
+    let d = data(2048, 5);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format(&dev, 64 << 20);
+    let vol = open(&dev, Some(Compression::Lz4));
+    write_all(&vol, &d, 128 << 10);
+    vol.close().expect("close");
+    let vol = open(&dev, None);
+    // One pass made durable, one not: a crash (drop without close) after the second.
+    vol.recompress(&RecompressOptions { budget_bytes: 2 << 20 }).expect("pass");
+    vol.flush().expect("flush");
+    vol.recompress(&RecompressOptions { budget_bytes: 2 << 20 }).expect("pass");
+    drop(vol);
+    let vol = open(&dev, None);
+    read_back(&vol, &d);
+    recompress_all(&vol, 64 << 20);
+    read_back(&vol, &d);
+    vol.close().expect("close");
+    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+}
+
+#[test]
+fn the_cleaner_thread_recompresses_once_writes_stop() {
+    let d = data(1024, 13);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format(&dev, 64 << 20);
+    // The same session stores with LZ4 and runs the thread: the volume's codec is zstd.
+    let vol = Arc::new(open(&dev, Some(Compression::Lz4)));
+    let cleaner = Cleaner::spawn_with(
+        &vol,
+        CleanerOptions {
+            interval: Duration::from_millis(20),
+            trigger_bytes: u64::MAX,
+            clean: CleanOptions::default(),
+            recompress: Some(RecompressOptions { budget_bytes: 1 << 20 }),
+            idle: Duration::from_millis(100),
+        },
+    )
+    .expect("spawn");
+    write_all(&vol, &d, 128 << 10);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = vol.stats();
+        if s.counters.recompress_bytes >= d.len() as u64 * 63 / 64 && vol.recompress_hint() == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not recompressed in 60 s: {:?}", s.counters);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(cleaner);
+    let last = vol.recompress(&RecompressOptions::default()).expect("pass");
+    assert_eq!(last.fragments_found, 0, "{last:?}");
+    read_back(&vol, &d);
+    let vol = Arc::into_inner(vol).expect("the thread let the volume go");
+    vol.close().expect("close");
+    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+}
