@@ -289,6 +289,16 @@ pub fn render_bench(r: &BenchReport) -> String {
                     p.place.busy_micros as f64 / 1e6,
                 ));
             }
+            if let Some(fr) = &s.final_recompress {
+                out.push_str(&format!(
+                    "  after the timed phase, recompression to the volume's codec: reduction {:.3}x -> {:.3}x \
+                     ({:.1} MiB recompressed in {:.2} s)\n",
+                    fr.reduction_before,
+                    fr.reduction_after,
+                    fr.bytes_recompressed as f64 / 1048576.0,
+                    fr.seconds
+                ));
+            }
             let d = &p.deferral;
             if d.enabled {
                 out.push_str(&format!(
