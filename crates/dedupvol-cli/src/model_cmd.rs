@@ -300,13 +300,7 @@ fn print_table(input: &ModelInput, volumes: u32, rows: &[Projection]) -> std::io
         ))
     )?;
     let p = &input.prices;
-    outln!(
-        "prices: core {}, DRAM {}/GB, SSD {}/TB, NVDIMM {}/GB\n",
-        p.core,
-        p.dram_gb,
-        p.ssd_tb,
-        p.nvdimm_gb
-    )?;
+    outln!("prices: core {}, DRAM {}/GB, SSD {}/TB, NVDIMM {}/GB\n", p.core, p.dram_gb, p.ssd_tb, p.nvdimm_gb)?;
     let mut t = Table::new(&[
         "cores",
         "storage",

@@ -47,8 +47,19 @@ fn cpu_bound_rows_scale_with_cores_until_the_ssds_bind() {
     let out = model(
         &rates,
         &[
-            "--json", "--dup", "0", "--compress", "50", "--cores", "1,2,64", "--ssds", "2", "--metadata", "nvdimm",
-            "--volumes", "64",
+            "--json",
+            "--dup",
+            "0",
+            "--compress",
+            "50",
+            "--cores",
+            "1,2,64",
+            "--ssds",
+            "2",
+            "--metadata",
+            "nvdimm",
+            "--volumes",
+            "64",
         ],
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

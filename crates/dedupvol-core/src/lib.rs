@@ -63,8 +63,8 @@ pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
 pub use volume::cleaner::{CleanOptions, CleanReport, Cleaner, CleanerOptions, RECOMPRESS_IDLE_DEFAULT};
-pub use volume::recompress::{RecompressOptions, RecompressReport};
 pub use volume::grow::{resize_closed, resize_path, GrowReport};
+pub use volume::recompress::{RecompressOptions, RecompressReport};
 pub use volume::Volume;
 pub use woj::{JournalRange, WojMode, WojStats};
 

@@ -21,8 +21,29 @@ const B: usize = 4096;
 /// both shrink it, zstd by more. Every 64th block repeats an earlier one (duplicates).
 fn data(blocks: usize, seed: u64) -> Vec<u8> {
     const WORDS: &[&str] = &[
-        "block ", "volume ", "fragment ", "extent ", "journal ", "the ", "of ", "and ", "to ", "index ", "map ",
-        "zstd ", "lz4 ", "codec ", "unit ", "run ", "cleaner ", "pass ", "crc ", "page ", "0x3f ", "1024 ", "—",
+        "block ",
+        "volume ",
+        "fragment ",
+        "extent ",
+        "journal ",
+        "the ",
+        "of ",
+        "and ",
+        "to ",
+        "index ",
+        "map ",
+        "zstd ",
+        "lz4 ",
+        "codec ",
+        "unit ",
+        "run ",
+        "cleaner ",
+        "pass ",
+        "crc ",
+        "page ",
+        "0x3f ",
+        "1024 ",
+        "—",
     ];
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut out: Vec<u8> = Vec::with_capacity(blocks * B);
@@ -174,10 +195,7 @@ fn single_blocks_become_extents_again() {
     recompress_all(&vol, 64 << 20);
     let end = used(&vol);
     assert!(end < inline_single, "extents again: {end} blocks, single zstd blocks {inline_single}");
-    assert!(
-        (end as f64) <= inline_extents as f64 * 1.02,
-        "{end} blocks against {inline_extents} for inline extents"
-    );
+    assert!((end as f64) <= inline_extents as f64 * 1.02, "{end} blocks against {inline_extents} for inline extents");
     read_back(&vol, &d);
     vol.close().expect("close");
     let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");

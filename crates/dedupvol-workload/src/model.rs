@@ -367,7 +367,8 @@ impl Mix {
     /// duplicates, or compression saving everything): its capacity would be infinite.
     pub fn validate(&self) -> Result<(), ModelError> {
         let pct = |v: f64| format!("{}", v * 100.0);
-        for (name, v) in [("--zero", self.zero), ("--dup", self.dup), ("--compress", self.compress), ("--read", self.read)]
+        for (name, v) in
+            [("--zero", self.zero), ("--dup", self.dup), ("--compress", self.compress), ("--read", self.read)]
         {
             if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
                 return Err(ModelError::Parameter { name, value: pct(v), expected: "a percentage from 0 to 100" });
@@ -562,8 +563,9 @@ pub fn cpu_work(rates: &Rates, mix: &Mix, codec: Codec) -> CpuWork {
         hashing_us: w * nonzero * (b / rates.blake3_mb_s + b / rates.crc32c_mb_s),
         compression_us: w * mix.unique() * (b / rates.probe_mb_s + if compressed { b / zc } else { 0.0 }),
         decompression_us: mix.read * nonzero * (b / rates.crc32c_mb_s + if compressed { b / zd } else { 0.0 }),
-        metadata_us: w * (mix.unique() * rates.write_unique_metadata_us_per_block
-            + (1.0 - mix.unique()) * rates.write_metadata_us_per_block)
+        metadata_us: w
+            * (mix.unique() * rates.write_unique_metadata_us_per_block
+                + (1.0 - mix.unique()) * rates.write_metadata_us_per_block)
             + mix.read * rates.read_metadata_us_per_block,
     }
 }
@@ -898,7 +900,8 @@ mod tests {
         assert!((p.throughput_mb_s - 4096.0 / 0.5).abs() < 1e-6, "{p:?}");
         // A remote pool binds at its bandwidth over the bytes sent.
         let i = input();
-        let p = project(&i, &Config { cores: 64, ssds: 0, volumes: 64, storage: Placement::RemoteNvdimm }).expect("rados");
+        let p =
+            project(&i, &Config { cores: 64, ssds: 0, volumes: 64, storage: Placement::RemoteNvdimm }).expect("rados");
         assert_eq!(p.bound, Bound::Remote);
         assert!((p.throughput_mb_s - 5000.0).abs() < 1e-6, "{p:?}");
     }

@@ -252,7 +252,10 @@ impl Batcher {
         run: impl Fn(&Batch) -> std::result::Result<Vec<u64>, ()>,
     ) -> Outcome {
         let chunks = buf.len() / BLOCK_SIZE;
-        debug_assert!(self.takes(chunks) && buf.len().is_multiple_of(BLOCK_SIZE), "the batcher takes whole small writes");
+        debug_assert!(
+            self.takes(chunks) && buf.len().is_multiple_of(BLOCK_SIZE),
+            "the batcher takes whole small writes"
+        );
         let slot =
             Arc::new(Slot { outcome: Mutex::new(None), queued_at: Instant::now(), writer: std::thread::current() });
         let mut q = self.q.lock();

@@ -14,7 +14,6 @@ use super::{chunk, DataPlan, Plan};
 use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::dedup::predictor::Predictor;
-use crate::dedup::Candidate;
 use crate::woj::Woj;
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -39,25 +38,15 @@ pub(crate) fn fingerprint(
     for_each(exec, &mut plans, |i, p| {
         let c = chunk(buf, i);
         if !crate::codec::is_zero(c) {
-            *p = Plan::Data(DataPlan {
-                hash: if blake_now { *blake3::hash(c).as_bytes() } else { [0u8; 32] },
-                hashed: blake_now,
-                weak: mask.map_or(0, |m| xxhash_rust::xxh3::xxh3_64(c) & m),
-                woj: None,
-                journal: false,
-                crc: if now { crc32c::crc32c(c) } else { 0 },
-                crc_done: now,
-                cand: Candidate::default(),
-                frag: None,
-                frag_codec: Compression::None,
-                unit: None,
-                incompressible: false,
-                batch_dup: false,
-                raw: None,
-                predicted_unique: None,
-                probed: false,
-                early: false,
-            });
+            let mut d = DataPlan::new(mask.map_or(0, |m| xxhash_rust::xxh3::xxh3_64(c) & m));
+            if blake_now {
+                d.hash = *blake3::hash(c).as_bytes();
+                d.hashed = true;
+            }
+            if now {
+                d.ensure_crc(c);
+            }
+            *p = Plan::Data(d);
         }
     });
     let Some(woj) = woj else { return plans };
@@ -117,25 +106,9 @@ pub(crate) fn fingerprint_predicted(
     for_each(exec, &mut plans, |i, p| {
         let c = chunk(buf, i);
         if !crate::codec::is_zero(c) {
-            *p = Plan::Data(DataPlan {
-                hash: [0u8; 32],
-                hashed: false,
-                weak: xxhash_rust::xxh3::xxh3_64(c),
-                woj: None,
-                journal: false,
-                crc: 0,
-                crc_done: false,
-                cand: Candidate::default(),
-                frag: None,
-                frag_codec: Compression::None,
-                unit: None,
-                incompressible: false,
-                batch_dup: false,
-                raw: None,
-                predicted_unique: Some(false),
-                probed: false,
-                early: false,
-            });
+            let mut d = DataPlan::new(xxhash_rust::xxh3::xxh3_64(c));
+            d.predicted_unique = Some(false);
+            *p = Plan::Data(d);
         }
     });
     {

@@ -93,6 +93,29 @@ pub(crate) struct DataPlan {
 }
 
 impl DataPlan {
+    /// A data chunk's plan with only its weak hash known: nothing computed or decided yet.
+    pub(crate) fn new(weak: u64) -> Self {
+        DataPlan {
+            hash: [0u8; 32],
+            hashed: false,
+            weak,
+            woj: None,
+            journal: false,
+            crc: 0,
+            crc_done: false,
+            cand: Candidate::default(),
+            frag: None,
+            frag_codec: Compression::None,
+            unit: None,
+            incompressible: false,
+            batch_dup: false,
+            raw: None,
+            predicted_unique: None,
+            probed: false,
+            early: false,
+        }
+    }
+
     /// Computes the chunk's crc32c if it is not known yet.
     pub(crate) fn ensure_crc(&mut self, chunk: &[u8]) {
         if !self.crc_done {

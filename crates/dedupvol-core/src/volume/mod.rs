@@ -30,10 +30,10 @@
 
 pub(crate) mod block_status;
 pub(crate) mod cleaner;
-pub(crate) mod recompress;
 mod commit;
 pub(crate) mod grow;
 mod lifecycle;
+pub(crate) mod recompress;
 pub(crate) use lifecycle::{uuid_hex, uuid_lo, OpenNote};
 mod mapping;
 mod recovery;

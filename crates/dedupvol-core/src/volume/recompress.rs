@@ -343,8 +343,11 @@ impl Volume {
             }
         }
         let frag = packer::compress(codec, level, &blocks);
-        let hashes =
-            if self.dedup { blocks.chunks_exact(BLOCK_SIZE).map(|b| *blake3::hash(b).as_bytes()).collect() } else { Vec::new() };
+        let hashes = if self.dedup {
+            blocks.chunks_exact(BLOCK_SIZE).map(|b| *blake3::hash(b).as_bytes()).collect()
+        } else {
+            Vec::new()
+        };
         Some(Ready { blocks, frag, hashes })
     }
 }
