@@ -76,3 +76,46 @@ fn deferred_chunks_are_stored_with_the_fast_codec_and_read_back() {
     let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
     assert!(r.is_clean(), "{:?}", r.problems);
 }
+
+#[test]
+fn requests_written_as_one_batch_apply_in_order() {
+    let (dev, vol) = mem_volume(64 << 20, 16 << 20, |_| {});
+    let a: Vec<u8> = (0..4).flat_map(|b| block(10 + b, 0)).collect();
+    let b: Vec<u8> = (0..2).flat_map(|k| block(20 + k, 0)).collect();
+    let c = block(30, 1);
+    // b overlaps a's blocks 1 and 2 (the later request wins); c is an incompressible
+    // block far away; the last request repeats a's first block inside the same batch.
+    vol.write_many(&[(0, &a), (4096, &b), (100 * 4096, &c), (7 * 4096, &a[..4096])], false).expect("write_many");
+    let mut want: Vec<Vec<u8>> = a.chunks(4096).map(|x| x.to_vec()).collect();
+    want[1] = b[..4096].to_vec();
+    want[2] = b[4096..].to_vec();
+    for (lba, w) in want.iter().enumerate() {
+        let mut got = vec![0u8; 4096];
+        vol.read(lba as u64 * 4096, &mut got).expect("read");
+        assert!(&got == w, "block {lba}");
+    }
+    let mut got = vec![0u8; 4096];
+    vol.read(100 * 4096, &mut got).expect("read");
+    assert!(got == c);
+    vol.read(7 * 4096, &mut got).expect("read");
+    assert!(got == a[..4096], "a repeat inside the batch reads back");
+    assert!(vol.stats().counters.dedup_hits >= 1, "the repeat of a's first block is shared");
+    vol.close().expect("close");
+    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{:?}", r.problems);
+}
+
+#[test]
+fn a_batch_with_a_partial_block_is_written_request_by_request() {
+    let (dev, vol) = mem_volume(64 << 20, 16 << 20, |_| {});
+    let a = block(1, 0);
+    let part = block(2, 0);
+    vol.write_many(&[(0, &a), (4096 + 512, &part[..1024])], true).expect("write_many");
+    let mut got = vec![0u8; 8192];
+    vol.read(0, &mut got).expect("read");
+    assert!(got[..4096] == a[..]);
+    assert!(got[4096 + 512..4096 + 1536] == part[..1024] && got[4096..4096 + 512].iter().all(|&x| x == 0));
+    vol.close().expect("close");
+    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{:?}", r.problems);
+}

@@ -64,6 +64,10 @@ const REBUILD_CRASH_PCT: u32 = 10;
 const CLEAN_STEP_PCT: u32 = 3;
 /// See `CLEAN_STEP_PCT`.
 const CLEAN_CRASH_PCT: u32 = 25;
+/// Percent of operations followed by a combined write (`SimOptions::combined_writes`),
+/// and the largest request in one, in blocks.
+const COMBINED_STEP_PCT: u32 = 20;
+const COMBINED_REQUEST_BLOCKS_MAX: u64 = 8;
 /// Percent of operations followed by a recompression pass (`SimOptions::recompress`,
 /// `recompress_rng`), and of those passes with a crash armed inside them.
 const RECOMPRESS_STEP_PCT: u32 = 5;
@@ -116,6 +120,9 @@ pub struct SimOptions {
     /// (`OpenOptions::store_codec`), and recompression passes, some with a crash armed
     /// inside, bring that data to the volume's codec between operations.
     pub recompress: bool,
+    /// Some writes are several small requests written as one batch (`Volume::write_many`,
+    /// the batcher's path), with crashes anywhere in it as in any write.
+    pub combined_writes: bool,
 }
 
 impl Default for SimOptions {
@@ -131,6 +138,7 @@ impl Default for SimOptions {
             heal_rewrites: false,
             woj_pct: WOJ_PCT_DEFAULT,
             recompress: false,
+            combined_writes: false,
         }
     }
 }
@@ -496,6 +504,8 @@ pub struct RunStats {
     /// Crashes armed inside a cleaner pass that struck.
     pub crashes_in_clean: u64,
     /// Recompression passes run between operations.
+    /// Batches of several requests written with `write_many`.
+    pub combined_writes: u64,
     pub recompress_passes: u64,
     /// Fragments those passes replaced.
     pub fragments_recompressed: u64,
@@ -538,6 +548,7 @@ impl RunStats {
         self.cleaner_passes += o.cleaner_passes;
         self.crashes_in_clean += o.crashes_in_clean;
         self.recompress_passes += o.recompress_passes;
+        self.combined_writes += o.combined_writes;
         self.fragments_recompressed += o.fragments_recompressed;
         self.crashes_in_recompress += o.crashes_in_recompress;
         self.faults.add(&o.faults);
@@ -854,6 +865,13 @@ impl<E: SimEngine> Run<'_, E> {
             {
                 self.op_recompress()?;
             }
+            if self.opts.combined_writes
+                && self.vol.is_some()
+                && !self.machine.is_crashed()
+                && self.rng.gen_range(0..100) < COMBINED_STEP_PCT
+            {
+                self.op_write_many()?;
+            }
             if self.opts.audit_every_op && !self.machine.is_crashed() {
                 self.machine.set_passthrough(true);
                 let r = self.vol().audit();
@@ -1094,6 +1112,59 @@ impl<E: SimEngine> Run<'_, E> {
         }
         let what = format!("hot run lba {lba}+{n} of {id:x}");
         self.submit_write(what, lba * B, &buf, &blocks, false)
+    }
+
+    /// Two to five small whole-block writes of random writers, written as one batch
+    /// (`SimOptions::combined_writes`); where they overlap the later one wins, as the model
+    /// is told in order.
+    fn op_write_many(&mut self) -> Result<(), String> {
+        let k = self.rng.gen_range(2..=5usize);
+        let fua = self.rng.gen_bool(0.1);
+        let mut reqs: Vec<(u64, Vec<u8>)> = Vec::with_capacity(k);
+        let mut blocks: Vec<(u64, Vec<Version>)> = Vec::new();
+        let mut names = Vec::new();
+        for _ in 0..k {
+            let w = self.rng.gen_range(0..self.writers.len());
+            let (lba, n) = self.pick_range(w, COMBINED_REQUEST_BLOCKS_MAX);
+            let mut buf = vec![0u8; (n * B) as usize];
+            for (j, piece) in buf.chunks_mut(BLOCK).enumerate() {
+                let id = self.next_content(w);
+                content::fill(id, piece);
+                blocks.push((lba + j as u64, self.model.written(lba + j as u64, id, 0..SECTORS_PER_BLOCK as usize)));
+                names.push(format!("{:x}", id));
+            }
+            reqs.push((lba * B, buf));
+        }
+        let what = format!(
+            "write_many [{}] fua={fua} ids=[{}]",
+            reqs.iter().map(|(o, d)| format!("{}+{}", o / B, d.len() as u64 / B)).collect::<Vec<_>>().join(", "),
+            names.join(", ")
+        );
+        let before = self.machine.evidence();
+        self.stats.writes += 1;
+        self.stats.combined_writes += 1;
+        let refs: Vec<(u64, &[u8])> = reqs.iter().map(|(o, d)| (*o, d.as_slice())).collect();
+        match self.vol().write_many(&refs, fua) {
+            Ok(()) => {
+                self.note(what);
+                let durable = fua || self.sync_policy;
+                let mut big = false;
+                for (l, versions) in &blocks {
+                    self.model.write_acked(*l, versions, durable);
+                    big |= self.model.allowed_after_crash(*l).len() > ALLOWED_SET_FLUSH_AT;
+                }
+                if big {
+                    self.op_flush()?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for (l, versions) in &blocks {
+                    self.model.write_failed(*l, versions);
+                }
+                self.mutation_error(&what, &e, &before)
+            }
+        }
     }
 
     /// Issues a write built by `op_write` or `op_hot_run` and updates the model.

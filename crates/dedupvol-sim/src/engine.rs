@@ -24,6 +24,14 @@ pub trait SimEngine: Sized {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
     /// Writes at a byte offset.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
+    /// Writes several requests as one batch (applied in order; engines without batches
+    /// write them one by one).
+    fn write_many(&self, reqs: &[(u64, &[u8])], fua: bool) -> Result<()> {
+        for &(offset, data) in reqs {
+            self.write(offset, data, fua)?;
+        }
+        Ok(())
+    }
     /// Makes completed writes durable.
     fn flush(&self) -> Result<()>;
     /// Discards a range (reads back as zeros).
@@ -133,6 +141,9 @@ impl SimEngine for Volume {
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         Volume::write(self, offset, data, fua)
+    }
+    fn write_many(&self, reqs: &[(u64, &[u8])], fua: bool) -> Result<()> {
+        Volume::write_many(self, reqs, fua)
     }
     fn flush(&self) -> Result<()> {
         Volume::flush(self)

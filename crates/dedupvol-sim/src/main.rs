@@ -58,6 +58,10 @@ struct Args {
     /// (some with a crash inside) between operations.
     #[arg(long)]
     recompress: bool,
+    /// Some writes are several small requests written as one batch (the batcher's path),
+    /// with crashes anywhere in them.
+    #[arg(long)]
+    combined_writes: bool,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -114,6 +118,7 @@ fn main() {
         heal_rewrites: args.heal_rewrites,
         woj_pct: args.woj_pct.min(100),
         recompress: args.recompress,
+        combined_writes: args.combined_writes,
     };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };
@@ -202,7 +207,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) combined_writes={} io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -229,6 +234,7 @@ fn figures(s: &RunStats) -> String {
         s.recompress_passes,
         s.fragments_recompressed,
         s.crashes_in_recompress,
+        s.combined_writes,
         s.io_calls
     )
 }

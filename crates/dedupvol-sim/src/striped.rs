@@ -104,6 +104,9 @@ impl SimEngine for StripedVolume {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.0.write(offset, data, fua)
     }
+    fn write_many(&self, reqs: &[(u64, &[u8])], fua: bool) -> Result<()> {
+        self.0.write_many(reqs, fua)
+    }
     fn flush(&self) -> Result<()> {
         self.0.flush()
     }

@@ -143,3 +143,18 @@ fn simulator_seeds_pass_with_recompression_and_crashes_inside_it() {
     assert!(total.fragments_recompressed > 0, "no fragment was recompressed");
     assert!(total.crashes_in_recompress > 0, "no crash struck inside a recompression pass");
 }
+
+/// Seeds with combined writes: several small requests written as one batch through the
+/// pipeline (the batcher's path), with every fault and crash of the other seeds.
+const CI_COMBINED_SEEDS: u64 = 120;
+
+#[test]
+fn simulator_seeds_pass_with_combined_writes() {
+    let opts = SimOptions { combined_writes: true, ..SimOptions::default() };
+    let start = 60_000;
+    let (total, failures) = run_seeds(start..start + CI_COMBINED_SEEDS, &opts);
+    eprintln!("{CI_COMBINED_SEEDS} combined-write seeds: {} batches, {} crashes", total.combined_writes, total.crashes);
+    assert!(failures.is_empty(), "{} of {CI_COMBINED_SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(total.combined_writes > 0, "no combined write ran");
+    assert!(total.crashes > 0, "no crash struck");
+}

@@ -45,7 +45,7 @@ mod write;
 #[cfg(test)]
 mod tests;
 
-use crate::config::{Compression, WritePolicy, BLOCK_SIZE_U64};
+use crate::config::{Compression, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::placement::DataDevice;
 use crate::data::writer::{DataWriter, Health, Tickets};
 use crate::error::{Error, Result};
@@ -150,6 +150,51 @@ impl Volume {
         // A superblock or partition table was rewritten: the journal may have moved.
         self.woj_after_write(watched);
         Ok(())
+    }
+
+    /// Writes several requests as one batch through the pipeline's stages, as the batcher
+    /// combines the small writes of concurrent clients (`pipeline::batcher`): requests
+    /// apply in order (a later one wins where they overlap) and the call returns once all
+    /// are applied. A request that is not whole blocks, or of more than 64 blocks, and
+    /// every request of a volume with write-once journaling, is written on its own, in
+    /// order; a failed batch has its requests written again on their own (an error then
+    /// belongs to the first request that fails). With `fua` (or the sync policy) all of
+    /// them are durable when this returns.
+    pub fn write_many(&self, reqs: &[(u64, &[u8])], fua: bool) -> Result<()> {
+        self.check_writable()?;
+        for &(offset, data) in reqs {
+            self.check_range(offset, data.len() as u64)?;
+        }
+        let batchable = |&(offset, data): &(u64, &[u8])| {
+            (offset | data.len() as u64) & (BLOCK_SIZE_U64 - 1) == 0
+                && !data.is_empty()
+                && data.len() <= crate::pipeline::batcher::REQUEST_CHUNKS_MAX * BLOCK_SIZE
+        };
+        if self.woj.is_some() || !reqs.iter().all(batchable) {
+            for &(offset, data) in reqs {
+                self.write(offset, data, fua)?;
+            }
+            return Ok(());
+        }
+        let mut lbas = crate::pipeline::lbas::Lbas::empty();
+        let mut buf = Vec::with_capacity(reqs.iter().map(|(_, d)| d.len()).sum());
+        for &(offset, data) in reqs {
+            lbas.push(buf.len() / BLOCK_SIZE, offset / BLOCK_SIZE_U64);
+            buf.extend_from_slice(data);
+        }
+        let seq = match self.write_batch_once(&lbas, &buf) {
+            Ok(seq) => seq,
+            Err(_) => {
+                // As the batcher does: each request alone, which also commits and retries
+                // when the volume was full of blocks awaiting a commit.
+                let mut last = 0;
+                for &(offset, data) in reqs {
+                    last = last.max(self.write_blocks(offset / BLOCK_SIZE_U64, data)?);
+                }
+                last
+            }
+        };
+        self.after_write(fua, seq)
     }
 
     /// Reads `buf.len()` bytes at byte `offset`.

@@ -90,7 +90,7 @@ impl Volume {
 
     /// One batch through the pipeline (see the module docs of `volume` for the steps):
     /// chunk `i` of `buf` goes to `lbas.at(i)`.
-    fn write_batch_once(&self, lbas: &Lbas, buf: &[u8]) -> Result<u64> {
+    pub(crate) fn write_batch_once(&self, lbas: &Lbas, buf: &[u8]) -> Result<u64> {
         let n = buf.len() / BLOCK_SIZE;
         let mut t = Instant::now();
         let mut lap = |stage: Stage| {
