@@ -1140,31 +1140,9 @@ impl<E: SimEngine> Run<'_, E> {
             reqs.iter().map(|(o, d)| format!("{}+{}", o / B, d.len() as u64 / B)).collect::<Vec<_>>().join(", "),
             names.join(", ")
         );
-        let before = self.machine.evidence();
-        self.stats.writes += 1;
         self.stats.combined_writes += 1;
         let refs: Vec<(u64, &[u8])> = reqs.iter().map(|(o, d)| (*o, d.as_slice())).collect();
-        match self.vol().write_many(&refs, fua) {
-            Ok(()) => {
-                self.note(what);
-                let durable = fua || self.sync_policy;
-                let mut big = false;
-                for (l, versions) in &blocks {
-                    self.model.write_acked(*l, versions, durable);
-                    big |= self.model.allowed_after_crash(*l).len() > ALLOWED_SET_FLUSH_AT;
-                }
-                if big {
-                    self.op_flush()?;
-                }
-                Ok(())
-            }
-            Err(e) => {
-                for (l, versions) in &blocks {
-                    self.model.write_failed(*l, versions);
-                }
-                self.mutation_error(&what, &e, &before)
-            }
-        }
+        self.submit_with(what, &blocks, fua, |v| v.write_many(&refs, fua))
     }
 
     /// Issues a write built by `op_write` or `op_hot_run` and updates the model.
@@ -1176,9 +1154,20 @@ impl<E: SimEngine> Run<'_, E> {
         blocks: &[(u64, Vec<Version>)],
         fua: bool,
     ) -> Result<(), String> {
+        self.submit_with(what, blocks, fua, |v| v.write(offset, buf, fua))
+    }
+
+    /// Issues a write (`write` calls the engine) of `blocks` and tells the model its outcome.
+    fn submit_with(
+        &mut self,
+        what: String,
+        blocks: &[(u64, Vec<Version>)],
+        fua: bool,
+        write: impl FnOnce(&E) -> dedupvol_core::Result<()>,
+    ) -> Result<(), String> {
         let before = self.machine.evidence();
         self.stats.writes += 1;
-        match self.vol().write(offset, buf, fua) {
+        match write(self.vol()) {
             Ok(()) => {
                 self.note(what);
                 let durable = fua || self.sync_policy;
