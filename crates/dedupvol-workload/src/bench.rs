@@ -153,6 +153,20 @@ pub struct BenchOptions {
     pub workers: Option<usize>,
 }
 
+impl BenchOptions {
+    /// How the engine volume (and the no-reduction baseline) are opened: the pipeline
+    /// settings this benchmark varies, the engine's defaults otherwise.
+    fn engine_open_options(&self) -> OpenOptions {
+        OpenOptions {
+            batch: self.batch,
+            unique_predictor: self.unique_predictor,
+            defer_compression_micros: self.defer_compression_micros,
+            workers: self.workers,
+            ..OpenOptions::default()
+        }
+    }
+}
+
 /// One timed run.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RunFigure {
@@ -369,10 +383,7 @@ fn fresh_volume(
     physical: u64,
     fmt: &FormatOptions,
     io_mode: IoMode,
-    batch: dedupvol_core::BatchOptions,
-    unique_predictor: bool,
-    defer_compression_micros: u64,
-    workers: Option<usize>,
+    open: &OpenOptions,
 ) -> Result<Volume, String> {
     if temp {
         let _ = std::fs::remove_file(path);
@@ -390,12 +401,7 @@ fn fresh_volume(
     Volume::format(dev, None, &opts, true).map_err(|e| format!("formatting {}: {e}", path.display()))?;
     let dev: Arc<dyn Storage> =
         Arc::new(FileStorage::open_with(path, false, io_mode).map_err(|e| format!("opening {}: {e}", path.display()))?);
-    let vol = Volume::open(
-        dev,
-        None,
-        &OpenOptions { batch, unique_predictor, defer_compression_micros, workers, ..OpenOptions::default() },
-    )
-    .map_err(|e| format!("opening volume {}: {e}", path.display()))?;
+    let vol = Volume::open(dev, None, open).map_err(|e| format!("opening volume {}: {e}", path.display()))?;
     // The clock measures steady state: the index's memory is populated before it starts.
     vol.wait_ready();
     Ok(vol)
@@ -657,10 +663,7 @@ pub fn run_scenario(
             physical,
             &fmt,
             opts.io_mode,
-            opts.batch,
-            opts.unique_predictor,
-            opts.defer_compression_micros,
-            opts.workers,
+            &opts.engine_open_options(),
         )?);
         phase("engine volume formatted");
         if let (true, Some(m)) = (is_overwrite, &model) {
@@ -757,10 +760,7 @@ pub fn run_scenario(
                 physical,
                 &base_fmt,
                 opts.io_mode,
-                opts.batch,
-                opts.unique_predictor,
-                opts.defer_compression_micros,
-                opts.workers,
+                &opts.engine_open_options(),
             )?);
             if let (true, Some(m)) = (is_overwrite, &model) {
                 prefill(&vol, m, logical)?;
