@@ -270,6 +270,7 @@ fn the_cleaner_thread_recompresses_once_writes_stop() {
             clean: CleanOptions::default(),
             recompress: Some(RecompressOptions { budget_bytes: 1 << 20 }),
             idle: Duration::from_millis(100),
+            duty: dedupvol_core::CLEANER_DUTY_DEFAULT,
         },
     )
     .expect("spawn");

@@ -147,12 +147,15 @@ fn cannot_fit(src: &[u8], scratch: &mut [u8], limit: usize) -> bool {
         }
     }
     let n = src.len() as f64;
+    let table = c_log2_c();
     let mut sum_c_log_c = 0.0f64;
     for i in 0..256 {
         let c = h.iter().map(|t| u32::from(t.get(i).copied().unwrap_or(0))).sum::<u32>();
         if c > 1 {
-            let c = f64::from(c);
-            sum_c_log_c += c * c.log2();
+            sum_c_log_c += match table.get(c as usize) {
+                Some(&v) => f64::from(v),
+                None => f64::from(c) * f64::from(c).log2(),
+            };
         }
     }
     let entropy_bytes = (n * n.log2() - sum_c_log_c) / 8.0;
@@ -162,6 +165,19 @@ fn cannot_fit(src: &[u8], scratch: &mut [u8], limit: usize) -> bool {
     // LZ4 on data without repeats runs at several GB/s (it skips ahead faster the longer
     // it finds nothing).
     !matches!(lz4_flex::block::compress_into(src, scratch), Ok(k) if k <= limit)
+}
+
+/// c·log2(c) for every count a 4 KiB block's byte histogram can hold. Why a table: the
+/// probe runs on every block written, and 256 calls of `log2` per block cost as much as
+/// building the histogram (about a tenth of the write path's CPU on compressible data).
+/// f32 is precise enough: the sum decides against a threshold hundreds of bytes away.
+fn c_log2_c() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=BLOCK_SIZE)
+            .map(|c| if c < 2 { 0.0 } else { (c as f64 * (c as f64).log2()) as f32 })
+            .collect()
+    })
 }
 
 /// A fragment starting in physical block `pbn` is not what it must be (`pbn` only names

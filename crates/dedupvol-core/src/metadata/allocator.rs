@@ -57,6 +57,11 @@ impl Allocator {
         a
     }
 
+    /// Blocks that can be handed out now.
+    pub fn free_blocks(&self) -> u64 {
+        self.free_total
+    }
+
     /// A grow: blocks `data_blocks..new_blocks` join the data region, free (the last
     /// slab, if it was short, fills up; new slabs follow).
     pub fn grow(&mut self, new_blocks: u64) {

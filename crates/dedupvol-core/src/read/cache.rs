@@ -224,11 +224,21 @@ impl ContentCache {
     pub fn remove(&mut self, pbn: u64) {
         if let Some(t) = self.table.as_mut() {
             t.remove(&pbn);
-            if let Some(keys) = self.fragment_keys.remove(&pbn) {
-                self.fragment_keys_total -= keys.len();
-                for k in keys {
-                    t.remove(&fragment_key(pbn, k));
-                }
+        }
+        self.remove_decoded(pbn);
+    }
+
+    /// Drops the decompressed fragments starting in `pbn` and keeps the physical block: a
+    /// dead fragment starting there may run into a block freed since, and its decoded copy
+    /// must not vouch for it any more; the physical block still equals the device's, so a
+    /// decode from it (with the reused block read afresh) fails its checksum as a device
+    /// read would.
+    pub fn remove_decoded(&mut self, pbn: u64) {
+        let Some(t) = self.table.as_mut() else { return };
+        if let Some(keys) = self.fragment_keys.remove(&pbn) {
+            self.fragment_keys_total -= keys.len();
+            for k in keys {
+                t.remove(&fragment_key(pbn, k));
             }
         }
     }

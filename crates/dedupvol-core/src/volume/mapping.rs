@@ -76,19 +76,23 @@ impl Volume {
             // proven by those blocks' reuse stamps any more, nor verified from their
             // decoded copies in the cache, once the freed block can be reused: the stamps
             // are renewed (byte verification then reads the reused block and fails) and
-            // the cached copies dropped. Only blocks freed by a fragment's death can hold
-            // such tails: a raw block is never part of a run, so no fragment runs into it,
-            // and a block whose last reference was a raw mapping had no fragment touching
-            // it (that would have held a reference). Skipping raw frees keeps random
-            // overwrites of raw data from evicting the cached copies of their neighbours.
+            // the decoded copies of fragments starting there dropped. Their physical
+            // blocks stay cached: they are live and unchanged, and a fragment decoded from
+            // them and the reused block fails its checksum as one read from the device
+            // would. Only blocks freed by a fragment's death can hold such tails: a raw
+            // block is never part of a run, so no fragment runs into it, and a block whose
+            // last reference was a raw mapping had no fragment touching it (that would have
+            // held a reference). Skipping raw frees keeps random overwrites of raw data from
+            // renewing their neighbours' stamps.
             let fragment_freed = old.fragment_of().is_some();
             if let (true, Some(&lo), Some(&hi)) = (fragment_freed, freed.iter().min(), freed.iter().max()) {
+                let mut cache = self.cache.lock();
                 for q in lo.saturating_sub(FRAGMENT_SPAN_MAX - 1)..hi {
                     if st.rc.get(q) > 0 {
                         if st.dedup.void_stamp(q) {
                             st.red.stamp_wrap_scans += 1;
                         }
-                        self.cache.lock().remove(q);
+                        cache.remove_decoded(q);
                     }
                 }
             }
