@@ -284,9 +284,10 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
     let p = &s.pipeline;
     if p.fingerprint.batches > 0 {
         outln!(
-            "pipeline            {} batches of {:.1} chunks, write latency p50 {} us, p99 {} us; stage utilisation fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}",
+            "pipeline            {} batches of {:.1} chunks on {}, write latency p50 {} us, p99 {} us; stage utilisation fingerprint {:.2}, index {:.2}, compress {:.2}, place {:.2}",
             p.fingerprint.batches,
             p.chunks_per_batch,
+            offload_label(&p.offload),
             p.latency_p50_micros,
             p.latency_p99_micros,
             p.fingerprint.utilisation,
@@ -361,4 +362,15 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
         l.syncs
     )?;
     Ok(())
+}
+
+/// The compute backend for the pipeline line: its name, and for a checked backend the
+/// results the engine refused and the calls it failed.
+fn offload_label(o: &dedupvol_core::OffloadStats) -> String {
+    let name = if o.backend.is_empty() { "cpu" } else { o.backend.as_str() };
+    if o.checked {
+        format!("{name} (checked: {} results refused, {} calls failed)", o.rejected_results, o.failed_calls)
+    } else {
+        name.to_string()
+    }
 }

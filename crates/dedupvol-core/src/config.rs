@@ -461,6 +461,10 @@ pub struct OpenOptions {
     /// volume's codec. For tests of that path and of data stored by a fast codec.
     #[doc(hidden)]
     pub store_codec: Option<(Compression, i8)>,
+    /// The compute backend of the fingerprint and compression stages (None, the default:
+    /// `CpuOffload` on the volume's pool). A backend given here has its results checked
+    /// and its fingerprints verified by bytes (docs/design.md, "The offload interface").
+    pub offload: Option<std::sync::Arc<dyn crate::pipeline::offload::Offload>>,
 }
 
 impl OpenOptions {
@@ -495,6 +499,7 @@ impl Default for OpenOptions {
             index_rebuild: crate::dedup::index::IndexRebuild::Auto,
             take_over: false,
             store_codec: None,
+            offload: None,
         }
     }
 }

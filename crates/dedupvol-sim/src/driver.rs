@@ -382,6 +382,12 @@ impl RunConfig {
             open.defer_compression_micros = pick(&mut pr, &[1u64, 20, 100]);
             open.defer_fixed_cost_ns = Some(10_000);
         }
+        // The offload backend, from its own stream: a quarter of the seeds are given one
+        // (the CPU's, whose results the engine then checks, and every dedup candidate of
+        // the session is verified by its bytes).
+        if ChaCha8Rng::seed_from_u64(seed ^ 0x0FF1_0AD0).gen_bool(0.25) {
+            open.offload = Some(Arc::new(dedupvol_core::CpuOffload::new()));
+        }
         if opts.recompress {
             open.store_codec = match format.compression {
                 Compression::Zstd => Some((Compression::Lz4, 0)),

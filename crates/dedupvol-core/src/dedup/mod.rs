@@ -28,8 +28,9 @@
 //! - Sharing never rests on a stale record: a block freed since a record was made has a
 //!   new stamp (hash verification); a record whose stamp could no longer tell (an earlier
 //!   session, whose stamps were not kept, or before a stamp wrapped: an earlier epoch) is
-//!   compared byte for byte; a new reuse generation voids every byte verification done
-//!   before it.
+//!   compared byte for byte, and so is every candidate of a session whose fingerprints
+//!   come from an offload backend the volume was given (`distrust`); a new reuse
+//!   generation voids every byte verification done before it.
 //! - A block's reference count never exceeds the cap (`Refcounts::cap`) through sharing: a candidate at
 //!   the cap is refused and the chunk stored as a new copy.
 //! - The index is advisory: losing it loses dedup, never data.
@@ -67,6 +68,9 @@ pub(crate) struct Deduper {
     reuse_gen: u64,
     /// Blocks whose content failed its checksum, until they are freed.
     damaged: HashSet<u64>,
+    /// Fingerprints come from a backend whose BLAKE3 is not proof (`distrust`): no
+    /// candidate is proven by its stamp, every one is compared byte for byte.
+    distrusted: bool,
 }
 
 /// What `claim` decided for a chunk.
@@ -91,7 +95,15 @@ impl Deduper {
     /// A deduper over `index`; `hash_mode` keeps a reuse stamp per data block.
     pub(crate) fn new(index: Index, hash_mode: bool, data_blocks: u64) -> Self {
         let stamps = hash_mode.then(|| crate::io::hugemem::zeroed(data_blocks as usize));
-        Deduper { index, stamps, reuse_gen: 0, damaged: HashSet::new() }
+        Deduper { index, stamps, reuse_gen: 0, damaged: HashSet::new(), distrusted: false }
+    }
+
+    /// From now on every candidate is verified by its bytes, as with byte verification:
+    /// the session's fingerprints come from an offload backend whose results are checked,
+    /// and a wrong BLAKE3 must cost a duplicate, never share another chunk's content. The
+    /// records still carry stamps; the next session, of a new epoch, compares them too.
+    pub(crate) fn distrust(&mut self) {
+        self.distrusted = true;
     }
 
     /// True when fingerprints are trusted on full 256-bit equality plus the reuse stamp.
@@ -113,7 +125,7 @@ impl Deduper {
     /// True when `loc`'s stamp decides whether its block changed since: hash verification
     /// and a record of this epoch.
     fn by_stamp(&self, loc: &Location) -> bool {
-        self.hash_mode() && loc.current
+        self.hash_mode() && loc.current && !self.distrusted
     }
 
     /// True when `loc` may be offered at all: its block is in use now (a free block could

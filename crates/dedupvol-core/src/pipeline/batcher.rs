@@ -179,6 +179,8 @@ pub struct PipelineStats {
     pub predictor: crate::dedup::predictor::PredictorStats,
     /// Deferred compression.
     pub deferral: super::defer::DeferralStats,
+    /// The compute backend of stages 1 and 3.
+    pub offload: super::offload::OffloadStats,
 }
 
 /// The stages, in order, for `Batcher::note_stage`.
@@ -418,6 +420,7 @@ impl Batcher {
             place: stage(3),
             predictor: Default::default(),
             deferral: Default::default(),
+            offload: Default::default(),
         }
     }
 }

@@ -1,12 +1,13 @@
-//! Where the pipeline's parallel stages run: behind the `Executor` trait, so batching or an
-//! offload engine can replace the CPU pool without touching the stages.
+//! Where the pipeline's parallel work runs: behind the `Executor` trait. The compute work
+//! of stages 1 and 3 goes through the `Offload` backend (`offload`), whose CPU backend
+//! runs here too; verification reads, the probe and record page reads run here directly.
 //!
 //! Invariants:
 //! - `run_all` returns only when every job has finished: stages borrow the request's
 //!   buffers, which must outlive the jobs.
 //! - The pool is made once per volume (persistent threads); a request never spawns one.
 //! - Small requests stay on the caller's thread: handing 4 KiB to another core costs more
-//!   than hashing it.
+//!   than hashing it; so does work handed out from a job already on the pool.
 
 /// Runs a stage's jobs.
 pub(crate) trait Executor: Send + Sync {
@@ -17,7 +18,7 @@ pub(crate) trait Executor: Send + Sync {
 }
 
 /// Chunks per request below which a stage stays on the calling thread.
-const PARALLEL_CHUNKS_MIN: usize = 64;
+pub(crate) const PARALLEL_CHUNKS_MIN: usize = 64;
 /// Jobs a parallel stage is cut into per worker.
 const JOBS_PER_WORKER: usize = 4;
 /// Threads one volume's pipeline uses at most.
@@ -106,7 +107,12 @@ impl Executor for CpuPool {
     }
 
     fn width(&self) -> usize {
-        self.width
+        // Work handed out from one of the pool's own jobs stays on its thread: the caller
+        // split the batch already (the predictor's pieces hand their chunks to the backend).
+        match &self.pool {
+            Some(p) if p.current_thread_index().is_some() => 1,
+            _ => self.width,
+        }
     }
 }
 

@@ -5,11 +5,15 @@
 //! crc32c and BLAKE3 run only for the chunks that found no journal copy: a chunk shared
 //! with its journal copy takes that copy's crc (their bytes are compared equal first), so
 //! the checkpoint half of a `data=journal` stream costs one xxh3 pass and one compare.
+//!
+//! The per-chunk work is the offload backend's (`offload::print_chunk` on the CPU): this
+//! stage says what to compute for which chunks and turns the answers into plans.
 
 use super::defer::Deferral;
 use super::executor::{for_each, Executor};
 use super::lbas::Lbas;
-use super::reduce::{form_jobs, run_job, Job};
+use super::offload::{Offloader, PrintOp, Prints};
+use super::reduce::{form_jobs, run_jobs, Job};
 use super::{chunk, DataPlan, Plan};
 use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
@@ -23,29 +27,25 @@ use std::sync::Arc;
 /// candidate, their crc32c and their BLAKE3 fingerprint (when `dedup`).
 pub(crate) fn fingerprint(
     exec: &dyn Executor,
+    off: &Offloader,
     buf: &[u8],
     dedup: bool,
     woj: Option<&Mutex<Woj>>,
     lbas: &Lbas,
 ) -> Vec<Plan> {
     let n = buf.len() / BLOCK_SIZE;
-    let mut plans: Vec<Plan> = Vec::with_capacity(n);
-    plans.resize_with(n, || Plan::Zero);
     let mask = woj.map(|w| w.lock().mask());
     // Without WOJ everything is computed in one pass.
     let now = mask.is_none();
-    let blake_now = dedup && now;
+    let op = PrintOp { zero_check: true, weak_mask: mask, crc32c: now, blake3: dedup && now };
+    let chunks: Vec<&[u8]> = (0..n).map(|i| chunk(buf, i)).collect();
+    let prints = off.fingerprint(exec, op, &chunks);
+    let mut plans: Vec<Plan> = Vec::with_capacity(n);
+    plans.resize_with(n, || Plan::Zero);
     for_each(exec, &mut plans, |i, p| {
-        let c = chunk(buf, i);
-        if !crate::codec::is_zero(c) {
-            let mut d = DataPlan::new(mask.map_or(0, |m| xxhash_rust::xxh3::xxh3_64(c) & m));
-            if blake_now {
-                d.hash = *blake3::hash(c).as_bytes();
-                d.hashed = true;
-            }
-            if now {
-                d.ensure_crc(c);
-            }
+        if let Some(pr) = prints.get(i).filter(|pr| !pr.zero) {
+            let mut d = DataPlan::new(pr.weak);
+            take_prints(&mut d, op, pr);
             *p = Plan::Data(d);
         }
     });
@@ -63,19 +63,34 @@ pub(crate) fn fingerprint(
             }
         }
     }
-    for_each(exec, &mut plans, |i, p| {
-        if let Plan::Data(d) = p {
-            if d.woj.is_none() {
-                let c = chunk(buf, i);
-                d.ensure_crc(c);
-                if dedup {
-                    d.hash = *blake3::hash(c).as_bytes();
-                    d.hashed = true;
-                }
-            }
-        }
-    });
+    // The chunks without a journal copy: their crc32c (none has it yet) and BLAKE3.
+    let mut rest: Vec<(usize, &mut DataPlan)> = plans
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, p)| match p {
+            Plan::Data(d) if d.woj.is_none() => Some((i, d)),
+            _ => None,
+        })
+        .collect();
+    let op = PrintOp { zero_check: false, weak_mask: None, crc32c: true, blake3: dedup };
+    let chunks: Vec<&[u8]> = rest.iter().map(|(i, _)| chunk(buf, *i)).collect();
+    let prints = off.fingerprint(exec, op, &chunks);
+    for ((_, d), pr) in rest.iter_mut().zip(&prints) {
+        take_prints(d, op, pr);
+    }
     plans
+}
+
+/// Records in `d` the prints `op` asked for (the weak hash is the plan's from the start).
+fn take_prints(d: &mut DataPlan, op: PrintOp, pr: &Prints) {
+    if op.blake3 {
+        d.hash = pr.blake3;
+        d.hashed = true;
+    }
+    if op.crc32c {
+        d.crc = pr.crc32c;
+        d.crc_done = true;
+    }
 }
 
 /// Chunks one work item of the predicted pass takes at most: a multiple of the largest
@@ -89,9 +104,10 @@ const PIECE_CHUNKS_MAX: usize = 64;
 /// unique, also probes and compresses them as stage 3 would (extents inside one request,
 /// singles otherwise). Returns the plans and the early compression jobs, which stage 3
 /// adopts for the chunks the index confirms unique.
-#[expect(clippy::too_many_arguments, reason = "the stage's executor, predictor, settings and batch")]
+#[expect(clippy::too_many_arguments, reason = "the stage's executor, backend, predictor, settings and batch")]
 pub(crate) fn fingerprint_predicted(
     exec: &dyn Executor,
+    off: &Offloader,
     buf: &[u8],
     lbas: &Lbas,
     predictor: &Mutex<Predictor>,
@@ -101,12 +117,14 @@ pub(crate) fn fingerprint_predicted(
     defer: Option<&Arc<Deferral>>,
 ) -> (Vec<Plan>, Vec<Job>) {
     let n = buf.len() / BLOCK_SIZE;
+    let cheap = PrintOp { zero_check: true, weak_mask: Some(u64::MAX), crc32c: false, blake3: false };
+    let chunks: Vec<&[u8]> = (0..n).map(|i| chunk(buf, i)).collect();
+    let prints = off.fingerprint(exec, cheap, &chunks);
     let mut plans: Vec<Plan> = Vec::with_capacity(n);
     plans.resize_with(n, || Plan::Zero);
     for_each(exec, &mut plans, |i, p| {
-        let c = chunk(buf, i);
-        if !crate::codec::is_zero(c) {
-            let mut d = DataPlan::new(xxhash_rust::xxh3::xxh3_64(c));
+        if let Some(pr) = prints.get(i).filter(|pr| !pr.zero) {
+            let mut d = DataPlan::new(pr.weak);
             d.predicted_unique = Some(false);
             *p = Plan::Data(d);
         }
@@ -149,17 +167,28 @@ pub(crate) fn fingerprint_predicted(
         rest = tail;
     }
     let compressing = compression != Compression::None;
-    let width = exec.width();
-    // Each item is one job already: the pieces share the pool between them.
+    let width = off.parallel();
+    let strong = PrintOp { zero_check: false, weak_mask: None, crc32c: true, blake3: true };
+    // Each item is one job already: the pieces share the pool between them (and the CPU
+    // backend runs a piece's calls on the piece's thread).
     for_each(exec, &mut pieces, |_, piece| {
+        let chunks: Vec<&[u8]> = piece
+            .plans
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| matches!(p, Plan::Data(_)))
+            .map(|(k, _)| chunk(buf, piece.first + k))
+            .collect();
+        let prints = off.fingerprint(exec, strong, &chunks);
+        let mut prints = prints.iter();
         for (k, p) in piece.plans.iter_mut().enumerate() {
             if let Plan::Data(d) = p {
-                let c = chunk(buf, piece.first + k);
-                d.ensure_crc(c);
-                d.hash = *blake3::hash(c).as_bytes();
-                d.hashed = true;
+                if let Some(pr) = prints.next() {
+                    take_prints(d, strong, pr);
+                }
+                // A chunk without its prints (none is) would be hashed in stage 3 or 4.
                 if piece.unique && compressing {
-                    d.incompressible = crate::data::packer::incompressible(c);
+                    d.incompressible = crate::data::packer::incompressible(chunk(buf, piece.first + k));
                     d.probed = true;
                 }
             }
@@ -173,18 +202,17 @@ pub(crate) fn fingerprint_predicted(
         // One backlog per piece: the pieces of a batch run side by side, each a worker's.
         let backlog = Deferral::assign(defer, &mut piece.jobs, width);
         let probed: &[Plan] = piece.plans;
-        for job in &mut piece.jobs {
-            let t = if defer.is_some() { Deferral::thread_cpu_ns() } else { 0 };
-            run_job(
-                job,
-                level,
-                buf,
-                |k| matches!(probed.get(k - piece.first), Some(Plan::Data(d)) if d.incompressible),
-            );
-            if defer.is_some() && job.codec == compression {
-                Deferral::note_cost(defer, job.n, Deferral::thread_cpu_ns().saturating_sub(t));
-            }
-        }
+        let first = piece.first;
+        run_jobs(
+            exec,
+            off,
+            &mut piece.jobs,
+            level,
+            buf,
+            |k| matches!(k.checked_sub(first).and_then(|k| probed.get(k)), Some(Plan::Data(d)) if d.incompressible),
+            defer,
+            compression,
+        );
         drop(backlog);
     });
     let jobs = pieces.into_iter().flat_map(|p| p.jobs).collect();

@@ -3,13 +3,13 @@
 //! Stages, in the order `Volume::write_batch_once` runs them (docs/design.md, "A write"):
 //! 1. `fingerprint` (no lock, parallel): zero check, the weak hash and the write-once
 //!    journaling candidate (WOJ on), crc32c and BLAKE3 fingerprint (dedup on) of the chunks
-//!    without a WOJ candidate;
+//!    without a WOJ candidate, computed by the volume's `offload` backend;
 //! 2. `reduce::resolve_woj`, `reduce::find_candidates` (state lock): journal copies, and
 //!    dedup candidates from the index;
 //! 3. `reduce::verify_and_compress` (no lock, parallel): byte verification of
 //!    candidates, then compression of the chunks without a verified duplicate: runs of
 //!    consecutive compressible chunks as extents of up to `UNIT_BLOCKS_MAX` blocks, the
-//!    others alone;
+//!    others alone, compressed by the `offload` backend;
 //! 4. `place` (state lock): the dedup claim, packing (an extent once, for its first
 //!    chunk stored) or a raw block, staging, and the journalled mapping change.
 //!
@@ -17,6 +17,8 @@
 //! - A batch holds at most `WRITE_BLOCKS_PER_BATCH` chunks, which bounds the state-lock
 //!   hold of stages 2 and 4 and the memory of one batch's plans, whatever the request size.
 //! - Stages 1 and 3 take no volume lock; everything they decide is re-checked in stage 4.
+//! - A backend's results are used only as `offload::Offloader` passed them: checked, for a
+//!   backend the volume was given.
 //! - The index is asked and told only under a chunk's real BLAKE3 fingerprint (`hashed`):
 //!   a chunk that skipped BLAKE3 for a WOJ candidate gets it in stage 3 or 4 when the
 //!   candidate falls through.
@@ -28,6 +30,7 @@ pub(crate) mod defer;
 pub(crate) mod executor;
 pub(crate) mod fingerprint;
 pub(crate) mod lbas;
+pub(crate) mod offload;
 pub(crate) mod place;
 pub(crate) mod reduce;
 

@@ -1,9 +1,10 @@
 //! Stages 2 and 3: dedup candidates (under the state lock), then byte verification and
-//! compression (no lock, in parallel).
+//! compression (no lock, in parallel; the compression itself by the offload backend).
 
 use super::defer::Deferral;
 use super::executor::{for_each, Executor};
 use super::lbas::Lbas;
+use super::offload::{CompressUnit, Offloader};
 use super::{chunk, DataPlan, Plan, Unit};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
@@ -95,9 +96,10 @@ pub(crate) fn read_pages(exec: &dyn Executor, source: &PageSource, fetches: &mut
 /// that pass the incompressibility probe as extents (`units`), the rest alone, keeping a
 /// raw copy when compression does not pay. A chunk whose journal copy differed gets its
 /// BLAKE3 fingerprint here when dedup is on. Returns the batch's extents.
-#[expect(clippy::too_many_arguments, reason = "the stage's executor, devices, cache, settings and batch")]
+#[expect(clippy::too_many_arguments, reason = "the stage's executor, backend, devices, cache, settings and batch")]
 pub(crate) fn verify_and_compress(
     exec: &dyn Executor,
+    off: &Offloader,
     data: &DataDevice,
     cache: &Mutex<ContentCache>,
     compression: Compression,
@@ -189,15 +191,18 @@ pub(crate) fn verify_and_compress(
     let member = |p: &Plan| extent_member(p, compression);
     let single = |p: &Plan| matches!(p, Plan::Data(d) if needs_store(d) && !d.batch_dup && !d.early);
     let mut jobs = form_jobs(plans, 0, lbas, extent_max, compression, member, single);
-    let backlog = Deferral::assign(defer, &mut jobs, exec.width());
+    let backlog = Deferral::assign(defer, &mut jobs, off.parallel());
     let probed: &[Plan] = plans;
-    for_each(exec, &mut jobs, |_, job| {
-        let t = if defer.is_some() { Deferral::thread_cpu_ns() } else { 0 };
-        run_job(job, level, buf, |k| matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible));
-        if defer.is_some() && job.codec == compression {
-            Deferral::note_cost(defer, job.n, Deferral::thread_cpu_ns().saturating_sub(t));
-        }
-    });
+    run_jobs(
+        exec,
+        off,
+        &mut jobs,
+        level,
+        buf,
+        |k| matches!(probed.get(k), Some(Plan::Data(d)) if d.incompressible),
+        defer,
+        compression,
+    );
     drop(backlog);
     jobs.splice(0..0, adopted);
     let mut units = Vec::new();
@@ -269,35 +274,64 @@ pub(crate) fn form_jobs(
     jobs
 }
 
-/// Compresses one job: its extent as one unit, or (one chunk, or an extent that did not
-/// compress) its chunks one by one; `incompressible(k)` is the probe's verdict on chunk k.
-pub(crate) fn run_job(job: &mut Job, level: i8, buf: &[u8], incompressible: impl Fn(usize) -> bool) {
-    let first = job.first;
-    let compression = job.codec;
-    if job.n >= 2 {
-        if let Some(bytes) = buf.get(first * BLOCK_SIZE..(first + job.n) * BLOCK_SIZE) {
-            job.unit = packer::compress_probed(compression, level, bytes, false);
-        }
-        if job.unit.is_some() {
-            return;
+/// Compresses a batch's jobs with one call to the backend: a unit per job, its extent as a
+/// whole or its single chunk (none for a single chunk the probe turned away: its verdict
+/// stands; `incompressible(k)` is the verdict on chunk k). Then, in parallel, each job
+/// takes its unit's answer: an extent's fragment, a single chunk's fragment, or raw copies
+/// of its chunks: an extent that did not save 1/16 as a whole is stored raw (its blocks
+/// alone would save less still, measured on the vdi preset's data, and compressing them
+/// again doubled the compression work of such data). With deferral on, each job of the
+/// volume's codec tells the gauge what it cost (`volume_codec`: the volume's codec).
+#[expect(clippy::too_many_arguments, reason = "the stage's executor, backend, jobs, data and gauge")]
+pub(crate) fn run_jobs(
+    exec: &dyn Executor,
+    off: &Offloader,
+    jobs: &mut [Job],
+    level: i8,
+    buf: &[u8],
+    incompressible: impl Fn(usize) -> bool,
+    defer: Option<&Arc<Deferral>>,
+    volume_codec: Compression,
+) {
+    let mut units: Vec<CompressUnit<'_>> = Vec::with_capacity(jobs.len());
+    let mut unit_of: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
+    for job in jobs.iter() {
+        let wanted = job.n >= 2 || !incompressible(job.first);
+        match buf.get(job.first * BLOCK_SIZE..(job.first + job.n) * BLOCK_SIZE).filter(|_| wanted) {
+            Some(data) => {
+                unit_of.push(Some(units.len()));
+                let timed = defer.is_some() && job.codec == volume_codec;
+                units.push(CompressUnit { data, codec: job.codec, level, timed });
+            }
+            None => unit_of.push(None),
         }
     }
-    // A single chunk, each chunk alone; an extent that did not save 1/16 as a whole is
-    // stored raw (its blocks alone would save less still, measured on the vdi preset's
-    // data, and compressing them again doubled the compression work of such data).
-    let unit_failed = job.n >= 2;
-    job.singles = (first..first + job.n)
-        .map(|k| {
-            let c = chunk(buf, k);
-            // The probe's verdict stands: an incompressible chunk is stored raw.
-            let skip = unit_failed || incompressible(k);
-            let frag = if skip { None } else { packer::compress_probed(compression, level, c, false) };
-            match frag {
-                Some(f) => (Some(f), None),
-                None => (None, Some(Block::from(c))),
-            }
+    let mut answers = off.compress(exec, &units);
+    let mut work: Vec<(&mut Job, Option<Vec<u8>>, u64)> = jobs
+        .iter_mut()
+        .zip(unit_of)
+        .map(|(job, u)| match u.and_then(|u| answers.get_mut(u)) {
+            Some(a) => (job, a.bytes.take(), a.busy_ns),
+            None => (job, None, 0),
         })
         .collect();
+    for_each(exec, &mut work, |_, (job, frag, busy_ns)| {
+        if defer.is_some() && job.codec == volume_codec {
+            Deferral::note_cost(defer, job.n, *busy_ns);
+        }
+        let frag = frag.take();
+        if job.n >= 2 && frag.is_some() {
+            job.unit = frag;
+            return;
+        }
+        let mut frag = frag;
+        job.singles = (job.first..job.first + job.n)
+            .map(|k| match frag.take() {
+                Some(f) => (Some(f), None),
+                None => (None, Some(Block::from(chunk(buf, k)))),
+            })
+            .collect();
+    });
 }
 
 /// True when stage 4 stores the chunk rather than sharing a copy (as far as the stages

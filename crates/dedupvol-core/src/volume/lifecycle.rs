@@ -431,7 +431,7 @@ impl Volume {
             // Recovery counted this open (and made it durable) before anything is written.
             dedup.index_mut().rebuild(sb.lifetime.read_write_opens, opts.index_rebuild);
         }
-        let state = State {
+        let mut state = State {
             alloc: Allocator::from_counts(rec.rc.counts(), geo.slab_blocks),
             map: rec.map,
             rc: rec.rc,
@@ -469,6 +469,15 @@ impl Volume {
                     opts.defer_fixed_cost_ns,
                 ))
             });
+        let exec = match opts.workers {
+            Some(n) => Arc::new(CpuPool::with_width(n)),
+            None => CpuPool::shared(),
+        };
+        // A backend's fingerprints are not proof of equality: every candidate of the
+        // session is verified by its bytes (docs/design.md, "The offload interface").
+        if opts.offload.is_some() {
+            state.dedup.distrust();
+        }
         let v = Volume {
             predictor,
             defer,
@@ -493,10 +502,8 @@ impl Volume {
             commit_lock: Mutex::new(()),
             tickets,
             writer,
-            exec: match opts.workers {
-                Some(n) => Arc::new(CpuPool::with_width(n)),
-                None => CpuPool::shared(),
-            },
+            exec: exec.clone(),
+            offload: crate::pipeline::offload::Offloader::new(exec, opts.offload.clone()),
             batcher: crate::pipeline::batcher::Batcher::new(opts.batch),
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: std::array::from_fn(|_| Mutex::new(())),

@@ -86,6 +86,8 @@ pub struct Volume {
     pub(crate) writer: Option<DataWriter>,
     /// Runs the pipeline's parallel stages.
     pub(crate) exec: std::sync::Arc<CpuPool>,
+    /// Computes stage 1's fingerprints and stage 3's compression (`OpenOptions::offload`).
+    pub(crate) offload: crate::pipeline::offload::Offloader,
     /// The unique-chunk predictor (None: dedup off, write-once journaling on, or turned
     /// off). Taken alone, once per batch to predict and once to record.
     pub(crate) predictor: Option<Mutex<crate::dedup::predictor::Predictor>>,

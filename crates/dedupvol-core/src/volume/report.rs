@@ -171,6 +171,7 @@ impl Volume {
                 if let Some(d) = &self.defer {
                     p.deferral = d.stats();
                 }
+                p.offload = self.offload.stats();
                 p
             },
         }

@@ -106,6 +106,7 @@ impl Volume {
         let (mut plans, early) = match &self.predictor {
             Some(pr) => fingerprint_predicted(
                 &*self.exec,
+                &self.offload,
                 buf,
                 lbas,
                 pr,
@@ -114,7 +115,7 @@ impl Volume {
                 self.extent_blocks_max,
                 self.defer.as_ref(),
             ),
-            None => (fingerprint(&*self.exec, buf, self.dedup, woj, lbas), Vec::new()),
+            None => (fingerprint(&*self.exec, &self.offload, buf, self.dedup, woj, lbas), Vec::new()),
         };
         lap(Stage::Fingerprint);
         // 2. Journal copies, then dedup candidates (state lock). Record pages the lookups
@@ -145,6 +146,7 @@ impl Volume {
         // 3. Verification reads and compression (no lock; parallel).
         let mut units = reduce::verify_and_compress(
             &*self.exec,
+            &self.offload,
             &self.data,
             &self.cache,
             self.compression,
