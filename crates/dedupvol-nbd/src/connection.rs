@@ -11,6 +11,9 @@
 //!   bytes ([`ConnectionLimits::inflight_bytes_max`]), so a client
 //!   pipelining 32 MiB writes cannot make the server buffer without bound.
 //! - A reply is written whole under the writer mutex: replies never interleave on the wire.
+//! - A simple reply (writes, flushes, trims) may be queued, and is then sent by whichever
+//!   thread holds the writer mutex, together with its own reply; a queued reply is never
+//!   left behind (`ReplyWriter::send_queued`).
 //! - A request the client already sent is either executed and answered, or the connection
 //!   is closed; a client that disconnects mid-request only loses its own unanswered
 //!   requests (its completed writes are in the shared backend, for every connection).
@@ -543,6 +546,9 @@ struct Job {
 /// Writes replies; shared by the reader (for rejects) and the workers.
 struct ReplyWriter {
     stream: Mutex<Stream>,
+    /// Simple replies waiting for the stream (`status`): whoever holds the stream sends
+    /// them with its own reply, in one vectored write.
+    queued: Mutex<Vec<u8>>,
     send: Sender,
     broken: AtomicBool,
     /// Why the first failed reply failed (for the connection's log line).
@@ -557,28 +563,76 @@ impl ReplyWriter {
         self.write_parts(&[head, body]);
     }
 
-    /// Writes `parts` back to back as one message (one vectored write), under the lock.
+    /// Writes `parts` back to back as one message (one vectored write), under the lock,
+    /// with any queued simple replies after them; then sends what was queued meanwhile.
     fn write_parts(&self, parts: &[&[u8]]) {
         if self.broken.load(Ordering::Relaxed) {
             return;
         }
-        let s = self.stream.lock();
-        // Checked again under the lock: the writer before us may have just broken it.
+        {
+            let s = self.stream.lock();
+            // Checked again under the lock: the writer before us may have just broken it.
+            if self.broken.load(Ordering::Relaxed) {
+                return;
+            }
+            let queued = std::mem::take(&mut *self.queued.lock());
+            let r = if queued.is_empty() {
+                self.send.send(&s, parts)
+            } else if parts.len() < SEND_PARTS_PER_REPLY {
+                let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+                all.extend_from_slice(parts);
+                all.push(&queued);
+                self.send.send(&s, &all)
+            } else {
+                self.send.send(&s, parts).and_then(|()| self.send.send(&s, &[&queued]))
+            };
+            if let Err(e) = r {
+                self.break_stream(&s, &e);
+            }
+        }
+        self.send_queued();
+    }
+
+    /// The client is gone, stopped reading, or the stream is out of sync: stop the reader
+    /// too (shutdown wakes it with end-of-file). Stream lock held.
+    fn break_stream(&self, s: &Stream, e: &io::Error) {
+        self.broken_why.lock().get_or_insert_with(|| e.to_string());
+        self.broken.store(true, Ordering::Relaxed);
+        let _ = s.shutdown(Shutdown::Both);
+    }
+
+    /// The reply to anything but a read: a simple reply (allowed in either mode), queued
+    /// and sent by this thread unless another one holds the stream. Why: every send wakes
+    /// the client, and on a small machine the woken client often preempts the sender while
+    /// it holds the stream, so the other workers' replies queued behind it; now a sender
+    /// takes every reply finished meanwhile along, in one write and one wake-up.
+    fn status(&self, error: u32, cookie: u64) {
         if self.broken.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = self.send.send(&s, parts) {
-            // The client is gone, stopped reading, or the stream is out of sync: stop the
-            // reader too (shutdown wakes it with end-of-file).
-            self.broken_why.lock().get_or_insert_with(|| e.to_string());
-            self.broken.store(true, Ordering::Relaxed);
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        self.queued.lock().extend_from_slice(&proto::encode_simple_reply(error, cookie));
+        self.send_queued();
     }
 
-    /// The reply to anything but a read: a simple reply (allowed in either mode).
-    fn status(&self, error: u32, cookie: u64) {
-        self.write(&proto::encode_simple_reply(error, cookie), &[]);
+    /// Sends the queued simple replies unless another thread holds the stream. No reply is
+    /// left behind: a thread queues before it tries the stream, and a holder looks at the
+    /// queue after letting the stream go, so of the two at least one sees every reply.
+    fn send_queued(&self) {
+        loop {
+            if self.broken.load(Ordering::Relaxed) || self.queued.lock().is_empty() {
+                return;
+            }
+            let Some(s) = self.stream.try_lock() else { return };
+            if self.broken.load(Ordering::Relaxed) {
+                return;
+            }
+            let queued = std::mem::take(&mut *self.queued.lock());
+            if !queued.is_empty() {
+                if let Err(e) = self.send.send(&s, &[&queued]) {
+                    self.break_stream(&s, &e);
+                }
+            }
+        }
     }
 
     /// A successful read of `data` at `offset`.
@@ -650,6 +704,10 @@ impl ReplyWriter {
         }
     }
 }
+
+/// Parts one reply may take with the queued simple replies added as one more (the stream
+/// takes at most `1 + 1024`).
+const SEND_PARTS_PER_REPLY: usize = 1024;
 
 /// The block size of shared read parts (`Backend::read_shared`).
 const BLOCK_BYTES: usize = 4096;
@@ -823,6 +881,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
     };
     let writer = Arc::new(ReplyWriter {
         stream: Mutex::new(write_half),
+        queued: Mutex::new(Vec::new()),
         send,
         broken: AtomicBool::new(false),
         broken_why: Mutex::new(None),
