@@ -66,7 +66,9 @@ pub use pipeline::offload::{
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,
 };
-pub use volume::cleaner::{CleanOptions, CleanReport, Cleaner, CleanerOptions, CLEANER_DUTY_DEFAULT, RECOMPRESS_IDLE_DEFAULT};
+pub use volume::cleaner::{
+    CleanOptions, CleanReport, Cleaner, CleanerOptions, CLEANER_DUTY_DEFAULT, RECOMPRESS_IDLE_DEFAULT,
+};
 pub use volume::grow::{resize_closed, resize_path, GrowReport};
 pub use volume::recompress::{RecompressOptions, RecompressReport};
 pub use volume::Volume;

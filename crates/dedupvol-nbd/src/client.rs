@@ -230,7 +230,7 @@ impl NbdClient {
                         Err(e) => last = e,
                     }
                 }
-                let s = connected.ok_or_else(|| ClientError::Io { during: "connect", source: last })?;
+                let s = connected.ok_or(ClientError::Io { during: "connect", source: last })?;
                 // Requests are small and answered one at a time: Nagle would delay each.
                 s.set_nodelay(true).map_err(io_err("connect"))?;
                 Stream::Tcp(s)

@@ -225,7 +225,7 @@ pub fn serve_connection(
         Ok((session, export)) => {
             tracing::info!(
                 "{} export {:?}{}",
-                if matches!(pump, Some(_)) { "TLS session on" } else { "serving" },
+                if pump.is_some() { "TLS session on" } else { "serving" },
                 export.config.name,
                 if session.structured { " (structured replies)" } else { "" }
             );
@@ -967,5 +967,47 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
     match why {
         Some(why) => Outcome::Dropped(format!("writing a reply: {why}")),
         None => outcome,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// A simple reply queued while another thread's reply holds the stream (its send
+    /// blocked on a full socket) is sent by that thread once it lets the stream go.
+    #[test]
+    fn a_reply_queued_behind_a_blocked_send_is_sent_when_it_ends() {
+        let (ours, mut client) = UnixStream::pair().expect("socketpair");
+        let writer = Arc::new(ReplyWriter {
+            stream: Mutex::new(Stream::Unix(ours)),
+            queued: Mutex::new(Vec::new()),
+            send: Sender { limits: ConnectionLimits::default(), stopping: Arc::new(AtomicBool::new(false)) },
+            broken: AtomicBool::new(false),
+            broken_why: Mutex::new(None),
+            structured: false,
+        });
+        // Far more than a socket buffer: the send blocks until the client reads.
+        let big = vec![0xA5u8; 8 << 20];
+        let sending = {
+            let (w, big) = (writer.clone(), big.clone());
+            std::thread::spawn(move || w.write_parts(&[&big]))
+        };
+        // Wait until the big send holds the stream, then queue a reply behind it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while writer.stream.try_lock().is_some() {
+            assert!(std::time::Instant::now() < deadline, "the big send never took the stream");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        writer.status(0, 0x77);
+        client.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+        let mut got = vec![0u8; big.len()];
+        client.read_exact(&mut got).expect("the big reply");
+        assert!(got == big);
+        let mut reply = [0u8; proto::SIMPLE_REPLY_BYTES];
+        client.read_exact(&mut reply).expect("the queued reply was left behind");
+        assert_eq!(reply, proto::encode_simple_reply(0, 0x77));
+        sending.join().expect("sender");
     }
 }

@@ -243,3 +243,52 @@ fn structured_replies_answer_reads_with_chunks() {
     assert_eq!(read_chunk(&mut s), (REPLY_FLAG_DONE, REPLY_TYPE_NONE, 5, vec![]));
     srv.shutdown();
 }
+
+/// Write replies are queued and sent by whichever worker holds the stream (`status`), so
+/// under a deep pipeline of small writes mixed with reads on many workers, every request
+/// must still get exactly one reply, and each read returns what its block's acknowledged
+/// write left.
+#[test]
+fn queued_write_replies_are_never_lost_among_reads() {
+    let limits = dedupvol_nbd::ConnectionLimits { workers: 8, ..test_limits() };
+    let srv = TestServer::start_limits(8 << 20, false, 4, limits);
+    let mut s = connect_raw(&srv.socket);
+    assert_eq!(go(&mut s, "vol").0, 8 << 20);
+    // A reply left behind in the queue fails the test instead of hanging it.
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    const N: u64 = 4000;
+    const LEN: usize = 512;
+    // Sends `reqs` from another thread while this one reads every reply; returns the
+    // replies' cookies, checking each read's data.
+    let round = |s: &mut std::os::unix::net::UnixStream, reqs: Vec<(u16, u64, u64)>| {
+        let n = reqs.len();
+        let mut w = s.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            for (kind, cookie, i) in reqs {
+                let payload = if kind == CMD_WRITE { pattern(i, LEN) } else { Vec::new() };
+                send_request(&mut w, kind, 0, cookie, i * LEN as u64, LEN as u32, &payload);
+            }
+        });
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..n {
+            let h = read_n(s, SIMPLE_REPLY_BYTES);
+            assert_eq!(u32_at(&h, 0), SIMPLE_REPLY_MAGIC);
+            let (e, c) = (u32_at(&h, 4), u64_at(&h, 8));
+            assert_eq!(e, 0, "request {c:#x} failed");
+            if c >= READ_COOKIES {
+                let i = c - READ_COOKIES;
+                assert!(read_n(s, LEN) == pattern(i, LEN), "read of block {i} differs");
+            }
+            assert!(seen.insert(c), "request {c:#x} answered twice");
+        }
+        writer.join().unwrap();
+    };
+    const READ_COOKIES: u64 = 1 << 40;
+    // Blocks 0..N written, every reply awaited; then reads of them interleaved with writes
+    // of blocks N..2N, so write replies queue while read replies hold the stream.
+    round(&mut s, (0..N).map(|i| (CMD_WRITE, 1 + i, i)).collect());
+    round(&mut s, (0..N).flat_map(|i| [(CMD_READ, READ_COOKIES + i, i), (CMD_WRITE, 1 + N + i, N + i)]).collect());
+    send_request(&mut s, CMD_DISC, 0, 0, 0, 0, &[]);
+    assert!(is_closed(&mut s));
+    srv.shutdown();
+}

@@ -185,9 +185,7 @@ const PROBE_STRIDE: usize = 5;
 fn c_log2_c() -> &'static [f32] {
     static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
-        (0..=BLOCK_SIZE)
-            .map(|c| if c < 2 { 0.0 } else { (c as f64 * (c as f64).log2()) as f32 })
-            .collect()
+        (0..=BLOCK_SIZE).map(|c| if c < 2 { 0.0 } else { (c as f64 * (c as f64).log2()) as f32 }).collect()
     })
 }
 

@@ -461,7 +461,11 @@ impl Cleaner {
                         not_before = Instant::now() + pause_after(t0.elapsed(), opts.duty);
                     }
                     let Some(ro) = &opts.recompress else { continue };
-                    if !busy && quiet_since.elapsed() >= opts.idle && v.recompress_hint() > 0 && v.recompress(ro).is_err() {
+                    if !busy
+                        && quiet_since.elapsed() >= opts.idle
+                        && v.recompress_hint() > 0
+                        && v.recompress(ro).is_err()
+                    {
                         break;
                     }
                 }
