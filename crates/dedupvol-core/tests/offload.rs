@@ -5,8 +5,8 @@
 mod common;
 use common::*;
 use dedupvol_core::{
-    check_volume, compress_unit, print_chunk, Capacity, CompressUnit, Compressed, CpuOffload, Offload, OffloadError,
-    OpenOptions, PrintOp, Prints, Storage, Volume,
+    compress_unit, print_chunk, Capacity, CompressUnit, Compressed, CpuOffload, Offload, OffloadError, OpenOptions,
+    PrintOp, Prints, Storage, Volume,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -150,9 +150,7 @@ fn run(backend: Option<Arc<TestBackend>>, predictor: bool) -> dedupvol_core::Sta
     // Writing the same data again on the CPU backend: old records are compared by bytes.
     let again = write_mix(&vol);
     read_all(&vol, &again, "rewritten with the CPU backend");
-    vol.close().expect("close");
-    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(r.is_clean(), "{:?}", r.problems);
+    close_and_check(dev, vol);
     st
 }
 

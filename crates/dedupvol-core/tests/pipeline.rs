@@ -3,7 +3,7 @@
 //! shared, or what the audit finds.
 mod common;
 use common::*;
-use dedupvol_core::{check_volume, OpenOptions, Storage, Volume};
+use dedupvol_core::{OpenOptions, Storage, Volume};
 use std::sync::Arc;
 
 /// Writes `n` requests of 16 compressible blocks, every fourth request a repeat of an
@@ -55,9 +55,7 @@ fn the_predictor_guesses_repeats_and_changes_nothing_stored() {
     assert!(!st2.pipeline.predictor.enabled);
     assert_eq!(st.data_blocks_used, st2.data_blocks_used);
     assert_eq!(st.counters.dedup_hits, st2.counters.dedup_hits);
-    vol.close().expect("close");
-    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(r.is_clean(), "{:?}", r.problems);
+    close_and_check(dev, vol);
 }
 
 #[test]
@@ -72,9 +70,7 @@ fn deferred_chunks_are_stored_with_the_fast_codec_and_read_back() {
     assert!(d.enabled && d.deferred_chunks > 0, "{d:?}");
     let vol = reopen(&dev, vol, &opts);
     read_all(&vol, &want);
-    vol.close().expect("close");
-    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(r.is_clean(), "{:?}", r.problems);
+    close_and_check(dev, vol);
 }
 
 #[test]
@@ -100,9 +96,7 @@ fn requests_written_as_one_batch_apply_in_order() {
     vol.read(7 * 4096, &mut got).expect("read");
     assert!(got == a[..4096], "a repeat inside the batch reads back");
     assert!(vol.stats().counters.dedup_hits >= 1, "the repeat of a's first block is shared");
-    vol.close().expect("close");
-    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(r.is_clean(), "{:?}", r.problems);
+    close_and_check(dev, vol);
 }
 
 #[test]
@@ -115,7 +109,5 @@ fn a_batch_with_a_partial_block_is_written_request_by_request() {
     vol.read(0, &mut got).expect("read");
     assert!(got[..4096] == a[..]);
     assert!(got[4096 + 512..4096 + 1536] == part[..1024] && got[4096..4096 + 512].iter().all(|&x| x == 0));
-    vol.close().expect("close");
-    let r = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(r.is_clean(), "{:?}", r.problems);
+    close_and_check(dev, vol);
 }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::small_open;
+use common::{close_and_check, small_open};
 use dedupvol_core::{
     check_volume, CleanOptions, Cleaner, CleanerOptions, Compression, FormatOptions, MemStorage, OpenOptions,
     RecompressOptions, Storage, Volume,
@@ -197,9 +197,7 @@ fn single_blocks_become_extents_again() {
     assert!(end < inline_single, "extents again: {end} blocks, single zstd blocks {inline_single}");
     assert!((end as f64) <= inline_extents as f64 * 1.02, "{end} blocks against {inline_extents} for inline extents");
     read_back(&vol, &d);
-    vol.close().expect("close");
-    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(rep.is_clean(), "{:?}", rep.problems);
+    close_and_check(dev, vol);
 }
 
 #[test]
@@ -227,9 +225,7 @@ fn overwrites_and_discards_during_recompression_keep_the_newest_data() {
     // The cleaner afterwards finds the blocks the overwrites left partly dead.
     vol.clean(&CleanOptions::default()).expect("clean");
     read_back(&vol, &d);
-    vol.close().expect("close");
-    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(rep.is_clean(), "{:?}", rep.problems);
+    close_and_check(dev, vol);
 }
 
 #[test]
@@ -250,9 +246,7 @@ fn a_crash_inside_recompression_loses_nothing() {
     read_back(&vol, &d);
     recompress_all(&vol, 64 << 20);
     read_back(&vol, &d);
-    vol.close().expect("close");
-    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(rep.is_clean(), "{:?}", rep.problems);
+    close_and_check(dev, vol);
 }
 
 #[test]
@@ -289,7 +283,5 @@ fn the_cleaner_thread_recompresses_once_writes_stop() {
     assert_eq!(last.fragments_found, 0, "{last:?}");
     read_back(&vol, &d);
     let vol = Arc::into_inner(vol).expect("the thread let the volume go");
-    vol.close().expect("close");
-    let rep = check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
-    assert!(rep.is_clean(), "{:?}", rep.problems);
+    close_and_check(dev, vol);
 }

@@ -40,15 +40,7 @@ pub(crate) fn fingerprint(
     let op = PrintOp { zero_check: true, weak_mask: mask, crc32c: now, blake3: dedup && now };
     let chunks: Vec<&[u8]> = (0..n).map(|i| chunk(buf, i)).collect();
     let prints = off.fingerprint(exec, op, &chunks);
-    let mut plans: Vec<Plan> = Vec::with_capacity(n);
-    plans.resize_with(n, || Plan::Zero);
-    for_each(exec, &mut plans, |i, p| {
-        if let Some(pr) = prints.get(i).filter(|pr| !pr.zero) {
-            let mut d = DataPlan::new(pr.weak);
-            take_prints(&mut d, op, pr);
-            *p = Plan::Data(d);
-        }
-    });
+    let mut plans = plans_from(op, &prints);
     let Some(woj) = woj else { return plans };
     {
         let mut w = woj.lock();
@@ -82,6 +74,23 @@ pub(crate) fn fingerprint(
 }
 
 /// Records in `d` the prints `op` asked for (the weak hash is the plan's from the start).
+/// A batch's plans from its first fingerprint answers (one per chunk, in order): zero
+/// chunks stay `Zero`, the others become data plans holding what `op` computed. On the
+/// calling thread: building a plan costs less than handing it to another.
+fn plans_from(op: PrintOp, prints: &[Prints]) -> Vec<Plan> {
+    prints
+        .iter()
+        .map(|pr| {
+            if pr.zero {
+                return Plan::Zero;
+            }
+            let mut d = DataPlan::new(pr.weak);
+            take_prints(&mut d, op, pr);
+            Plan::Data(d)
+        })
+        .collect()
+}
+
 fn take_prints(d: &mut DataPlan, op: PrintOp, pr: &Prints) {
     if op.blake3 {
         d.hash = pr.blake3;
@@ -120,15 +129,12 @@ pub(crate) fn fingerprint_predicted(
     let cheap = PrintOp { zero_check: true, weak_mask: Some(u64::MAX), crc32c: false, blake3: false };
     let chunks: Vec<&[u8]> = (0..n).map(|i| chunk(buf, i)).collect();
     let prints = off.fingerprint(exec, cheap, &chunks);
-    let mut plans: Vec<Plan> = Vec::with_capacity(n);
-    plans.resize_with(n, || Plan::Zero);
-    for_each(exec, &mut plans, |i, p| {
-        if let Some(pr) = prints.get(i).filter(|pr| !pr.zero) {
-            let mut d = DataPlan::new(pr.weak);
+    let mut plans = plans_from(cheap, &prints);
+    for p in &mut plans {
+        if let Plan::Data(d) = p {
             d.predicted_unique = Some(false);
-            *p = Plan::Data(d);
         }
-    });
+    }
     {
         let pr = predictor.lock();
         let mut seen: std::collections::HashSet<u64> = std::collections::HashSet::with_capacity(n);

@@ -279,23 +279,8 @@ impl Offloader {
         self.fp_calls.fetch_add(1, Ordering::Relaxed);
         self.fp_chunks.fetch_add(chunks.len() as u64, Ordering::Relaxed);
         let chunk = |i: usize| chunks.get(i).copied().unwrap_or(&[]);
-        match self.backend.fingerprint(op, chunks, &mut out) {
-            Ok(()) if self.checked => {
-                let rejected = AtomicU64::new(0);
-                for_each(exec, &mut out, |i, o| {
-                    if !prints_ok(op, chunk(i), o) {
-                        rejected.fetch_add(1, Ordering::Relaxed);
-                        *o = print_chunk(op, chunk(i));
-                    }
-                });
-                self.rejected.fetch_add(rejected.into_inner(), Ordering::Relaxed);
-            }
-            Ok(()) => {}
-            Err(_) => {
-                self.failed.fetch_add(1, Ordering::Relaxed);
-                for_each(exec, &mut out, |i, o| *o = print_chunk(op, chunk(i)));
-            }
-        }
+        let answered = self.backend.fingerprint(op, chunks, &mut out);
+        self.settle(exec, answered, &mut out, |i, o| prints_ok(op, chunk(i), o), |i| print_chunk(op, chunk(i)));
         out
     }
 
@@ -307,12 +292,33 @@ impl Offloader {
         }
         self.c_calls.fetch_add(1, Ordering::Relaxed);
         self.c_units.fetch_add(units.len() as u64, Ordering::Relaxed);
-        let cpu = |i: usize| units.get(i).map(compress_unit).unwrap_or_default();
-        match self.backend.compress(units, &mut out) {
+        let answered = self.backend.compress(units, &mut out);
+        self.settle(
+            exec,
+            answered,
+            &mut out,
+            |i, o| units.get(i).is_some_and(|u| fragment_ok(u, o)),
+            |i| units.get(i).map(compress_unit).unwrap_or_default(),
+        );
+        out
+    }
+
+    /// After a backend call that `answered` into `out`: a failed call is computed again on
+    /// the CPU (`cpu`), and a checked backend's results that fail `ok` are replaced by the
+    /// CPU's; both counted.
+    fn settle<T: Send>(
+        &self,
+        exec: &dyn Executor,
+        answered: Result<(), OffloadError>,
+        out: &mut [T],
+        ok: impl Fn(usize, &T) -> bool + Sync,
+        cpu: impl Fn(usize) -> T + Sync,
+    ) {
+        match answered {
             Ok(()) if self.checked => {
                 let rejected = AtomicU64::new(0);
-                for_each(exec, &mut out, |i, o| {
-                    if !units.get(i).is_some_and(|u| fragment_ok(u, o)) {
+                for_each(exec, out, |i, o| {
+                    if !ok(i, o) {
                         rejected.fetch_add(1, Ordering::Relaxed);
                         *o = cpu(i);
                     }
@@ -322,12 +328,12 @@ impl Offloader {
             Ok(()) => {}
             Err(_) => {
                 self.failed.fetch_add(1, Ordering::Relaxed);
-                for_each(exec, &mut out, |i, o| *o = cpu(i));
+                for_each(exec, out, |i, o| *o = cpu(i));
             }
         }
-        out
     }
 
+    /// The figures of `PipelineStats::offload`.
     pub(crate) fn stats(&self) -> OffloadStats {
         OffloadStats {
             backend: self.backend.name().to_string(),

@@ -19,6 +19,13 @@ pub fn mem_volume(physical: u64, logical: u64, tweak: impl FnOnce(&mut FormatOpt
     (dev, vol)
 }
 
+/// Closes `vol` cleanly, then asserts that `check` finds nothing wrong on `dev`.
+pub fn close_and_check(dev: Arc<MemStorage>, vol: Volume) {
+    vol.close().expect("close");
+    let r = dedupvol_core::check_volume(dev as Arc<dyn Storage>, None, false).expect("check");
+    assert!(r.is_clean(), "{:?}", r.problems);
+}
+
 /// Open options with small caches so eviction paths run.
 pub fn small_open() -> OpenOptions {
     OpenOptions { block_map_cache_bytes: 64 << 10, content_cache_bytes: 256 << 10, ..OpenOptions::default() }
