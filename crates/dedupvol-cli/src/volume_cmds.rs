@@ -81,7 +81,7 @@ pub struct FormatArgs {
     /// Deduplicate: on or off.
     #[arg(long, default_value = "on")]
     dedup: String,
-    /// Upper bound on the in-memory fingerprint index (6 bytes per indexed block in dense
+    /// Upper bound on the in-memory fingerprint index (5 bytes per indexed block in dense
     /// mode, per 16 blocks in sparse mode, at 90% load). Without --dedup-window it also
     /// sets the window: as much data as this memory indexes, at most the data device.
     #[arg(long, value_parser = size, default_value = "64M")]

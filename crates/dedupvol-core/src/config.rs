@@ -185,7 +185,7 @@ impl std::fmt::Display for DedupVerify {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum IndexMode {
-    /// Every fingerprint of the window is in the in-memory volume index (6 bytes a slot).
+    /// Every fingerprint of the window is in the in-memory volume index (5 bytes a slot).
     Dense,
     /// Only sampled "hook" fingerprints (1 in 16) are in memory; a hook that hits loads
     /// its whole chapter, so the blocks written with it dedup too. A window 16 times as

@@ -509,19 +509,24 @@ impl Index {
     fn lookup_dense(&self, h: &[u8; 32]) -> Lookup {
         let cands = self.shared.table.lock().candidates(h, self.open_vcn, self.ring.chapters);
         let mut fetch = None;
-        for (vcn, page, position) in cands {
+        for super::volume_index::Candidate { vcn, page, positions } in cands {
             // The slot names the newest record of its fingerprint (a block at the reference
-            // cap got a new copy recorded after it, and took the slot); another
-            // fingerprint's record there is a tag collision: the next candidate.
-            let at = position as usize;
+            // cap got a new copy recorded after it, and took the slot), somewhere in its
+            // group of positions: the last record of the fingerprint there (an older one
+            // may share the group). None there is a tag collision: the next candidate.
+            let find = |recs: &[Record]| {
+                let group = recs.get(positions.start..positions.end.min(recs.len()))?;
+                group.iter().rev().find(|r| r.hash == *h).copied()
+            };
             let found = if vcn == self.open_vcn {
-                self.open.get(page as usize * RECORDS_PER_PAGE + at).filter(|r| r.hash == *h).copied()
+                let first = page as usize * RECORDS_PER_PAGE;
+                self.open.get(first..(first + RECORDS_PER_PAGE).min(self.open.len())).and_then(find)
             } else {
                 let cached = self.pages.lock().get(vcn, page);
                 match cached {
                     Some(p) => {
                         self.counters.page_cache_hits.fetch_add(1, Ordering::Relaxed);
-                        p.get(at).filter(|r| r.hash == *h).copied()
+                        find(&p)
                     }
                     None => {
                         // The newest uncached candidate is read first; a tag collision
@@ -563,7 +568,7 @@ impl Index {
         let cands = self.shared.table.lock().candidates(h, self.open_vcn, self.ring.chapters);
         let fetch = cands
             .into_iter()
-            .map(|(vcn, _, _)| vcn)
+            .map(|c| c.vcn)
             .find(|&vcn| vcn != self.open_vcn && !self.chapters.lock().has(vcn))
             .and_then(|vcn| self.fetch_for(vcn, None));
         Lookup { loc: None, fetch }
@@ -576,11 +581,14 @@ impl Index {
         self.open.push(Record { hash: *h, loc: Location { current: !self.stamps_untrusted, ..loc } });
         let at = (idx % RECORDS_PER_PAGE) as u64;
         match self.mode {
-            IndexMode::Dense => self.shared.table.lock().insert(h, self.open_vcn, page as u64, at, self.open_vcn),
+            IndexMode::Dense => {
+                self.shared.table.lock().insert(h, (self.open_vcn, page as u64, at), self.open_vcn, self.ring.chapters)
+            }
             IndexMode::Sparse => {
                 self.open_by_prefix.insert(prefix(h), idx as u32);
                 if is_hook(h) {
-                    self.shared.table.lock().insert(h, self.open_vcn, page as u64, at, self.open_vcn);
+                    let ring = self.ring.chapters;
+                    self.shared.table.lock().insert(h, (self.open_vcn, page as u64, at), self.open_vcn, ring);
                 }
             }
         }
@@ -680,8 +688,8 @@ impl Index {
     pub fn remove(&mut self, h: &[u8; 32]) {
         {
             let mut t = self.shared.table.lock();
-            for (vcn, page, _) in t.candidates(h, self.open_vcn, self.ring.chapters) {
-                t.remove(h, vcn, page);
+            for c in t.candidates(h, self.open_vcn, self.ring.chapters) {
+                t.remove(h, c.vcn, c.page);
             }
         }
         let p = prefix(h);

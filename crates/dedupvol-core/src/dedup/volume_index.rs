@@ -2,15 +2,19 @@
 //! bits of a fingerprint to the chapter and record page that may hold its record; the
 //! record itself (full fingerprint, location) lives in the chapter ring.
 //!
-//! Layout: `capacity` slots of 6 bytes in buckets of `BUCKET_SLOTS`, as two arrays (a
-//! 4-byte word per slot: a 17-bit fingerprint tag, the 7-bit position of the record in
-//! its page and the 8-bit page number; a 2-byte chapter number per slot: the low 16 bits
-//! of the virtual chapter). A fingerprint has two buckets, from bytes 0..8 and 16..24, and
-//! goes to the emptier one (two choices keep buckets of 8 from overflowing at 90% load,
-//! where one choice loses about a quarter of the buckets); the tag comes from bytes 8..11,
-//! so a false match (a record compared for nothing) needs 17 more equal bits: about one
-//! lookup in 8,000 with full buckets. Why the position: a hit then compares one record
-//! instead of scanning its page, which is cold in the CPU's caches on most lookups.
+//! Layout: `capacity` slots of 5 bytes in buckets of `BUCKET_SLOTS`, as two arrays (a
+//! 4-byte word per slot: a 13-bit fingerprint tag, the 3-bit group of the record in its
+//! page and the low 16 bits of the virtual chapter; a 1-byte page number per slot). A
+//! fingerprint has two buckets, from bytes 0..8 and 16..24, and goes to the emptier one
+//! (two choices keep buckets of 8 from overflowing at 90% load, where one choice loses
+//! about a quarter of the buckets); the tag comes from bytes 8..10, so a false match (up
+//! to `GROUP_RECORDS` records compared for nothing, one page read if the page is not
+//! cached) needs 13 more equal bits: about one absent lookup in 570 with 90% full
+//! buckets (14.4 slots of 2^13 tags). Why the group: a hit then compares at most `GROUP_RECORDS` neighbouring
+//! records (a few cache lines) instead of scanning its page, which is cold in the CPU's
+//! caches on most lookups. Why the chapter sits in the word: inserting and sweeping
+//! decide on tags and ages, so they read one array; the page byte is read only for a
+//! tag that matches.
 //!
 //! Invariants:
 //! - Memory never exceeds the `memory_bytes` the table was made with.
@@ -29,7 +33,9 @@ use crate::error::{Error, Result};
 /// Slots per bucket.
 pub const BUCKET_SLOTS: usize = 8;
 /// Bytes of memory per slot.
-pub const SLOT_BYTES: u64 = 6;
+pub const SLOT_BYTES: u64 = 5;
+/// Records of a page per group (the part of a page a slot names).
+pub const GROUP_RECORDS: usize = 12;
 /// Chapters over which a full sweep of dead slots is spread.
 const SWEEP_CHAPTERS: u64 = 16384;
 const _: () = assert!(RING_CHAPTERS_MAX + SWEEP_CHAPTERS < 1 << 16);
@@ -55,20 +61,31 @@ pub struct RebuiltRecord {
     pub position: u64,
 }
 
+/// A slot matching a fingerprint (`VolumeIndex::candidates`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// Virtual chapter.
+    pub vcn: u64,
+    /// Page in the chapter.
+    pub page: u64,
+    /// Positions in the page where the record may be.
+    pub positions: std::ops::Range<usize>,
+}
+
 /// The compact table.
 pub struct VolumeIndex {
     /// Populates the arrays in the background; declared first so it is joined first.
     prefault: Vec<crate::io::hugemem::Prefault>,
-    /// Per slot: tag << 8 | page (0 = empty).
+    /// Per slot: tag, group and chapter (`word_of`; 0 = empty).
     words: Vec<u32>,
-    /// Per slot: low 16 bits of the virtual chapter.
-    chapters: Vec<u16>,
-    /// Where slot 0 is in `words` and in `chapters`: each array has one bucket more than
+    /// Per slot: the record's page in its chapter.
+    pages: Vec<u8>,
+    /// Where slot 0 is in `words` and in `pages`: each array has one bucket more than
     /// needed, and its buckets start where a bucket never straddles two cache lines (a
     /// 32-byte bucket of words in one 64-byte line, not two: one miss per bucket, not
     /// one and a half).
     words_at: usize,
-    chapters_at: usize,
+    pages_at: usize,
     /// Slots (`buckets * BUCKET_SLOTS`).
     cap: usize,
     buckets: usize,
@@ -80,21 +97,38 @@ fn bucket_key(h: &[u8; 32], off: usize) -> u64 {
     crate::codec::get_u64(h, off).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29)
 }
 
-/// Bits of the fingerprint tag, and where the word keeps it and the record position.
-const TAG_BITS: u32 = 17;
-const TAG_SHIFT: u32 = 15;
-const POSITION_SHIFT: u32 = 8;
-const POSITION_MASK: u32 = 0x7F;
-const _: () = assert!(TAG_BITS + TAG_SHIFT == 32 && crate::dedup::chapter::RECORDS_PER_PAGE <= 128);
+/// Bits of the fingerprint tag, and where the word keeps it and the record's group (the
+/// chapter number is the word's low 16 bits).
+const TAG_BITS: u32 = 13;
+const TAG_SHIFT: u32 = 19;
+const GROUP_SHIFT: u32 = 16;
+const GROUP_MASK: u32 = 0x7;
+const _: () = assert!(
+    TAG_BITS + TAG_SHIFT == 32
+        && GROUP_SHIFT + 3 == TAG_SHIFT
+        && crate::dedup::chapter::RECORDS_PER_PAGE.div_ceil(GROUP_RECORDS) <= GROUP_MASK as usize + 1
+);
 
 fn tag_of(h: &[u8; 32]) -> u32 {
     let t = crate::codec::get_u32(h, 8) & ((1 << TAG_BITS) - 1);
     t.max(1)
 }
 
-/// The word of a slot: tag, record position in its page, page number.
-fn word_of(tag: u32, page: u64, position: u64) -> u32 {
-    tag << TAG_SHIFT | (position as u32 & POSITION_MASK) << POSITION_SHIFT | (page as u32 & 0xFF)
+/// The word of a slot: tag, group of the record's position in its page, chapter.
+fn word_of(tag: u32, position: u64, vcn: u64) -> u32 {
+    let group = (position / GROUP_RECORDS as u64) as u32 & GROUP_MASK;
+    tag << TAG_SHIFT | group << GROUP_SHIFT | u32::from(vcn as u16)
+}
+
+/// The chapter number (low 16 bits) of a word.
+fn chapter_of(w: u32) -> u16 {
+    w as u16
+}
+
+/// The positions in its page that a word's group covers.
+fn group_of(w: u32) -> std::ops::Range<usize> {
+    let first = (w >> GROUP_SHIFT & GROUP_MASK) as usize * GROUP_RECORDS;
+    first..(first + GROUP_RECORDS).min(crate::dedup::chapter::RECORDS_PER_PAGE)
 }
 
 /// Age of chapter number `ch` seen from the open chapter `open`, modulo 2^16.
@@ -118,7 +152,7 @@ fn bucket_pair(buckets: usize, h: &[u8; 32]) -> (usize, usize) {
 /// whole table, or one half of it for one of the rebuild's two inserting threads).
 struct Slots<'a> {
     words: &'a mut [u32],
-    chapters: &'a mut [u16],
+    pages: &'a mut [u8],
     first: usize,
 }
 
@@ -128,16 +162,15 @@ impl Slots<'_> {
         i.checked_sub(self.first * BUCKET_SLOTS).filter(|&l| l < self.words.len())
     }
 
-    fn slot(&self, i: usize) -> (u32, u16) {
-        self.local(i)
-            .map_or((0, 0), |l| (self.words.get(l).copied().unwrap_or(0), self.chapters.get(l).copied().unwrap_or(0)))
+    fn word(&self, i: usize) -> u32 {
+        self.local(i).and_then(|l| self.words.get(l).copied()).unwrap_or(0)
     }
 
-    fn set(&mut self, i: usize, word: u32, ch: u16) {
+    fn set(&mut self, i: usize, word: u32, page: u8) {
         if let Some(l) = self.local(i) {
-            if let (Some(w), Some(c)) = (self.words.get_mut(l), self.chapters.get_mut(l)) {
+            if let (Some(w), Some(p)) = (self.words.get_mut(l), self.pages.get_mut(l)) {
                 *w = word;
-                *c = ch;
+                *p = page;
             }
         }
     }
@@ -151,8 +184,9 @@ impl Slots<'_> {
             .unwrap_or([0; BUCKET_SLOTS])
     }
 
-    /// Asks the CPU to bring both buckets of `pair` (their words and chapter numbers)
-    /// towards the core. A hint: it never faults and changes nothing.
+    /// Asks the CPU to bring both buckets of `pair` (their words, and their page bytes,
+    /// which a taken slot writes) towards the core. A hint: it never faults and changes
+    /// nothing.
     #[inline]
     fn prefetch(&self, (a, b): (usize, usize)) {
         #[cfg(target_arch = "x86_64")]
@@ -160,13 +194,13 @@ impl Slots<'_> {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let l = s.wrapping_sub(self.first * BUCKET_SLOTS);
             let w = self.words.as_ptr().wrapping_add(l).cast::<i8>();
-            let c = self.chapters.as_ptr().wrapping_add(l).cast::<i8>();
+            let p = self.pages.as_ptr().wrapping_add(l).cast::<i8>();
             // SAFETY: prefetch instructions never fault, whatever the address, and do not
             // change memory; the pointers are only hints (`wrapping_add` keeps them
             // defined even out of range).
             unsafe {
                 _mm_prefetch::<_MM_HINT_T0>(w);
-                _mm_prefetch::<_MM_HINT_T0>(c);
+                _mm_prefetch::<_MM_HINT_T0>(p);
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -175,43 +209,58 @@ impl Slots<'_> {
 
     /// `VolumeIndex::insert` into buckets `pair` of a fingerprint with tag `tag`; true when
     /// it took an empty slot. Each bucket's words are read once, as one array (compared
-    /// and counted in vector registers), and the chapter numbers only when a tag matches
-    /// or both buckets are full.
-    fn place(&mut self, tag: u32, word: u32, vcn: u64, open: u64, (pa, pb): (usize, usize)) -> bool {
-        let new_age = age(open, vcn as u16);
+    /// and counted in vector registers).
+    fn place(
+        &mut self,
+        tag: u32,
+        word: u32,
+        page: u8,
+        (open, ring_chapters): (u64, u64),
+        pair: (usize, usize),
+    ) -> bool {
+        let (pa, pb) = pair;
+        let new_age = age(open, chapter_of(word));
         let (wa, wb) = (self.bucket_words(pa), self.bucket_words(pb));
         // One bucket twice (a one-bucket table, or chance) is looked at once.
         let both = [(pa, wa), (pb, wb)];
         let buckets = both.get(..if pa == pb { 1 } else { 2 }).unwrap_or_default();
-        for (b, w) in buckets {
-            if let Some(k) = w.iter().position(|&x| x >> TAG_SHIFT == tag) {
-                // The same fingerprint (or a 24-bit collision): the newer record wins.
-                let i = b * BUCKET_SLOTS + k;
-                if age(open, self.slot(i).1) >= new_age {
-                    self.set(i, word, vcn as u16);
-                }
-                return false;
-            }
-        }
-        // No slot of its own yet: an empty slot of the emptier bucket.
+        // An empty slot of the emptier bucket, even when a slot has the same tag: with 13
+        // bits that is as likely another fingerprint (a collision, whose entry must not be
+        // lost) as an older record of this one (which then lingers, harmless: lookups try
+        // the newest candidate first, and it dies with its chapter).
         let free = |w: &[u32; BUCKET_SLOTS]| w.iter().filter(|&&x| x == 0).count();
         let emptier = buckets.iter().rev().max_by_key(|(_, w)| free(w));
         if let Some((b, k)) = emptier.and_then(|(b, w)| Some((b, w.iter().position(|&x| x == 0)?))) {
-            self.set(b * BUCKET_SLOTS + k, word, vcn as u16);
+            self.set(b * BUCKET_SLOTS + k, word, page);
             return true;
         }
-        let [ra, rb] = VolumeIndex::ranges((pa, pb));
+        // Both buckets full: a dead slot (its chapter left the window, not swept yet).
+        let [ra, rb] = VolumeIndex::ranges(pair);
         let mut victim = None;
         let mut victim_age = 0;
         for i in ra.chain(rb) {
-            let a = age(open, self.slot(i).1);
+            let a = age(open, chapter_of(self.word(i)));
             if victim.is_none() || a > victim_age {
                 (victim, victim_age) = (Some(i), a);
             }
         }
-        // Both buckets full: the oldest slot goes (dead ones are older than any live one).
+        if let Some(i) = victim.filter(|_| victim_age >= ring_chapters) {
+            self.set(i, word, page);
+            return false;
+        }
+        // Then a slot with the same tag yields to the newer record.
+        for (b, w) in buckets {
+            if let Some(k) = w.iter().position(|&x| x >> TAG_SHIFT == tag) {
+                let i = b * BUCKET_SLOTS + k;
+                if age(open, chapter_of(self.word(i))) >= new_age {
+                    self.set(i, word, page);
+                }
+                return false;
+            }
+        }
+        // Else the oldest live slot, if older than the new record.
         if let Some(i) = victim.filter(|_| victim_age >= new_age) {
-            self.set(i, word, vcn as u16);
+            self.set(i, word, page);
         }
         false
     }
@@ -235,9 +284,10 @@ impl Slots<'_> {
             let at = i % PREFETCH_AHEAD;
             i += 1;
             if let Some((pair, r)) = ahead.get_mut(at).and_then(Option::take).filter(|(_, r)| live(r)) {
-                debug_assert!(r.page <= 0xFF && r.position <= u64::from(POSITION_MASK));
+                debug_assert!(r.page <= 0xFF && (r.position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE);
                 let tag = tag_of(&r.hash);
-                added += u64::from(self.place(tag, word_of(tag, r.page, r.position), r.vcn, open, pair));
+                let word = word_of(tag, r.position, r.vcn);
+                added += u64::from(self.place(tag, word, r.page as u8, (open, ring_chapters), pair));
             }
             match recs.next() {
                 Some(r) => {
@@ -274,21 +324,21 @@ impl VolumeIndex {
             )));
         }
         let words: Vec<u32> = crate::io::hugemem::try_zeroed(cap + BUCKET_SLOTS).ok_or_else(refused)?;
-        let chapters: Vec<u16> = crate::io::hugemem::try_zeroed(cap + BUCKET_SLOTS).ok_or_else(refused)?;
+        let pages: Vec<u8> = crate::io::hugemem::try_zeroed(cap + BUCKET_SLOTS).ok_or_else(refused)?;
         // Elements from the array's start to the first multiple of a bucket's size.
         let skew = |p: usize, elem: usize| (p.next_multiple_of(elem * BUCKET_SLOTS) - p) / elem;
-        let (words_at, chapters_at) = (skew(words.as_ptr() as usize, 4), skew(chapters.as_ptr() as usize, 2));
+        let (words_at, pages_at) = (skew(words.as_ptr() as usize, 4), skew(pages.as_ptr() as usize, 1));
         let mut threads = Vec::new();
         if prefault {
             threads.push(crate::io::hugemem::Prefault::start(&words));
-            threads.push(crate::io::hugemem::Prefault::start(&chapters));
+            threads.push(crate::io::hugemem::Prefault::start(&pages));
         }
         Ok(VolumeIndex {
             prefault: threads,
             words,
-            chapters,
+            pages,
             words_at,
-            chapters_at,
+            pages_at,
             cap,
             buckets,
             entries: 0,
@@ -313,7 +363,7 @@ impl VolumeIndex {
 
     /// Memory of the table (its slots and the bucket of room in each array).
     pub fn memory_bytes(&self) -> u64 {
-        (self.words.len() as u64) * 4 + (self.chapters.len() as u64) * 2
+        (self.words.len() as u64) * 4 + self.pages.len() as u64
     }
 
     /// The two bucket numbers of `h` (see `bucket_pair`).
@@ -342,49 +392,52 @@ impl VolumeIndex {
         a.chain(b)
     }
 
-    fn slot(&self, i: usize) -> (u32, u16) {
-        (
-            self.words.get(self.words_at + i).copied().unwrap_or(0),
-            self.chapters.get(self.chapters_at + i).copied().unwrap_or(0),
-        )
+    fn word(&self, i: usize) -> u32 {
+        self.words.get(self.words_at + i).copied().unwrap_or(0)
     }
 
-    fn set(&mut self, i: usize, word: u32, ch: u16) {
-        if let (Some(w), Some(c)) = (self.words.get_mut(self.words_at + i), self.chapters.get_mut(self.chapters_at + i))
-        {
-            *w = word;
-            *c = ch;
+    fn page(&self, i: usize) -> u8 {
+        self.pages.get(self.pages_at + i).copied().unwrap_or(0)
+    }
+
+    fn clear(&mut self, i: usize) {
+        if let Some(w) = self.words.get_mut(self.words_at + i) {
+            *w = 0;
         }
     }
 
-    /// The (virtual chapter, page, position in the page) of every live slot whose tag
-    /// matches `h`, newest first. `open` is the open chapter, `ring_chapters` the window
-    /// in chapters.
-    pub fn candidates(&self, h: &[u8; 32], open: u64, ring_chapters: u64) -> Vec<(u64, u64, u64)> {
+    /// Every live slot whose tag matches `h`, newest first: its virtual chapter, page,
+    /// and the positions in the page where the record may be (a group of at most
+    /// `GROUP_RECORDS`). `open` is the open chapter, `ring_chapters` the window in
+    /// chapters.
+    pub fn candidates(&self, h: &[u8; 32], open: u64, ring_chapters: u64) -> Vec<Candidate> {
         let tag = tag_of(h);
-        let mut out: Vec<(u64, u64, u64)> = self
+        let mut out: Vec<Candidate> = self
             .bucket(h)
             .filter_map(|i| {
-                let (w, ch) = self.slot(i);
-                let a = age(open, ch);
-                (w != 0 && w >> TAG_SHIFT == tag && a < ring_chapters && a <= open)
-                    .then(|| (open - a, u64::from(w & 0xFF), u64::from(w >> POSITION_SHIFT & POSITION_MASK)))
+                let w = self.word(i);
+                let a = age(open, chapter_of(w));
+                (w != 0 && w >> TAG_SHIFT == tag && a < ring_chapters && a <= open).then(|| Candidate {
+                    vcn: open - a,
+                    page: u64::from(self.page(i)),
+                    positions: group_of(w),
+                })
             })
             .collect();
         if out.len() > 1 {
-            out.sort_unstable_by(|x, y| y.cmp(x));
+            out.sort_unstable_by(|x, y| (y.vcn, y.page, y.positions.start).cmp(&(x.vcn, x.page, x.positions.start)));
         }
         out
     }
 
     /// Points `h` at record `position` of page `page` of chapter `vcn` (the open chapter
-    /// `open`, or one being rebuilt): replaces a slot with the same tag, else takes an
-    /// empty or dead slot, else the oldest.
-    pub fn insert(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64, open: u64) {
-        debug_assert!(page <= 0xFF && position <= u64::from(POSITION_MASK) && vcn <= open);
+    /// `open`, or one being rebuilt): takes an empty slot, else one with the same tag,
+    /// else the oldest (dead ones first).
+    pub fn insert(&mut self, h: &[u8; 32], (vcn, page, position): (u64, u64, u64), open: u64, ring_chapters: u64) {
+        debug_assert!(page <= 0xFF && (position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE && vcn <= open);
         let pair = self.bucket_pair(h);
         let tag = tag_of(h);
-        if self.slots_mut(..).place(tag, word_of(tag, page, position), vcn, open, pair) {
+        if self.slots_mut(..).place(tag, word_of(tag, position, vcn), page as u8, (open, ring_chapters), pair) {
             self.entries += 1;
         }
     }
@@ -402,11 +455,11 @@ impl VolumeIndex {
             Bound::Excluded(&b) => b,
             Bound::Unbounded => self.buckets,
         };
-        let (w, c) = (self.words_at + first * BUCKET_SLOTS, self.chapters_at + first * BUCKET_SLOTS);
+        let (w, p) = (self.words_at + first * BUCKET_SLOTS, self.pages_at + first * BUCKET_SLOTS);
         let n = end.saturating_sub(first) * BUCKET_SLOTS;
         Slots {
             words: self.words.get_mut(w..w + n).unwrap_or_default(),
-            chapters: self.chapters.get_mut(c..c + n).unwrap_or_default(),
+            pages: self.pages.get_mut(p..p + n).unwrap_or_default(),
             first,
         }
     }
@@ -427,10 +480,10 @@ impl VolumeIndex {
             return;
         }
         let (mut low, mut high) = {
-            let Slots { words, chapters, first } = self.slots_mut(..);
+            let Slots { words, pages, first } = self.slots_mut(..);
             let (w0, w1) = words.split_at_mut((half * BUCKET_SLOTS).min(words.len()));
-            let (c0, c1) = chapters.split_at_mut((half * BUCKET_SLOTS).min(chapters.len()));
-            (Slots { words: w0, chapters: c0, first }, Slots { words: w1, chapters: c1, first: first + half })
+            let (p0, p1) = pages.split_at_mut((half * BUCKET_SLOTS).min(pages.len()));
+            (Slots { words: w0, pages: p0, first }, Slots { words: w1, pages: p1, first: first + half })
         };
         let mut alone = false;
         let added = std::thread::scope(|sc| {
@@ -457,11 +510,11 @@ impl VolumeIndex {
     pub fn remove(&mut self, h: &[u8; 32], vcn: u64, page: u64) {
         let tag = tag_of(h);
         let found = self.bucket(h).find(|&i| {
-            let (w, ch) = self.slot(i);
-            w != 0 && w >> TAG_SHIFT == tag && u64::from(w & 0xFF) == page && ch == vcn as u16
+            let w = self.word(i);
+            w != 0 && w >> TAG_SHIFT == tag && u64::from(self.page(i)) == page && chapter_of(w) == vcn as u16
         });
         if let Some(i) = found {
-            self.set(i, 0, 0);
+            self.clear(i);
             self.entries -= 1;
         }
     }
@@ -477,9 +530,9 @@ impl VolumeIndex {
         for _ in 0..n.min(cap) {
             let i = self.sweep_cursor;
             self.sweep_cursor = (i + 1) % cap;
-            let (w, ch) = self.slot(i);
-            if w != 0 && age(open, ch) >= ring_chapters {
-                self.set(i, 0, 0);
+            let w = self.word(i);
+            if w != 0 && age(open, chapter_of(w)) >= ring_chapters {
+                self.clear(i);
                 self.entries -= 1;
             }
         }
@@ -506,27 +559,56 @@ mod tests {
 
     #[test]
     fn finds_newest_and_drops_expired_chapters() {
-        let mut t = VolumeIndex::try_new(6 << 10, false).expect("table");
-        assert_eq!(t.memory_bytes(), 6 << 10);
-        t.insert(&h(1), 3, 7, 100, 3);
-        assert_eq!(t.candidates(&h(1), 3, 4), vec![(3, 7, 100)]);
-        t.insert(&h(1), 5, 2, 9, 5);
-        assert_eq!(t.candidates(&h(1), 5, 4), vec![(5, 2, 9)], "the newer record replaces the older");
+        let mut t = VolumeIndex::try_new(5 << 10, false).expect("table");
+        assert_eq!(t.memory_bytes(), 5 << 10);
+        t.insert(&h(1), (3, 7, 80), 3, 4);
+        assert_eq!(t.candidates(&h(1), 3, 4), vec![cand(3, 7, 72..84)]);
+        t.insert(&h(1), (5, 2, 9), 5, 4);
+        assert_eq!(t.candidates(&h(1), 5, 4), vec![cand(5, 2, 0..12), cand(3, 7, 72..84)], "newest first");
         assert_eq!(t.candidates(&h(1), 9, 4), vec![], "chapter 5 left the 4-chapter window at 9");
         assert_eq!(t.candidates(&h(2), 5, 4), vec![]);
         t.remove(&h(1), 5, 2);
+        t.remove(&h(1), 3, 7);
         assert_eq!(t.len(), 0);
         for i in 0..10_000 {
-            t.insert(&h(i), u64::from(i / 100), 0, u64::from(i % 100), u64::from(i / 100));
+            t.insert(&h(i), (u64::from(i / 100), 0, u64::from(i % 84)), u64::from(i / 100), 4);
             t.sweep(u64::from(i / 100), 4);
         }
         assert!(t.len() <= t.capacity());
         t.audit().expect("audit");
     }
 
+    fn cand(vcn: u64, page: u64, positions: std::ops::Range<usize>) -> Candidate {
+        Candidate { vcn, page, positions }
+    }
+
     fn rebuilt(i: u64, per_chapter: u64) -> RebuiltRecord {
         let r = i % per_chapter;
-        RebuiltRecord { hash: h(i as u32), vcn: i / per_chapter, page: r / 101, position: r % 101 }
+        RebuiltRecord { hash: h(i as u32), vcn: i / per_chapter, page: r / 84, position: r % 84 }
+    }
+
+    #[test]
+    fn a_tag_collision_keeps_both_entries() {
+        // Two fingerprints with the same buckets and the same 13-bit tag, differing in the
+        // bytes the table never looks at: a newer record of one must not evict the other
+        // while its buckets have room.
+        let a = h(1);
+        let mut b = a;
+        b[30] ^= 0xFF;
+        assert_eq!((tag_of(&a), bucket_pair(64, &a)), (tag_of(&b), bucket_pair(64, &b)));
+        let mut t = VolumeIndex::try_new(5 * 8 * 65, false).expect("table");
+        t.insert(&a, (1, 0, 3), 1, 8);
+        t.insert(&b, (2, 4, 40), 2, 8);
+        assert_eq!(t.candidates(&a, 2, 8), vec![cand(2, 4, 36..48), cand(1, 0, 0..12)]);
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn every_position_of_a_page_is_in_its_group() {
+        for p in 0..crate::dedup::chapter::RECORDS_PER_PAGE {
+            let w = word_of(1, p as u64, 0);
+            assert!(group_of(w).contains(&p) && group_of(w).len() <= GROUP_RECORDS, "position {p}");
+        }
     }
 
     #[test]
@@ -537,22 +619,22 @@ mod tests {
         let mut recs: Vec<RebuiltRecord> = (0..6000).map(|i| rebuilt(i, per_chapter)).collect();
         recs.extend((0..600).map(|i| RebuiltRecord { vcn: 19, ..rebuilt(i * 7, per_chapter) }));
         let (open, ring) = (20, 16);
-        let mut one = VolumeIndex::try_new(6 * 4096, false).expect("table");
-        let mut batch = VolumeIndex::try_new(6 * 4096, false).expect("table");
-        one.insert(&h(5), 20, 1, 1, 20);
-        batch.insert(&h(5), 20, 1, 1, 20);
+        let mut one = VolumeIndex::try_new(5 * 4096, false).expect("table");
+        let mut batch = VolumeIndex::try_new(5 * 4096, false).expect("table");
+        one.insert(&h(5), (20, 1, 1), 20, ring);
+        batch.insert(&h(5), (20, 1, 1), 20, ring);
         for r in &recs {
             if open - r.vcn < ring {
-                one.insert(&r.hash, r.vcn, r.page, r.position, open);
+                one.insert(&r.hash, (r.vcn, r.page, r.position), open, ring);
             }
         }
         batch.insert_rebuilt(&recs, open, ring);
         // Slot by slot, not the raw arrays: each table starts at its own alignment offset
         // (`words_at`), which depends on where the allocator put it.
-        let slots = |t: &VolumeIndex| (0..t.cap).map(|i| t.slot(i)).collect::<Vec<_>>();
+        let slots = |t: &VolumeIndex| (0..t.cap).map(|i| (t.word(i), t.page(i))).collect::<Vec<_>>();
         assert!(slots(&one) == slots(&batch) && one.len() == batch.len());
-        assert_eq!(batch.candidates(&h(5), open, ring), vec![(20, 1, 1)], "the session's own record stays");
-        assert_eq!(batch.candidates(&h(7), open, ring), vec![(19, 0, 7)], "the newer record wins");
+        assert_eq!(batch.candidates(&h(5), open, ring), vec![cand(20, 1, 0..12)], "the session's own record stays");
+        assert_eq!(batch.candidates(&h(7), open, ring).first(), Some(&cand(19, 0, 0..12)), "the newer record first");
         assert!(batch.candidates(&h(1), open, ring).is_empty(), "chapter 0 is outside the window");
         batch.audit().expect("audit");
     }
@@ -563,13 +645,13 @@ mod tests {
     #[ignore = "a measurement: allocates and fills a table of about 100 MB twice"]
     fn measure_insert_rate() {
         let n: u64 = std::env::var("DEDUPVOL_MEASURE_ENTRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(16_770_000);
-        let per_chapter = 162 * 101;
+        let per_chapter = 162 * 84;
         let chapters = n.div_ceil(per_chapter) + 1;
         let recs: Vec<RebuiltRecord> = (0..n)
             .map(|i| {
                 let mut r = rebuilt(0, per_chapter);
                 r.hash = *blake3::hash(&i.to_le_bytes()).as_bytes();
-                RebuiltRecord { vcn: i / per_chapter, page: i % per_chapter / 101, position: i % 101, ..r }
+                RebuiltRecord { vcn: i / per_chapter, page: i % per_chapter / 84, position: i % 84, ..r }
             })
             .collect();
         let memory = (n * 100).div_ceil(LOAD_PERCENT) * SLOT_BYTES;
@@ -590,7 +672,7 @@ mod tests {
                     t.insert_rebuilt(c, chapters, chapters + 1);
                 } else {
                     for r in c {
-                        t.insert(&r.hash, r.vcn, r.page, r.position, chapters);
+                        t.insert(&r.hash, (r.vcn, r.page, r.position), chapters, chapters + 1);
                     }
                 }
             }
@@ -603,7 +685,7 @@ mod tests {
                 t.len(),
                 s,
                 s * 1e9 / n as f64,
-                n as f64 / 101.0 * 4096.0 / s / 1e6
+                n as f64 / 84.0 * 4096.0 / s / 1e6
             );
         }
     }

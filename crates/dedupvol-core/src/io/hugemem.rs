@@ -34,6 +34,8 @@ pub unsafe trait ZeroDefault: Clone + Default {}
 // SAFETY: integers and byte arrays are valid and default when all bytes are zero.
 unsafe impl ZeroDefault for u64 {}
 // SAFETY: as above.
+unsafe impl ZeroDefault for u8 {}
+// SAFETY: as above.
 unsafe impl ZeroDefault for u16 {}
 // SAFETY: as above.
 unsafe impl ZeroDefault for u32 {}

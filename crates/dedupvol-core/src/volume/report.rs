@@ -31,6 +31,9 @@ impl Volume {
             v.push(("hot-chunk tier slot table and map", table));
             v.push(("hot-chunk tier queue and recent reads", queue));
         }
+        if let Some(p) = &self.predictor {
+            v.push(("unique-chunk predictor", p.lock().stats.memory_bytes));
+        }
         if let Some(w) = &self.woj {
             v.push(("write-once journaling pool", w.lock().snapshot().pool_bytes));
         }
