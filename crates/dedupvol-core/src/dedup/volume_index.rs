@@ -425,7 +425,7 @@ impl VolumeIndex {
             })
             .collect();
         if out.len() > 1 {
-            out.sort_unstable_by(|x, y| (y.vcn, y.page, y.positions.start).cmp(&(x.vcn, x.page, x.positions.start)));
+            out.sort_unstable_by_key(|c| std::cmp::Reverse((c.vcn, c.page, c.positions.start)));
         }
         out
     }
