@@ -923,7 +923,7 @@ mod tests {
         i.memory.block_map_cache_bytes = 128 << 20;
         let p = project(&i, &Config { volumes: 1, ..cfg(8, 1) }).expect("dram");
         let blocks = 4e12 / 4096.0;
-        let want = (PROCESS_BASE_BYTES + (128u64 << 20) as f64 + blocks * (4.125 + 6.0 / 0.9)) / 1e9;
+        let want = (PROCESS_BASE_BYTES + (128u64 << 20) as f64 + blocks * (4.125 + 5.0 / 0.9)) / 1e9;
         assert!((p.dram_gb - want).abs() < 1e-9, "{} vs {want}", p.dram_gb);
         i.memory.sparse_index = true;
         let s = project(&i, &Config { volumes: 1, ..cfg(8, 1) }).expect("sparse");

@@ -249,13 +249,18 @@ pub fn render_bench(r: &BenchReport) -> String {
         }
         if let Some(st) = &s.stats {
             out.push_str(&format!(
-                "  engine stats: dedup hits {}, compressed {}, raw {}, packed blocks {}, index {} entries / {} MiB\n",
+                "  engine stats: dedup hits {}, compressed {}, raw {}, packed blocks {}, index {} entries / {} MiB, \
+                 {} lookups ({:.2}% without a device read), {} record-page reads, {} record-page cache hits\n",
                 st.counters.dedup_hits,
                 st.counters.compressed_blocks,
                 st.counters.raw_blocks,
                 st.counters.packed_blocks_written,
                 st.index_entries,
-                st.index_memory_bytes >> 20
+                st.index_memory_bytes >> 20,
+                st.index.lookups,
+                st.index.lookups_without_io as f64 * 100.0 / st.index.lookups.max(1) as f64,
+                st.index.page_reads,
+                st.index.page_cache_hits
             ));
             if let Some(fc) = &s.final_clean {
                 out.push_str(&format!(
