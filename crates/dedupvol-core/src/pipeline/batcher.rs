@@ -3,8 +3,9 @@
 //!
 //! A writer puts a copy of its blocks in the open batch and waits. While fewer than
 //! `BatchOptions::leaders_max` batches are in the stages, a waiting writer becomes the
-//! leader of the open batch: it closes it (at once, or when it holds `chunks_max` chunks,
-//! or when `wait_micros` have passed since its first request, whichever comes first), runs
+//! leader of the open batch: it closes it (at once, or when it holds `chunks_wanted`
+//! chunks, or when `wait_micros` have passed since its first request, whichever comes
+//! first), runs
 //! the stages for every request in it (the pipeline's parallel stages use every core), and
 //! hands each writer its outcome. Under light load a batch is one request and costs no
 //! wait; under load batches grow by themselves, because requests arriving while the stages
@@ -40,6 +41,10 @@ pub struct BatchOptions {
     pub enabled: bool,
     /// Chunks per batch at most.
     pub chunks_max: usize,
+    /// Chunks at which a leader stops waiting for more (`wait_micros`) and closes its
+    /// batch: what the stages' backend needs to be busy (0: `chunks_max`). A volume opened
+    /// with an offload backend takes the backend's `Capacity::batch_chunks` when this is 0.
+    pub chunks_wanted: usize,
     /// How long a leader may keep its batch open for more requests, in microseconds
     /// (0: it closes the batch at once; batches still grow under load, see the module
     /// docs). A bound on the latency batching adds.
@@ -58,7 +63,14 @@ impl Default for BatchOptions {
     /// and compressing 4 KiB; docs/design.md, "The write pipeline"). Batches are what an
     /// offload engine needs, and what many cores would share.
     fn default() -> Self {
-        BatchOptions { enabled: false, chunks_max: 1024, wait_micros: 0, leaders_max: 2, queue_chunks_max: 8192 }
+        BatchOptions {
+            enabled: false,
+            chunks_max: 1024,
+            chunks_wanted: 0,
+            wait_micros: 0,
+            leaders_max: 2,
+            queue_chunks_max: 8192,
+        }
     }
 }
 
@@ -69,6 +81,9 @@ impl BatchOptions {
         self.chunks_max = self.chunks_max.max(REQUEST_CHUNKS_MAX);
         self.leaders_max = self.leaders_max.max(1);
         self.queue_chunks_max = self.queue_chunks_max.max(self.chunks_max);
+        if self.chunks_wanted == 0 || self.chunks_wanted > self.chunks_max {
+            self.chunks_wanted = self.chunks_max;
+        }
         self
     }
 }
@@ -219,6 +234,11 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
+    /// The chunks at which a waiting leader closes its batch (`BatchOptions::chunks_wanted`).
+    pub(crate) fn chunks_wanted(&self) -> usize {
+        self.opts.chunks_wanted
+    }
+
     pub(crate) fn new(opts: BatchOptions) -> Self {
         Batcher {
             opts: opts.sane(),
@@ -319,7 +339,7 @@ impl Batcher {
         q.leaders += 1;
         if may_wait && self.opts.wait_micros > 0 {
             let deadline = q.open.opened + Duration::from_micros(self.opts.wait_micros);
-            while q.open.chunks() < self.opts.chunks_max && Instant::now() < deadline {
+            while q.open.chunks() < self.opts.chunks_wanted && Instant::now() < deadline {
                 if self.cv.wait_until(&mut q, deadline).timed_out() {
                     break;
                 }
@@ -464,6 +484,28 @@ mod tests {
         assert!(most.load(Ordering::Relaxed) > 1, "requests arriving during a batch are combined");
         assert!(s.batches < 400);
         assert_eq!(s.queue_chunks, 0);
+    }
+
+    /// A leader allowed to wait a long time for more requests closes its batch as soon as
+    /// it holds the chunks its backend wants, not at `chunks_max`.
+    #[test]
+    fn a_batch_holding_the_chunks_wanted_closes_without_waiting() {
+        let opts = BatchOptions {
+            enabled: true,
+            chunks_max: 1024,
+            chunks_wanted: 64,
+            wait_micros: 60_000_000,
+            ..BatchOptions::default()
+        };
+        let b = Batcher::new(opts);
+        let started = Instant::now();
+        let buf = vec![7u8; REQUEST_CHUNKS_MAX * BLOCK_SIZE];
+        let o = b.write(0, &buf, |batch| Ok((0..batch.requests()).map(|r| batch.lbas.at(r)).collect()));
+        assert_eq!(o, Outcome::Done(0));
+        assert!(started.elapsed() < Duration::from_secs(30), "the leader waited for chunks_max");
+        // 0 means chunks_max; a wish beyond chunks_max is bounded by it.
+        assert_eq!(BatchOptions { chunks_wanted: 0, ..opts }.sane().chunks_wanted, 1024);
+        assert_eq!(BatchOptions { chunks_wanted: 5000, ..opts }.sane().chunks_wanted, 1024);
     }
 
     #[test]

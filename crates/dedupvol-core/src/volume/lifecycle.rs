@@ -504,7 +504,14 @@ impl Volume {
             writer,
             exec: exec.clone(),
             offload: crate::pipeline::offload::Offloader::new(exec, opts.offload.clone()),
-            batcher: crate::pipeline::batcher::Batcher::new(opts.batch),
+            batcher: crate::pipeline::batcher::Batcher::new(crate::pipeline::batcher::BatchOptions {
+                // The backend's batch size hint, unless the caller chose.
+                chunks_wanted: match (opts.batch.chunks_wanted, &opts.offload) {
+                    (0, Some(o)) => o.capacity().batch_chunks,
+                    (w, _) => w,
+                },
+                ..opts.batch
+            }),
             cache: Mutex::new(ContentCache::new(opts.content_cache_bytes)),
             rmw: std::array::from_fn(|_| Mutex::new(())),
             io,

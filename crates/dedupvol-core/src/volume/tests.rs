@@ -265,3 +265,20 @@ fn an_index_saved_by_an_older_build_is_skipped() {
     assert_eq!(vol.stats().index.rebuild_records, 8);
     vol.close().expect("close");
 }
+
+/// The batcher takes an offload backend's batch size hint as the chunks a waiting leader
+/// wants, unless the caller set its own; without a backend it waits for `chunks_max`.
+#[test]
+fn the_backends_batch_hint_sizes_batches() {
+    let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    Volume::format(dev.clone(), None, &small_format(), false).expect("format");
+    let backend: Arc<dyn crate::pipeline::offload::Offload> = Arc::new(crate::pipeline::offload::CpuOffload::new());
+    let hint = backend.capacity().batch_chunks;
+    for (offload, wanted, expect) in [(None, 0, 1024), (Some(backend.clone()), 0, hint), (Some(backend), 128, 128)] {
+        let batch = crate::pipeline::batcher::BatchOptions { chunks_wanted: wanted, ..Default::default() };
+        let vol =
+            Volume::open(dev.clone(), None, &OpenOptions { offload, batch, ..OpenOptions::default() }).expect("open");
+        assert_eq!(vol.batcher.chunks_wanted(), expect);
+        vol.close().expect("close");
+    }
+}
