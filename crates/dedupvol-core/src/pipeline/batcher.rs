@@ -235,6 +235,7 @@ pub(crate) struct Batcher {
 
 impl Batcher {
     /// The chunks at which a waiting leader closes its batch (`BatchOptions::chunks_wanted`).
+    #[cfg(test)]
     pub(crate) fn chunks_wanted(&self) -> usize {
         self.opts.chunks_wanted
     }
