@@ -579,15 +579,14 @@ impl Index {
         let idx = self.open.len();
         let page = idx / RECORDS_PER_PAGE;
         self.open.push(Record { hash: *h, loc: Location { current: !self.stamps_untrusted, ..loc } });
-        let at = (idx % RECORDS_PER_PAGE) as u64;
+        let (at, ring) = ((idx % RECORDS_PER_PAGE) as u64, self.ring.chapters);
         match self.mode {
             IndexMode::Dense => {
-                self.shared.table.lock().insert(h, (self.open_vcn, page as u64, at), self.open_vcn, self.ring.chapters)
+                self.shared.table.lock().insert(h, (self.open_vcn, page as u64, at), self.open_vcn, ring)
             }
             IndexMode::Sparse => {
                 self.open_by_prefix.insert(prefix(h), idx as u32);
                 if is_hook(h) {
-                    let ring = self.ring.chapters;
                     self.shared.table.lock().insert(h, (self.open_vcn, page as u64, at), self.open_vcn, ring);
                 }
             }

@@ -162,10 +162,6 @@ impl Slots<'_> {
         i.checked_sub(self.first * BUCKET_SLOTS).filter(|&l| l < self.words.len())
     }
 
-    fn word(&self, i: usize) -> u32 {
-        self.local(i).and_then(|l| self.words.get(l).copied()).unwrap_or(0)
-    }
-
     fn set(&mut self, i: usize, word: u32, page: u8) {
         if let Some(l) = self.local(i) {
             if let (Some(w), Some(p)) = (self.words.get_mut(l), self.pages.get_mut(l)) {
@@ -234,32 +230,29 @@ impl Slots<'_> {
             self.set(b * BUCKET_SLOTS + k, word, page);
             return true;
         }
-        // Both buckets full: a dead slot (its chapter left the window, not swept yet).
-        let [ra, rb] = VolumeIndex::ranges(pair);
-        let mut victim = None;
-        let mut victim_age = 0;
-        for i in ra.chain(rb) {
-            let a = age(open, chapter_of(self.word(i)));
-            if victim.is_none() || a > victim_age {
-                (victim, victim_age) = (Some(i), a);
-            }
-        }
-        if let Some(i) = victim.filter(|_| victim_age >= ring_chapters) {
+        // Both buckets full: the oldest slot (the first of equals), from the words already
+        // read; a dead one (its chapter left the window, not swept yet) goes first.
+        let oldest = buckets
+            .iter()
+            .flat_map(|(b, w)| {
+                w.iter().enumerate().map(move |(k, &x)| (b * BUCKET_SLOTS + k, age(open, chapter_of(x))))
+            })
+            .min_by_key(|&(_, a)| std::cmp::Reverse(a));
+        if let Some((i, _)) = oldest.filter(|&(_, a)| a >= ring_chapters) {
             self.set(i, word, page);
             return false;
         }
         // Then a slot with the same tag yields to the newer record.
         for (b, w) in buckets {
-            if let Some(k) = w.iter().position(|&x| x >> TAG_SHIFT == tag) {
-                let i = b * BUCKET_SLOTS + k;
-                if age(open, chapter_of(self.word(i))) >= new_age {
-                    self.set(i, word, page);
+            if let Some((k, &x)) = w.iter().enumerate().find(|(_, &x)| x >> TAG_SHIFT == tag) {
+                if age(open, chapter_of(x)) >= new_age {
+                    self.set(b * BUCKET_SLOTS + k, word, page);
                 }
                 return false;
             }
         }
         // Else the oldest live slot, if older than the new record.
-        if let Some(i) = victim.filter(|_| victim_age >= new_age) {
+        if let Some((i, _)) = oldest.filter(|&(_, a)| a >= new_age) {
             self.set(i, word, page);
         }
         false
