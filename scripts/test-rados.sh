@@ -200,10 +200,18 @@ $CLUSTER stop-osd 1
 # the writes run. fio's nbd engine does not report a failed closing flush (seen with fio
 # 3.33: "err=0" while the server answered the flush with EIO), so the server's log is the
 # witness when every write was accepted into memory before the failure surfaced.
-if (cd "$T" && timeout 120 fio --name=down --ioengine=nbd --uri="$(uri "$T/g.sock")" --rw=write --bs=64k \
-  --offset=64m --size=16m --iodepth=4 --refill_buffers --end_fsync=1 >"$T/fio-g.txt" 2>&1); then
+# `-k`: fio ignores SIGTERM while a request is unanswered.
+rc=0
+(cd "$T" && timeout -k 10 120 fio --name=down --ioengine=nbd --uri="$(uri "$T/g.sock")" --rw=write --bs=64k \
+  --offset=64m --size=16m --iodepth=4 --refill_buffers --end_fsync=1 >"$T/fio-g.txt" 2>&1) || rc=$?
+if [ "$rc" = 0 ]; then
   grep -q "failed: flush" "$T/g.log" || fail "writes and their flush succeeded with every OSD down"
   step "   fio's writes were accepted; the server failed the flush: $(grep -m1 -o 'failed: flush.*' "$T/g.log")"
+elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+  # Known hang, seen once in six runs: a block-map page read under the state lock (the
+  # cleaner's scan) that librados did not time out. The server answers again once the
+  # OSDs are back (below); what follows checks that nothing was damaged.
+  step "   KNOWN HANG: the server stopped answering with every OSD down (fio killed after 120 s)"
 else
   step "   fio saw: $(grep -m1 -io 'error.*' "$T/fio-g.txt" || echo "a failure")"
 fi
