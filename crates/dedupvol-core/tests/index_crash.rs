@@ -126,7 +126,7 @@ fn writes_during_a_rebuild_are_correct_and_close_stops_it() {
     assert!(vol.stats().index.rebuild_running, "{:?}", vol.stats().index);
     write_range(&vol, 64 * MIB, 0..4);
     let before = vol.stats().counters.dedup_hits;
-    // One step rebuilds up to 16 MiB of chapters: the whole window here.
+    // One step rebuilds up to 8 MiB of chapters: the whole window here.
     assert!(vol.index_rebuild_step() || !vol.stats().index.rebuild_running);
     while vol.index_rebuild_step() {}
     let s = vol.stats().index;

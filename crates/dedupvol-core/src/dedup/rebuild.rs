@@ -4,14 +4,16 @@
 //! 1. `find_newest` (at open, before the volume accepts I/O): the newest chapter in the
 //!    ring, by a binary search over the chapter slots' first pages (a few dozen 4 KiB
 //!    reads whatever the ring's size), so the session knows which chapter to open next;
-//! 2. `Rebuilder::step`, repeated by a background thread (or by the caller, one step at
-//!    a time): reads the window's chapters in ring order, oldest first, in sequential
-//!    reads of `READ_BYTES`, checks and decodes the pages holding no lock, then inserts
-//!    their records (the hooks in sparse mode) into the volume index under the table's
-//!    own lock, `INSERT_BATCH` at a time (`VolumeIndex::insert_rebuilt`: prefetched, on
-//!    two threads). On its own thread it reads the next run on a helper thread while it
-//!    inserts one. Writers keep running meanwhile: a chapter not rebuilt yet only misses
-//!    duplicates.
+//! 2. the rebuild proper, in the background (`Rebuilder::run_pipelined`, three threads)
+//!    or one step at a time by the caller (`Rebuilder::step`): reads the window's
+//!    chapters in ring order, oldest first, in sequential reads of `READ_BYTES`; checks
+//!    and decodes the pages holding no lock, preparing each record (the hooks, in sparse
+//!    mode) for its insert: its two buckets, word and page (`PreparedRun`); then inserts
+//!    them into the volume index under the table's own lock, `INSERT_BATCH` at a time
+//!    (`VolumeIndex::insert_prepared`: prefetched, on two threads). In the background the
+//!    reads, the decoding and the inserts overlap, so the rebuild runs at the slower of
+//!    the device and the inserts, not at their sum. Writers keep running meanwhile: a
+//!    chapter not rebuilt yet only misses duplicates.
 //!
 //! Invariants:
 //! - Nothing read here is trusted: a page is used only if it checks (magic, crc, volume,
@@ -23,15 +25,15 @@
 //! - A record newer than the rebuilt one (made by this session) is never replaced by it
 //!   (the volume index keeps the newer of two records), and a chapter that left the
 //!   window while the rebuild ran is not inserted.
-//! - Bounded: two read buffers of `READ_BYTES` (one, stepped by hand) and the decoded
-//!   records of one read, returned to the system at the end; a stop request ends the
-//!   rebuild at the next step (close, or the volume dropped).
-//! - A run read ahead is used only by the step that would read the same chapters; its
-//!   pages pass the same checks when they are decoded, whenever they were read.
+//! - Bounded: `READ_BUFFERS` read buffers of `READ_BYTES` and `PREPARED_RUNS + 1` lists
+//!   of prepared records (one of each, stepped by hand), returned to the system at the
+//!   end; a stop request ends the rebuild at the next run (close, or the volume dropped).
+//! - Runs are inserted in ring order, each once; every page passes the same checks
+//!   whenever it was read.
 
 use super::chapter::{page_records, RingLayout, RECORDS_PER_PAGE};
 use super::index::{is_hook, Shared};
-use super::volume_index::RebuiltRecord;
+use super::volume_index::PreparedRun;
 use crate::config::{IndexMode, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::io::aligned::AlignedBuf;
 use crate::io::{Dev, IoKind};
@@ -39,7 +41,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Largest read of the rebuild (whole chapters, in ring order).
-pub const READ_BYTES: u64 = 16 << 20;
+pub const READ_BYTES: u64 = 8 << 20;
+/// Read buffers of a background rebuild: one being inserted, one being read, and two read
+/// ahead, so that neither the device nor the inserting threads wait on the other's
+/// jitter.
+const READ_BUFFERS: usize = 4;
+/// Lists of prepared records a background rebuild's decoder may fill ahead of the inserts.
+const PREPARED_RUNS: usize = 2;
 /// Records inserted per hold of the volume index's lock.
 const INSERT_BATCH: usize = 16384;
 /// Neighbouring slots probed when a chapter slot's first page does not check.
@@ -120,6 +128,112 @@ pub fn find_newest(meta: &Dev, ring: &RingLayout, uuid_lo: u64) -> Newest {
     out
 }
 
+/// How the window's chapters (up to `newest`) are cut into runs, one sequential read each.
+#[derive(Debug, Clone, Copy)]
+struct Runs {
+    ring: RingLayout,
+    newest: u64,
+}
+
+impl Runs {
+    /// Chapters per read buffer (at least one).
+    fn per_read(&self) -> u64 {
+        (READ_BYTES / (self.ring.pages_per_chapter * BLOCK_SIZE_U64)).max(1)
+    }
+
+    /// Bytes of a read buffer: a whole read, or more when a chapter is larger.
+    fn buffer_bytes(&self) -> usize {
+        (self.per_read() * self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize
+    }
+
+    /// The next run from chapter `*next` on (its first chapter and length), past the
+    /// chapters that left the window since the session opened (not worth reading: counted
+    /// done), and moves `*next` past it; None when no chapter is left. A run is at most a
+    /// read's worth, up to the newest chapter and to the end of the ring (its chapters are
+    /// in consecutive slots).
+    fn next(&self, next: &mut u64, shared: &Shared) -> Option<(u64, u64)> {
+        let chapters = self.ring.chapters;
+        let open = shared.open_vcn.load(Ordering::Acquire);
+        let first_live = (open + 1).saturating_sub(chapters);
+        let skipped = first_live.saturating_sub(*next).min((self.newest + 1).saturating_sub(*next));
+        let p = &shared.progress;
+        p.chapters_done.fetch_add(skipped, Ordering::Relaxed);
+        *next += skipped;
+        if *next > self.newest {
+            return None;
+        }
+        let v0 = *next;
+        let n = self.per_read().min(self.newest + 1 - v0).min(chapters - v0 % chapters);
+        *next += n;
+        p.bytes_read.fetch_add(n * self.ring.pages_per_chapter * BLOCK_SIZE_U64, Ordering::Relaxed);
+        Some((v0, n))
+    }
+
+    /// Reads the run of `n` chapters from `v0` into `buf`; false when the read failed.
+    fn read(&self, meta: &Dev, v0: u64, n: u64, buf: &mut AlignedBuf) -> bool {
+        let len = (n * self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+        buf.as_mut_slice()
+            .get_mut(..len)
+            .is_some_and(|chunk| meta.read(IoKind::Index, chunk, self.ring.page_offset(v0, 0)).is_ok())
+    }
+}
+
+/// How the pages of a run are checked and their records prepared, holding no lock.
+#[derive(Debug, Clone, Copy)]
+struct Decoding {
+    ring: RingLayout,
+    uuid_lo: u64,
+    mode: IndexMode,
+    /// Pages of this epoch or later were written by this session: skipped.
+    epoch_first: u32,
+}
+
+impl Decoding {
+    /// Checks the pages of the run of chapters from `v0` in `chunk` and prepares their
+    /// records (the hooks, sparse: each one's buckets, word and page) into `recs`,
+    /// emptied first; counts the records read and the pages skipped.
+    fn run(&self, chunk: &[u8], v0: u64, shared: &Shared, recs: &mut PreparedRun) {
+        let chapter_bytes = (self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+        // The table's size never changes.
+        recs.clear(shared.table.lock().bucket_count());
+        let (mut records, mut skipped_pages) = (0u64, 0u64);
+        for (k, pages) in chunk.chunks_exact(chapter_bytes).enumerate() {
+            let vcn = v0 + k as u64;
+            for (i, b) in pages.chunks_exact(BLOCK_SIZE).enumerate() {
+                let ok = |h: &super::chapter::PageHeader| {
+                    h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch_first
+                };
+                let Some((_, it)) = page_records(b, self.uuid_lo).filter(|(h, _)| ok(h)) else {
+                    skipped_pages += 1;
+                    continue;
+                };
+                for (at, hash) in it.enumerate() {
+                    records += 1;
+                    if self.mode == IndexMode::Dense || is_hook(hash) {
+                        recs.push(hash, vcn, i as u64, at as u64);
+                    }
+                }
+            }
+        }
+        debug_assert!(recs.len() as u64 <= chunk.len() as u64 / BLOCK_SIZE_U64 * RECORDS_PER_PAGE as u64);
+        let p = &shared.progress;
+        p.records.fetch_add(records, Ordering::Relaxed);
+        p.pages_skipped.fetch_add(skipped_pages, Ordering::Relaxed);
+    }
+}
+
+/// Inserts the prepared records of a run into the volume index, `INSERT_BATCH` per hold
+/// of its lock; a chapter that left the window meanwhile is left out (its slots would be
+/// dead on arrival).
+fn insert(shared: &Shared, recs: &PreparedRun, ring_chapters: u64) {
+    let parts = recs.len().div_ceil(INSERT_BATCH);
+    for k in 0..parts {
+        let mut t = shared.table.lock();
+        let open = shared.open_vcn.load(Ordering::Acquire);
+        t.insert_prepared(recs.part(k, parts), recs.chapters(), open, ring_chapters);
+    }
+}
+
 /// The rebuild of the window's chapters, one sequential read per step.
 pub struct Rebuilder {
     meta: Dev,
@@ -135,14 +249,7 @@ pub struct Rebuilder {
     next_vcn: u64,
     shared: Arc<Shared>,
     buf: Option<AlignedBuf>,
-    /// The second buffer, which a helper thread reads the next run into (`read_ahead`).
-    spare: Option<AlignedBuf>,
-    /// The run of chapters `buf` already holds (first chapter, chapters, read without
-    /// error), read during the previous step.
-    ahead: Option<(u64, u64, bool)>,
-    /// Read the next run while inserting this one (a background rebuild).
-    read_ahead: bool,
-    recs: Vec<RebuiltRecord>,
+    recs: PreparedRun,
     started: std::time::Instant,
 }
 
@@ -171,10 +278,7 @@ impl Rebuilder {
             next_vcn: first,
             shared,
             buf: None,
-            spare: None,
-            ahead: None,
-            read_ahead: false,
-            recs: Vec::new(),
+            recs: PreparedRun::default(),
             started: std::time::Instant::now(),
         }
     }
@@ -185,131 +289,160 @@ impl Rebuilder {
     }
 
     /// Reads, checks and inserts the next run of chapters (contiguous slots, at most
-    /// `READ_BYTES`). Returns false once there is nothing left.
+    /// `READ_BYTES`), one read at a time. Returns false once there is nothing left.
     pub fn step(&mut self) -> bool {
         if self.done() {
             self.finish();
             return false;
         }
-        let ring = self.ring;
-        let chapter_bytes = ring.pages_per_chapter * BLOCK_SIZE_U64;
-        let per_read = (READ_BYTES / chapter_bytes).max(1);
-        // Chapters that left the window since the session opened are not worth reading.
-        let open = self.shared.open_vcn.load(Ordering::Acquire);
-        let first_live = (open + 1).saturating_sub(ring.chapters);
-        let skipped = first_live.saturating_sub(self.next_vcn).min(self.newest + 1 - self.next_vcn);
-        let p = &self.shared.progress;
-        p.chapters_done.fetch_add(skipped, Ordering::Relaxed);
-        self.next_vcn += skipped;
-        if self.next_vcn > self.newest {
+        let Some((v0, n)) = self.runs().next(&mut self.next_vcn, &self.shared) else {
             self.finish();
             return false;
-        }
-        let v0 = self.next_vcn;
-        let n = self.run_from(v0);
-        let len = (n * chapter_bytes) as usize;
-        let cap = (per_read * chapter_bytes) as usize;
+        };
         // One buffer for every step: a whole read, or less when a chapter is larger.
-        let Some(mut cur) = self.buf.take().or_else(|| AlignedBuf::new(cap)) else {
+        let Some(mut cur) = self.buf.take().or_else(|| AlignedBuf::new(self.runs().buffer_bytes())) else {
             // No memory for the read buffer: the rebuild ends (dedup lost, nothing else).
             self.shared.stop.store(true, Ordering::Relaxed);
             self.finish();
             return false;
         };
-        self.next_vcn += n;
-        p.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
-        // The run was read ahead during the last step, or is read now.
-        let read_ok = match self.ahead.take() {
-            Some((v, m, ok)) if v == v0 && m == n => ok,
-            _ => cur
-                .as_mut_slice()
-                .get_mut(..len)
-                .is_some_and(|chunk| self.meta.read(IoKind::Index, chunk, ring.page_offset(v0, 0)).is_ok()),
-        };
-        // The next run is read by a helper thread while this one is inserted.
-        let next =
-            (self.read_ahead && self.next_vcn <= self.newest).then(|| (self.next_vcn, self.run_from(self.next_vcn)));
-        let mut spare = next.and_then(|_| self.spare.take().or_else(|| AlignedBuf::new(cap)));
-        let meta = self.meta.clone();
-        let next_ok = std::thread::scope(|sc| {
-            let reader = next.zip(spare.as_mut()).and_then(|((v1, n1), b)| {
-                let chunk = b.as_mut_slice().get_mut(..(n1 * chapter_bytes) as usize)?;
-                let read = move || meta.read(IoKind::Index, chunk, ring.page_offset(v1, 0)).is_ok();
-                // No thread: the next step reads the run itself.
-                std::thread::Builder::new().name("dedupvol-index-read".into()).spawn_scoped(sc, read).ok()
-            });
-            match cur.as_mut_slice().get(..len).filter(|_| read_ok) {
-                Some(chunk) => self.insert_run(chunk, v0),
-                None => {
-                    self.shared.progress.pages_skipped.fetch_add(n * ring.pages_per_chapter, Ordering::Relaxed);
+        let ok = self.runs().read(&self.meta, v0, n, &mut cur);
+        self.process(v0, n, ok.then_some(&cur));
+        self.buf = Some(cur);
+        true
+    }
+
+    /// Runs the whole rebuild as a pipeline of three threads (a background rebuild): a
+    /// reader reads run after run into up to `READ_BUFFERS` buffers, a decoder checks and
+    /// prepares them into up to `PREPARED_RUNS` lists, and this thread inserts those. The
+    /// device is kept busy whenever the inserts fall behind (they take about as long as
+    /// the reads) and vice versa, and the decoding (a fifth of the work) runs beside both.
+    fn run_pipelined(&mut self) {
+        let (runs, decoding, ring_chapters) = (self.runs(), self.decoding(), self.ring.chapters);
+        let (meta, shared) = (self.meta.clone(), self.shared.clone());
+        let mut cursor = self.next_vcn;
+        let finished = std::thread::scope(|sc| {
+            use std::sync::mpsc::{channel, sync_channel};
+            let (free_tx, free_rx) = channel::<AlignedBuf>();
+            let (full_tx, full_rx) = sync_channel::<(u64, u64, bool, AlignedBuf)>(READ_BUFFERS);
+            let (spent_tx, spent_rx) = channel::<PreparedRun>();
+            let (ready_tx, ready_rx) = sync_channel::<(u64, PreparedRun)>(PREPARED_RUNS);
+            let (cursor, reader_shared, decoder_shared) = (&mut cursor, &shared, &shared);
+            let reader = move || {
+                let mut made = 0;
+                while !reader_shared.stop.load(Ordering::Relaxed) {
+                    let Some((v0, n)) = runs.next(cursor, reader_shared) else { break };
+                    // A returned buffer, else a new one while fewer than READ_BUFFERS exist,
+                    // else wait for one.
+                    let buf = free_rx.try_recv().ok().or_else(|| {
+                        let b = (made < READ_BUFFERS).then(|| AlignedBuf::new(runs.buffer_bytes())).flatten();
+                        made += usize::from(b.is_some());
+                        b
+                    });
+                    let Some(mut buf) = buf.or_else(|| (made > 0).then(|| free_rx.recv().ok()).flatten()) else {
+                        // No memory for a read buffer: the rebuild ends (dedup lost).
+                        reader_shared.stop.store(true, Ordering::Relaxed);
+                        break;
+                    };
+                    let ok = runs.read(&meta, v0, n, &mut buf);
+                    if full_tx.send((v0, n, ok, buf)).is_err() {
+                        break;
+                    }
                 }
+            };
+            let decoder = move || {
+                let mut made = 0;
+                for (v0, n, ok, buf) in full_rx.iter() {
+                    // A list the inserter is done with, else a new one while fewer than
+                    // PREPARED_RUNS + 1 exist (one more than the channel holds: the
+                    // inserter's), else wait for one.
+                    let recs = spent_rx.try_recv().ok().or_else(|| {
+                        made += 1;
+                        (made <= PREPARED_RUNS + 1).then(PreparedRun::default)
+                    });
+                    let Some(mut recs) = recs.or_else(|| spent_rx.recv().ok()) else { break };
+                    let len = (n * runs.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+                    match buf.as_slice().get(..len).filter(|_| ok) {
+                        Some(chunk) => decoding.run(chunk, v0, decoder_shared, &mut recs),
+                        None => {
+                            recs.clear(0);
+                            let skipped = n * runs.ring.pages_per_chapter;
+                            decoder_shared.progress.pages_skipped.fetch_add(skipped, Ordering::Relaxed);
+                        }
+                    }
+                    // The reader may have ended: the buffer is then dropped here.
+                    let _ = free_tx.send(buf);
+                    if ready_tx.send((n, recs)).is_err() {
+                        break;
+                    }
+                }
+            };
+            let spawn = |name: &str| std::thread::Builder::new().name(format!("dedupvol-index-{name}"));
+            // The decoder first: without a reader it ends at once (its channel closed), and
+            // nothing was read.
+            let Ok(decoder) = spawn("decode").spawn_scoped(sc, decoder) else {
+                return false;
+            };
+            let Ok(reader) = spawn("read").spawn_scoped(sc, reader) else {
+                let _ = decoder.join();
+                return false;
+            };
+            for (n, recs) in ready_rx.iter() {
+                if self.shared.stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                insert(&self.shared, &recs, ring_chapters);
+                let p = &self.shared.progress;
+                p.chapters_done.fetch_add(n, Ordering::Relaxed);
+                p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+                let _ = spent_tx.send(recs);
             }
-            reader.map(|r| r.join().is_ok_and(|ok| ok))
+            // The decoder ends at its next send or wait for a list, then the reader at its.
+            drop((ready_rx, spent_tx));
+            let _ = decoder.join();
+            let _ = reader.join();
+            true
         });
-        match (next, next_ok, spare) {
-            (Some((v1, n1)), Some(ok), Some(b)) => {
-                self.ahead = Some((v1, n1, ok));
-                self.buf = Some(b);
-                self.spare = Some(cur);
-            }
-            (_, _, spare) => {
-                self.buf = Some(cur);
-                self.spare = spare;
+        if finished {
+            self.next_vcn = cursor;
+        }
+        // Without the threads, the rebuild goes on one step at a time.
+        while self.step() {}
+    }
+
+    /// Inserts the run of `n` chapters from `v0` read into `buf` (None: the read failed,
+    /// its pages are skipped) and counts it done.
+    fn process(&mut self, v0: u64, n: u64, buf: Option<&AlignedBuf>) {
+        let chapter_bytes = self.ring.pages_per_chapter * BLOCK_SIZE_U64;
+        match buf.and_then(|b| b.as_slice().get(..(n * chapter_bytes) as usize)) {
+            Some(chunk) => self.insert_run(chunk, v0),
+            None => {
+                self.shared.progress.pages_skipped.fetch_add(n * self.ring.pages_per_chapter, Ordering::Relaxed);
             }
         }
         let p = &self.shared.progress;
         p.chapters_done.fetch_add(n, Ordering::Relaxed);
         p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
-        true
     }
 
-    /// Chapters of the run starting at `v0`: at most a read's worth, up to the newest
-    /// chapter and to the end of the ring (a run is in consecutive slots).
-    fn run_from(&self, v0: u64) -> u64 {
-        let per_read = (READ_BYTES / (self.ring.pages_per_chapter * BLOCK_SIZE_U64)).max(1);
-        per_read.min(self.newest + 1 - v0).min(self.ring.chapters - v0 % self.ring.chapters)
+    /// How the window's chapters are cut into reads.
+    fn runs(&self) -> Runs {
+        Runs { ring: self.ring, newest: self.newest }
     }
 
-    /// Checks and decodes the pages of the run of chapters from `v0` in `chunk` holding
-    /// no lock, then inserts their records (the hooks, sparse) into the volume index.
+    /// Checks, decodes and inserts the run of chapters from `v0` in `chunk` (one step).
     fn insert_run(&mut self, chunk: &[u8], v0: u64) {
-        let ring = self.ring;
-        let chapter_bytes = ring.pages_per_chapter * BLOCK_SIZE_U64;
-        // Decoded holding no lock: (fingerprint, chapter, page, position), into one buffer
-        // for the whole rebuild (freed at its end: a fresh one per step would leave the
-        // allocator holding tens of MiB).
+        // Into lists kept for the whole rebuild (freed at its end: fresh ones per step would
+        // leave the allocator holding tens of MiB).
         let mut recs = std::mem::take(&mut self.recs);
-        recs.clear();
-        let (mut records, mut skipped_pages) = (0u64, 0u64);
-        for (k, pages) in chunk.chunks_exact(chapter_bytes as usize).enumerate() {
-            let vcn = v0 + k as u64;
-            for (i, b) in pages.chunks_exact(BLOCK_SIZE).enumerate() {
-                let ok = |h: &super::chapter::PageHeader| {
-                    h.vcn == vcn && usize::from(h.page) == i && h.epoch < self.epoch_first
-                };
-                let Some((_, it)) = page_records(b, self.uuid_lo).filter(|(h, _)| ok(h)) else {
-                    skipped_pages += 1;
-                    continue;
-                };
-                for (at, hash) in it.enumerate() {
-                    records += 1;
-                    if self.mode == IndexMode::Dense || is_hook(hash) {
-                        recs.push(RebuiltRecord { hash: *hash, vcn, page: i as u64, position: at as u64 });
-                    }
-                }
-            }
-        }
-        debug_assert!(recs.len() as u64 <= chunk.len() as u64 / BLOCK_SIZE_U64 * RECORDS_PER_PAGE as u64);
-        for batch in recs.chunks(INSERT_BATCH) {
-            let mut t = self.shared.table.lock();
-            // A chapter that left the window meanwhile is left out (its slots would be dead
-            // on arrival).
-            t.insert_rebuilt(batch, self.shared.open_vcn.load(Ordering::Acquire), ring.chapters);
-        }
+        self.decoding().run(chunk, v0, &self.shared, &mut recs);
+        insert(&self.shared, &recs, self.ring.chapters);
         self.recs = recs;
-        let p = &self.shared.progress;
-        p.records.fetch_add(records, Ordering::Relaxed);
-        p.pages_skipped.fetch_add(skipped_pages, Ordering::Relaxed);
+    }
+
+    /// What the decoding of a run needs.
+    fn decoding(&self) -> Decoding {
+        Decoding { ring: self.ring, uuid_lo: self.uuid_lo, mode: self.mode, epoch_first: self.epoch_first }
     }
 
     fn finish(&mut self) {
@@ -317,9 +450,8 @@ impl Rebuilder {
         if p.running.swap(false, Ordering::Relaxed) {
             p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
-        let held = self.buf.take().is_some() | self.spare.take().is_some() | (self.recs.capacity() > 0);
-        self.ahead = None;
-        self.recs = Vec::new();
+        let held = self.buf.take().is_some() | (self.recs.capacity() > 0);
+        self.recs = PreparedRun::default();
         // Tens of MiB were just freed (the read buffers and the decoded records); glibc
         // keeps freed heap memory of a thread's arena unless asked, and after the first
         // rebuild of a large window the rebuild buffers come from the heap (its mmap
@@ -347,12 +479,11 @@ impl RebuildThread {
     /// (the caller then runs it itself).
     pub fn start(mut r: Rebuilder) -> Result<Self, Box<Rebuilder>> {
         let shared = r.shared.clone();
-        // On its own thread the rebuild can afford a second buffer and a reader beside it.
-        r.read_ahead = true;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Rebuilder>(1);
         let spawned = std::thread::Builder::new().name("dedupvol-index-rebuild".into()).spawn(move || {
             let Ok(mut r) = rx.recv() else { return };
-            while r.step() {}
+            // On its own thread the rebuild can afford more buffers and a reader beside it.
+            r.run_pipelined();
         });
         match spawned {
             Ok(handle) => {
@@ -460,43 +591,9 @@ mod tests {
         out
     }
 
-    /// Measures, on a volume whose chapter ring is full of synthetic records: how long
-    /// `open` takes before the volume accepts I/O, the first write after it, the rebuild's
-    /// read rate beside the device's own sequential read rate, and the RSS per indexed
-    /// block. Run with `cargo test --release -p dedupvol-core measure_open_and_rebuild --
-    /// --ignored --nocapture`; `DEDUPVOL_MEASURE_DIR` (default /tmp) holds the sparse
-    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window,
-    /// `DEDUPVOL_MEASURE_MODE` dense or sparse, and `DEDUPVOL_MEASURE_SMAPS` (set) lists
-    /// the mappings holding 2 MiB of RSS or more before the open and after the rebuild.
-    #[test]
-    #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
-    fn measure_open_and_rebuild() {
-        let dir = std::env::var("DEDUPVOL_MEASURE_DIR").unwrap_or_else(|_| "/tmp".into());
-        let window_gib: u64 =
-            std::env::var("DEDUPVOL_MEASURE_WINDOW_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
-        let mode = match std::env::var("DEDUPVOL_MEASURE_MODE").as_deref() {
-            Ok("sparse") => IndexMode::Sparse,
-            _ => IndexMode::Dense,
-        };
-        let path = std::path::PathBuf::from(dir).join(format!("dedupvol-measure-{}.img", std::process::id()));
-        let window = window_gib << 30;
-        let fmt = FormatOptions {
-            logical_size_bytes: 1 << 30,
-            dedup_window_bytes: Some(window),
-            index_memory_bytes: 8 << 30,
-            index_mode: mode,
-            ..FormatOptions::default()
-        };
-        // The ring is at most 1/32 of a device without a metadata device.
-        let size = (window / 101 * 2 * 32).max(64 << 30);
-        Volume::format_path(&path, Some(size), None, &fmt, true).expect("format");
-        let file: Arc<dyn Storage> = Arc::new(FileStorage::open_with(&path, false, IoMode::Direct).expect("open"));
-        let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
-        let (sb, _) = crate::metadata::superblock::Superblock::read(&dev, 0).expect("superblock");
-        let ring = RingLayout::for_area(sb.geometry.index_start, sb.geometry.index_blocks, mode).expect("ring");
-        let ulo = crate::codec::get_u64(&sb.uuid, 0);
-        // Fill every slot with a full chapter, as after 1.5 turns of the ring.
-        let t = Instant::now();
+    /// Fills every slot of `ring` with a full chapter of distinct synthetic records, as
+    /// after 1.5 turns of the ring; returns the newest chapter.
+    fn fill_ring(file: &Arc<dyn Storage>, ring: &RingLayout, ulo: u64) -> u64 {
         let newest = ring.chapters + ring.chapters / 2 - 1;
         let chapter_bytes = (ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
         let per_write = (READ_BYTES as usize / chapter_bytes).max(1);
@@ -534,6 +631,105 @@ mod tests {
                 first_slot = slot + 1;
             }
         }
+        newest
+    }
+
+    /// The background rebuild (reader, decoder and inserter threads, buffers reused run
+    /// after run) must index exactly what the rebuild stepped by hand does: the same
+    /// records, pages and entries, slot for slot where it matters (every fingerprint of
+    /// the window found). A ring of 73 MiB of chapters: ten runs, more than the buffers
+    /// and lists the pipeline has.
+    #[test]
+    fn the_background_rebuild_indexes_what_the_stepped_one_does() {
+        let window = 6u64 << 30;
+        let fmt = FormatOptions {
+            logical_size_bytes: 64 << 20,
+            dedup_window_bytes: Some(window),
+            index_memory_bytes: 64 << 20,
+            ..FormatOptions::default()
+        };
+        let size = window / 101 * 2 * 32;
+        let dev = Arc::new(crate::io::MemStorage::new(size));
+        let file: Arc<dyn Storage> = dev.clone();
+        Volume::format(file.clone(), None, &fmt, false).expect("format");
+        let meta = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+        let (sb, _) = crate::metadata::superblock::Superblock::read(&meta, 0).expect("superblock");
+        let ring =
+            RingLayout::for_area(sb.geometry.index_start, sb.geometry.index_blocks, IndexMode::Dense).expect("ring");
+        let ring_bytes = ring.chapters * ring.pages_per_chapter * BLOCK_SIZE_U64;
+        assert!(ring_bytes > (READ_BUFFERS + PREPARED_RUNS + 1) as u64 * READ_BYTES, "{ring_bytes}");
+        let newest = fill_ring(&file, &ring, crate::codec::get_u64(&sb.uuid, 0));
+        let mut seen = Vec::new();
+        for how in [IndexRebuild::Manual, IndexRebuild::Background] {
+            let opts = OpenOptions { index_rebuild: how, ..OpenOptions::default() };
+            let vol = Volume::open(file.clone(), None, &opts).expect("open");
+            if how == IndexRebuild::Manual {
+                while vol.index_rebuild_step() {}
+            }
+            vol.wait_index_rebuilt();
+            let s = vol.stats();
+            assert!(!s.index.rebuild_running && s.index.rebuild_chapters_done == s.index.rebuild_chapters_total);
+            // The window's chapters but the oldest (its slot is the one reopened).
+            let chapters = ring.chapters - 1;
+            let records = chapters * ring.pages_per_chapter * RECORDS_PER_PAGE as u64;
+            assert_eq!((s.index.rebuild_records, s.index.rebuild_pages_skipped), (records, 0), "{how:?}");
+            assert!(s.index_entries >= records * 99 / 100, "{how:?}: {} entries of {records}", s.index_entries);
+            // Every fingerprint of the newest chapter and of one mid-window is found; the
+            // oldest chapter loses a few (a full bucket evicts its oldest slot), the same
+            // ones whichever way the rebuild ran.
+            let per_chapter = ring.pages_per_chapter * RECORDS_PER_PAGE as u64;
+            let missing = |vcn: u64| {
+                let state = vol.state.lock();
+                let index = state.dedup.index();
+                (0..per_chapter).filter(|i| index.lookup(&fp(vcn * per_chapter + i)).is_none()).collect::<Vec<_>>()
+            };
+            for vcn in [newest, newest - chapters / 2] {
+                let m = missing(vcn).len() as u64;
+                assert!(m * 100 <= per_chapter, "{how:?}: chapter {vcn}: {m} of {per_chapter} missing");
+            }
+            seen.push((s.index_entries, s.index.rebuild_bytes, missing(newest + 1 - chapters)));
+            vol.close().expect("close");
+        }
+        assert_eq!(seen.first(), seen.last(), "the background rebuild differs from the stepped one");
+    }
+
+    /// Measures, on a volume whose chapter ring is full of synthetic records: how long
+    /// `open` takes before the volume accepts I/O, the first write after it, the rebuild's
+    /// read rate beside the device's own sequential read rate, and the RSS per indexed
+    /// block. Run with `cargo test --release -p dedupvol-core measure_open_and_rebuild --
+    /// --ignored --nocapture`; `DEDUPVOL_MEASURE_DIR` (default /tmp) holds the sparse
+    /// volume file, `DEDUPVOL_MEASURE_WINDOW_GIB` (default 256) the dedup window,
+    /// `DEDUPVOL_MEASURE_MODE` dense or sparse, and `DEDUPVOL_MEASURE_SMAPS` (set) lists
+    /// the mappings holding 2 MiB of RSS or more before the open and after the rebuild.
+    #[test]
+    #[ignore = "a measurement that writes the chapter ring of a large window to a file"]
+    fn measure_open_and_rebuild() {
+        let dir = std::env::var("DEDUPVOL_MEASURE_DIR").unwrap_or_else(|_| "/tmp".into());
+        let window_gib: u64 =
+            std::env::var("DEDUPVOL_MEASURE_WINDOW_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+        let mode = match std::env::var("DEDUPVOL_MEASURE_MODE").as_deref() {
+            Ok("sparse") => IndexMode::Sparse,
+            _ => IndexMode::Dense,
+        };
+        let path = std::path::PathBuf::from(dir).join(format!("dedupvol-measure-{}.img", std::process::id()));
+        let window = window_gib << 30;
+        let fmt = FormatOptions {
+            logical_size_bytes: 1 << 30,
+            dedup_window_bytes: Some(window),
+            index_memory_bytes: 8 << 30,
+            index_mode: mode,
+            ..FormatOptions::default()
+        };
+        // The ring is at most 1/32 of a device without a metadata device.
+        let size = (window / 101 * 2 * 32).max(64 << 30);
+        Volume::format_path(&path, Some(size), None, &fmt, true).expect("format");
+        let file: Arc<dyn Storage> = Arc::new(FileStorage::open_with(&path, false, IoMode::Direct).expect("open"));
+        let dev = Dev::new(file.clone(), Arc::new(IoCounters::default()));
+        let (sb, _) = crate::metadata::superblock::Superblock::read(&dev, 0).expect("superblock");
+        let ring = RingLayout::for_area(sb.geometry.index_start, sb.geometry.index_blocks, mode).expect("ring");
+        let ulo = crate::codec::get_u64(&sb.uuid, 0);
+        let t = Instant::now();
+        fill_ring(&file, &ring, ulo);
         file.sync().expect("sync");
         let ring_bytes = ring.chapters * ring.pages_per_chapter * BLOCK_SIZE_U64;
         println!(

@@ -39,26 +39,84 @@ pub const GROUP_RECORDS: usize = 12;
 /// Chapters over which a full sweep of dead slots is spread.
 const SWEEP_CHAPTERS: u64 = 16384;
 const _: () = assert!(RING_CHAPTERS_MAX + SWEEP_CHAPTERS < 1 << 16);
-/// Records ahead whose buckets `insert_rebuilt` prefetches: enough misses in flight to
+/// Records ahead whose buckets `insert_prepared` prefetches: enough misses in flight to
 /// cover the memory latency, few enough that the prefetched lines are still in L1.
 const PREFETCH_AHEAD: usize = 16;
-/// Records from which `insert_rebuilt` uses a second thread (below, the thread would cost
+/// Records from which `insert_prepared` uses a second thread (below, the thread would cost
 /// more than it saves).
 const PARALLEL_RECORDS_MIN: usize = 4096;
 /// The share of slots the table is sized to fill (buckets of 8 overflow rarely below it).
 pub const LOAD_PERCENT: u64 = 90;
 
-/// A record read from the ring by the rebuild: its fingerprint and where it is.
+/// A record read from the ring by the rebuild, made ready to insert by the decoder while
+/// it holds no lock (`PreparedRun::push`): its two buckets, its word and its page. 24
+/// bytes where the record is 56, and its fingerprint hashed once: the inserting threads
+/// only read these, in order, and touch the table.
 #[derive(Debug, Clone, Copy)]
-pub struct RebuiltRecord {
-    /// The full fingerprint.
-    pub hash: [u8; 32],
-    /// Virtual chapter.
-    pub vcn: u64,
-    /// Page in the chapter.
-    pub page: u64,
-    /// Position in the page.
-    pub position: u64,
+pub struct Prepared {
+    pair: (usize, usize),
+    word: u32,
+    page: u8,
+}
+
+/// Records prepared for a table of `buckets` buckets, apart by the half of the table
+/// their buckets are in (a fingerprint's two buckets are in the same half), so that each
+/// half is inserted by its own thread from a list of its own.
+#[derive(Debug, Default)]
+pub struct PreparedRun {
+    buckets: usize,
+    halves: [Vec<Prepared>; 2],
+    /// The lowest and highest chapter pushed since the last `clear`.
+    chapters: Option<(u64, u64)>,
+}
+
+impl PreparedRun {
+    /// Empties the run, keeping its memory, for a table of `buckets` buckets
+    /// (`VolumeIndex::bucket_count`).
+    pub fn clear(&mut self, buckets: usize) {
+        self.buckets = buckets;
+        self.halves.iter_mut().for_each(Vec::clear);
+        self.chapters = None;
+    }
+
+    /// The table size the records were prepared for, and the lowest and highest chapter
+    /// among them (what `VolumeIndex::insert_prepared` checks).
+    pub fn chapters(&self) -> (usize, Option<(u64, u64)>) {
+        (self.buckets, self.chapters)
+    }
+
+    /// Records held.
+    pub fn len(&self) -> usize {
+        self.halves.iter().map(Vec::len).sum()
+    }
+
+    /// Memory held by the lists (their capacity).
+    pub fn capacity(&self) -> usize {
+        self.halves.iter().map(Vec::capacity).sum()
+    }
+
+    /// Adds the record of fingerprint `h` at `position` of page `page` of chapter `vcn`.
+    pub fn push(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64) {
+        debug_assert!(page <= 0xFF && (position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE);
+        let pair = bucket_pair(self.buckets, h);
+        let upper = usize::from(pair.0 >= self.buckets / 2);
+        let prepared = Prepared { pair, word: word_of(tag_of(h), position, vcn), page: page as u8 };
+        if let Some(half) = self.halves.get_mut(upper) {
+            half.push(prepared);
+        }
+        let (lo, hi) = self.chapters.unwrap_or((vcn, vcn));
+        self.chapters = Some((lo.min(vcn), hi.max(vcn)));
+    }
+
+    /// Each half's records in `[from, to)` of the run, as fractions of each half's length
+    /// (`parts` equal parts, part `k`): the batches the rebuild inserts per hold of the
+    /// table's lock.
+    pub fn part(&self, k: usize, parts: usize) -> [&[Prepared]; 2] {
+        self.halves.each_ref().map(|h| {
+            let at = |k: usize| h.len() * k / parts.max(1);
+            h.get(at(k)..at(k + 1)).unwrap_or_default()
+        })
+    }
 }
 
 /// A slot matching a fingerprint (`VolumeIndex::candidates`).
@@ -138,7 +196,7 @@ fn age(open: u64, ch: u16) -> u64 {
 
 /// The two bucket numbers of `h` in a table of `buckets` buckets: the first anywhere, the
 /// second in the same half of the table as the first (so that each half can be filled on
-/// its own: `insert_rebuilt`). Keys are scaled onto a range by a multiply and a shift (a
+/// its own: `insert_prepared`). Keys are scaled onto a range by a multiply and a shift (a
 /// division would cost tens of cycles per lookup and per rebuilt record).
 fn bucket_pair(buckets: usize, h: &[u8; 32]) -> (usize, usize) {
     let scale = |key: u64, n: usize| ((u128::from(key) * n as u128) >> 64) as usize;
@@ -258,42 +316,21 @@ impl Slots<'_> {
         false
     }
 
-    /// `insert_rebuilt` of `recs` (whose buckets are all in this run) in a table of
-    /// `buckets` buckets, prefetching `PREFETCH_AHEAD` records ahead; returns the slots
-    /// newly taken.
-    fn insert_all<'r>(
-        &mut self,
-        buckets: usize,
-        recs: impl Iterator<Item = &'r RebuiltRecord>,
-        open: u64,
-        ring_chapters: u64,
-    ) -> u64 {
-        let live = |r: &RebuiltRecord| r.vcn <= open && open - r.vcn < ring_chapters;
-        let mut ahead: [Option<((usize, usize), &RebuiltRecord)>; PREFETCH_AHEAD] = [None; PREFETCH_AHEAD];
-        let (mut recs, mut added, mut i) = (recs.fuse(), 0, 0usize);
-        loop {
-            // The record prefetched `PREFETCH_AHEAD` rounds ago goes in, then its place in
-            // `ahead` takes the next one.
-            let at = i % PREFETCH_AHEAD;
-            i += 1;
-            if let Some((pair, r)) = ahead.get_mut(at).and_then(Option::take).filter(|(_, r)| live(r)) {
-                debug_assert!(r.page <= 0xFF && (r.position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE);
-                let tag = tag_of(&r.hash);
-                let word = word_of(tag, r.position, r.vcn);
-                added += u64::from(self.place(tag, word, r.page as u8, (open, ring_chapters), pair));
+    /// Inserts `recs` (whose buckets are all in this run), prefetching `PREFETCH_AHEAD`
+    /// records ahead and leaving out those whose chapter is outside the window; returns
+    /// the slots newly taken. The words hold chapters modulo 2^16: the caller makes sure
+    /// every record is less than 2^16 chapters behind `open` (`insert_prepared`).
+    fn insert_all(&mut self, recs: &[Prepared], open: u64, ring_chapters: u64) -> u64 {
+        let mut added = 0;
+        for (i, r) in recs.iter().enumerate() {
+            if let Some(ahead) = recs.get(i + PREFETCH_AHEAD) {
+                self.prefetch(ahead.pair);
             }
-            match recs.next() {
-                Some(r) => {
-                    let pair = bucket_pair(buckets, &r.hash);
-                    self.prefetch(pair);
-                    if let Some(a) = ahead.get_mut(at) {
-                        *a = Some((pair, r));
-                    }
-                }
-                None if ahead.iter().all(Option::is_none) => return added,
-                None => {}
+            if age(open, chapter_of(r.word)) < ring_chapters {
+                added += u64::from(self.place(r.word >> TAG_SHIFT, r.word, r.page, (open, ring_chapters), r.pair));
             }
         }
+        added
     }
 }
 
@@ -457,22 +494,45 @@ impl VolumeIndex {
         }
     }
 
-    /// Inserts records read from the ring by the rebuild, as `insert` would one by one,
+    /// Buckets of the table (what `PreparedRun::new` needs).
+    pub fn bucket_count(&self) -> usize {
+        self.buckets
+    }
+
+    /// Inserts records read from the ring by the rebuild (the halves of part of a
+    /// `PreparedRun`, whose chapters span `chapters`), as `insert` would one by one,
     /// leaving out those whose chapter is outside the window of `ring_chapters` chapters
     /// before `open`. Each record lands in two random buckets of a table of hundreds of
     /// MB, a cache miss each, so: the buckets of the record `PREFETCH_AHEAD` places ahead
     /// are prefetched (the misses overlap instead of queueing), and a large batch is
-    /// inserted by two threads, one per half of the table (a fingerprint's two buckets are
-    /// in the same half), which share nothing.
-    pub fn insert_rebuilt(&mut self, recs: &[RebuiltRecord], open: u64, ring_chapters: u64) {
-        let buckets = self.buckets;
-        let half = buckets / 2;
-        let upper = |r: &&RebuiltRecord| bucket_pair(buckets, &r.hash).0 >= half;
-        if recs.len() < PARALLEL_RECORDS_MIN || half == 0 {
-            self.entries += self.slots_mut(..).insert_all(buckets, recs.iter(), open, ring_chapters);
+    /// inserted by two threads, one per half of the table, which share nothing. Records
+    /// prepared for a table of another size are not inserted (dedup lost, nothing else).
+    pub fn insert_prepared(
+        &mut self,
+        [low, high]: [&[Prepared]; 2],
+        (buckets, chapters): (usize, Option<(u64, u64)>),
+        open: u64,
+        ring_chapters: u64,
+    ) {
+        debug_assert_eq!(buckets, self.buckets, "records prepared for another table");
+        let Some((oldest, newest)) = chapters.filter(|_| buckets == self.buckets) else {
+            return;
+        };
+        // Nothing live: every chapter left the window. Else every record is less than
+        // 2^16 chapters behind `open` (a run spans far fewer than 2^15 chapters, the
+        // window at most 2^15), so the 16-bit ages `insert_all` computes are exact.
+        if newest > open || open - newest >= ring_chapters {
             return;
         }
-        let (mut low, mut high) = {
+        debug_assert!(newest - oldest < 1 << 15 && ring_chapters <= 1 << 15);
+        let half = self.buckets / 2;
+        if low.len() + high.len() < PARALLEL_RECORDS_MIN || half == 0 {
+            let mut all = self.slots_mut(..);
+            let added = all.insert_all(low, open, ring_chapters) + all.insert_all(high, open, ring_chapters);
+            self.entries += added;
+            return;
+        }
+        let (mut lower, mut upper) = {
             let Slots { words, pages, first } = self.slots_mut(..);
             let (w0, w1) = words.split_at_mut((half * BUCKET_SLOTS).min(words.len()));
             let (p0, p1) = pages.split_at_mut((half * BUCKET_SLOTS).min(pages.len()));
@@ -480,11 +540,11 @@ impl VolumeIndex {
         };
         let mut alone = false;
         let added = std::thread::scope(|sc| {
-            let high = &mut high;
+            let upper = &mut upper;
             let helper = std::thread::Builder::new()
                 .name("dedupvol-index-insert".into())
-                .spawn_scoped(sc, move || high.insert_all(buckets, recs.iter().filter(upper), open, ring_chapters));
-            let added = low.insert_all(buckets, recs.iter().filter(|r| !upper(r)), open, ring_chapters);
+                .spawn_scoped(sc, move || upper.insert_all(high, open, ring_chapters));
+            let added = lower.insert_all(low, open, ring_chapters);
             match helper {
                 Ok(h) => added + h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
                 Err(_) => {
@@ -494,8 +554,7 @@ impl VolumeIndex {
                 }
             }
         });
-        let added =
-            added + if alone { high.insert_all(buckets, recs.iter().filter(upper), open, ring_chapters) } else { 0 };
+        let added = added + if alone { upper.insert_all(high, open, ring_chapters) } else { 0 };
         self.entries += added;
     }
 
@@ -575,9 +634,24 @@ mod tests {
         Candidate { vcn, page, positions }
     }
 
-    fn rebuilt(i: u64, per_chapter: u64) -> RebuiltRecord {
+    /// A record as the rebuild reads it: fingerprint, chapter, page, position.
+    type Rebuilt = ([u8; 32], u64, u64, u64);
+
+    fn rebuilt(i: u64, per_chapter: u64) -> Rebuilt {
         let r = i % per_chapter;
-        RebuiltRecord { hash: h(i as u32), vcn: i / per_chapter, page: r / 84, position: r % 84 }
+        (h(i as u32), i / per_chapter, r / 84, r % 84)
+    }
+
+    /// Inserts `recs` as the rebuild does, `batch` records per `insert_prepared`.
+    fn insert_rebuilt(t: &mut VolumeIndex, recs: &[Rebuilt], batch: usize, open: u64, ring: u64) {
+        let mut run = PreparedRun::default();
+        for c in recs.chunks(batch) {
+            run.clear(t.bucket_count());
+            for (hash, vcn, page, position) in c {
+                run.push(hash, *vcn, *page, *position);
+            }
+            t.insert_prepared(run.part(0, 1), run.chapters(), open, ring);
+        }
     }
 
     #[test]
@@ -632,27 +706,42 @@ mod tests {
         // A table small enough that buckets fill and overflow, with repeated fingerprints
         // (the newer record must win) and chapters that left the window.
         let per_chapter = 300;
-        let mut recs: Vec<RebuiltRecord> = (0..6000).map(|i| rebuilt(i, per_chapter)).collect();
-        recs.extend((0..600).map(|i| RebuiltRecord { vcn: 19, ..rebuilt(i * 7, per_chapter) }));
+        let mut recs: Vec<Rebuilt> = (0..6000).map(|i| rebuilt(i, per_chapter)).collect();
+        recs.extend((0..600).map(|i| (rebuilt(i * 7, per_chapter).0, 19, 0, 0)));
         let (open, ring) = (20, 16);
         let mut one = VolumeIndex::try_new(5 * 4096, false).expect("table");
-        let mut batch = VolumeIndex::try_new(5 * 4096, false).expect("table");
         one.insert(&h(5), (20, 1, 1), 20, ring);
-        batch.insert(&h(5), (20, 1, 1), 20, ring);
-        for r in &recs {
-            if open - r.vcn < ring {
-                one.insert(&r.hash, (r.vcn, r.page, r.position), open, ring);
+        for (hash, vcn, page, position) in &recs {
+            if open - vcn < ring {
+                one.insert(hash, (*vcn, *page, *position), open, ring);
             }
         }
-        batch.insert_rebuilt(&recs, open, ring);
         // Slot by slot, not the raw arrays: each table starts at its own alignment offset
         // (`words_at`), which depends on where the allocator put it.
         let slots = |t: &VolumeIndex| (0..t.cap).map(|i| (t.word(i), t.page(i))).collect::<Vec<_>>();
-        assert!(slots(&one) == slots(&batch) && one.len() == batch.len());
-        assert_eq!(batch.candidates(&h(5), open, ring), vec![cand(20, 1, 0..12)], "the session's own record stays");
-        assert_eq!(batch.candidates(&h(7), open, ring).first(), Some(&cand(19, 0, 0..12)), "the newer record first");
-        assert!(batch.candidates(&h(1), open, ring).is_empty(), "chapter 0 is outside the window");
-        batch.audit().expect("audit");
+        // All at once (two threads), and in batches too small for a second thread.
+        for per_batch in [recs.len(), 1000] {
+            let mut batch = VolumeIndex::try_new(5 * 4096, false).expect("table");
+            batch.insert(&h(5), (20, 1, 1), 20, ring);
+            insert_rebuilt(&mut batch, &recs, per_batch, open, ring);
+            assert!(slots(&one) == slots(&batch) && one.len() == batch.len(), "batches of {per_batch}");
+            assert_eq!(batch.candidates(&h(5), open, ring), vec![cand(20, 1, 0..12)], "the session's own record");
+            assert_eq!(batch.candidates(&h(7), open, ring).first(), Some(&cand(19, 0, 0..12)), "the newer first");
+            assert!(batch.candidates(&h(1), open, ring).is_empty(), "chapter 0 is outside the window");
+            batch.audit().expect("audit");
+        }
+    }
+
+    #[test]
+    fn a_run_whose_chapters_all_left_the_window_is_not_inserted() {
+        let mut t = VolumeIndex::try_new(5 * 4096, false).expect("table");
+        // Chapters 0..4, seen from chapter 2^16 + 2 with a 16-chapter window: their 16-bit
+        // numbers look only 2..6 chapters old.
+        let recs: Vec<Rebuilt> = (0..64).map(|i| rebuilt(i, 16)).collect();
+        insert_rebuilt(&mut t, &recs, 64, (1 << 16) + 2, 16);
+        assert_eq!(t.len(), 0);
+        insert_rebuilt(&mut t, &recs, 64, 10, 16);
+        assert_eq!(t.len(), 64);
     }
 
     /// Time per record of the rebuild's inserts into a table of `DEDUPVOL_MEASURE_ENTRIES`
@@ -663,12 +752,8 @@ mod tests {
         let n: u64 = std::env::var("DEDUPVOL_MEASURE_ENTRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(16_770_000);
         let per_chapter = 162 * 84;
         let chapters = n.div_ceil(per_chapter) + 1;
-        let recs: Vec<RebuiltRecord> = (0..n)
-            .map(|i| {
-                let mut r = rebuilt(0, per_chapter);
-                r.hash = *blake3::hash(&i.to_le_bytes()).as_bytes();
-                RebuiltRecord { vcn: i / per_chapter, page: i % per_chapter / 84, position: i % 84, ..r }
-            })
+        let recs: Vec<Rebuilt> = (0..n)
+            .map(|i| (*blake3::hash(&i.to_le_bytes()).as_bytes(), i / per_chapter, i % per_chapter / 84, i % 84))
             .collect();
         let memory = (n * 100).div_ceil(LOAD_PERCENT) * SLOT_BYTES;
         for batched in [false, true] {
@@ -683,13 +768,12 @@ mod tests {
                 t(u.ru_utime) + t(u.ru_stime)
             };
             let (start, cpu0) = (std::time::Instant::now(), cpu());
-            for c in recs.chunks(8192) {
-                if batched {
-                    t.insert_rebuilt(c, chapters, chapters + 1);
-                } else {
-                    for r in c {
-                        t.insert(&r.hash, (r.vcn, r.page, r.position), chapters, chapters + 1);
-                    }
+            if batched {
+                // The preparing included, as the rebuild's decoder does it.
+                insert_rebuilt(&mut t, &recs, 16384, chapters, chapters + 1);
+            } else {
+                for (hash, vcn, page, position) in &recs {
+                    t.insert(hash, (*vcn, *page, *position), chapters, chapters + 1);
                 }
             }
             let (wall, s) = (start.elapsed().as_secs_f64(), cpu() - cpu0);

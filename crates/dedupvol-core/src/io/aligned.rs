@@ -53,6 +53,13 @@ impl AlignedBuf {
         Some(AlignedBuf { ptr: NonNull::new(p)?, len, align })
     }
 
+    /// The whole buffer, to read.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by self;
+        // the shared borrow of self rules out a `&mut` access meanwhile.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
     /// The whole buffer.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by self,
