@@ -191,11 +191,16 @@ struct Decoding {
 impl Decoding {
     /// Checks the pages of the run of chapters from `v0` in `chunk` and prepares their
     /// records (the hooks, sparse: each one's buckets, word and page) into `recs`,
-    /// emptied first; counts the records read and the pages skipped.
-    fn run(&self, chunk: &[u8], v0: u64, shared: &Shared, recs: &mut PreparedRun) {
+    /// emptied first; counts the records read and the pages skipped. False when the
+    /// lists could not get their memory (the rebuild then ends: dedup lost, nothing else).
+    fn run(&self, chunk: &[u8], v0: u64, shared: &Shared, recs: &mut PreparedRun) -> bool {
         let chapter_bytes = (self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
-        // The table's size never changes.
-        recs.clear(shared.table.lock().bucket_count());
+        // The table's size never changes; a read holds at most this many records.
+        let most = chunk.len() / BLOCK_SIZE * RECORDS_PER_PAGE;
+        if !recs.clear(shared.table.lock().bucket_count(), most) {
+            shared.stop.store(true, Ordering::Relaxed);
+            return false;
+        }
         let (mut records, mut skipped_pages) = (0u64, 0u64);
         for (k, pages) in chunk.chunks_exact(chapter_bytes).enumerate() {
             let vcn = v0 + k as u64;
@@ -210,15 +215,17 @@ impl Decoding {
                 for (at, hash) in it.enumerate() {
                     records += 1;
                     if self.mode == IndexMode::Dense || is_hook(hash) {
-                        recs.push(hash, vcn, i as u64, at as u64);
+                        // Room was made for every record of the read.
+                        let pushed = recs.push(hash, vcn, i as u64, at as u64);
+                        debug_assert!(pushed);
                     }
                 }
             }
         }
-        debug_assert!(recs.len() as u64 <= chunk.len() as u64 / BLOCK_SIZE_U64 * RECORDS_PER_PAGE as u64);
         let p = &shared.progress;
         p.records.fetch_add(records, Ordering::Relaxed);
         p.pages_skipped.fetch_add(skipped_pages, Ordering::Relaxed);
+        true
     }
 }
 
@@ -363,9 +370,13 @@ impl Rebuilder {
                     let Some(mut recs) = recs.or_else(|| spent_rx.recv().ok()) else { break };
                     let len = (n * runs.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
                     match buf.as_slice().get(..len).filter(|_| ok) {
-                        Some(chunk) => decoding.run(chunk, v0, decoder_shared, &mut recs),
+                        Some(chunk) => {
+                            if !decoding.run(chunk, v0, decoder_shared, &mut recs) {
+                                break;
+                            }
+                        }
                         None => {
-                            recs.clear(0);
+                            recs.clear(0, 0);
                             let skipped = n * runs.ring.pages_per_chapter;
                             decoder_shared.progress.pages_skipped.fetch_add(skipped, Ordering::Relaxed);
                         }
@@ -435,8 +446,9 @@ impl Rebuilder {
         // Into lists kept for the whole rebuild (freed at its end: fresh ones per step would
         // leave the allocator holding tens of MiB).
         let mut recs = std::mem::take(&mut self.recs);
-        self.decoding().run(chunk, v0, &self.shared, &mut recs);
-        insert(&self.shared, &recs, self.ring.chapters);
+        if self.decoding().run(chunk, v0, &self.shared, &mut recs) {
+            insert(&self.shared, &recs, self.ring.chapters);
+        }
         self.recs = recs;
     }
 
@@ -450,7 +462,7 @@ impl Rebuilder {
         if p.running.swap(false, Ordering::Relaxed) {
             p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
-        let held = self.buf.take().is_some() | (self.recs.capacity() > 0);
+        let held = self.buf.take().is_some() | self.recs.holds_memory();
         self.recs = PreparedRun::default();
         // Tens of MiB were just freed (the read buffers and the decoded records); glibc
         // keeps freed heap memory of a thread's arena unless asked, and after the first

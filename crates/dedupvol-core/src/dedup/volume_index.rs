@@ -29,6 +29,8 @@
 
 use crate::dedup::chapter::RING_CHAPTERS_MAX;
 use crate::error::{Error, Result};
+use crate::io::aligned::AlignedBuf;
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Slots per bucket.
 pub const BUCKET_SLOTS: usize = 8;
@@ -52,31 +54,86 @@ pub const LOAD_PERCENT: u64 = 90;
 /// it holds no lock (`PreparedRun::push`): its two buckets, its word and its page. 24
 /// bytes where the record is 56, and its fingerprint hashed once: the inserting threads
 /// only read these, in order, and touch the table.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[repr(C)]
 pub struct Prepared {
-    pair: (usize, usize),
+    a: u64,
+    b: u64,
     word: u32,
-    page: u8,
+    page: u32,
+}
+
+impl Prepared {
+    fn pair(&self) -> (usize, usize) {
+        (self.a as usize, self.b as usize)
+    }
+}
+
+/// The records of one half of a `PreparedRun`, in a buffer mapped on its own: the lists
+/// are large and short-lived, and heap memory freed by a thread of the rebuild would stay
+/// resident in its arena (`AlignedBuf`).
+#[derive(Default)]
+struct Half {
+    buf: Option<AlignedBuf>,
+    len: usize,
+}
+
+impl Half {
+    /// Records the buffer holds at most.
+    fn capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.as_slice().len() / std::mem::size_of::<Prepared>())
+    }
+
+    /// Every slot of the buffer, typed.
+    fn slots(&self) -> &[Prepared] {
+        let bytes = self.buf.as_ref().map_or(&[][..], AlignedBuf::as_slice);
+        let n = bytes.len() / std::mem::size_of::<Prepared>();
+        <[Prepared]>::ref_from_prefix_with_elems(bytes, n).map_or(&[][..], |(s, _)| s)
+    }
+
+    /// The records held.
+    fn records(&self) -> &[Prepared] {
+        self.slots().get(..self.len).unwrap_or_default()
+    }
+
+    /// Appends `p`; false when the buffer is full.
+    fn push(&mut self, p: Prepared) -> bool {
+        let Some(bytes) = self.buf.as_mut().map(AlignedBuf::as_mut_slice) else { return false };
+        let n = bytes.len() / std::mem::size_of::<Prepared>();
+        let Ok((slots, _)) = <[Prepared]>::mut_from_prefix_with_elems(bytes, n) else { return false };
+        let Some(slot) = slots.get_mut(self.len) else { return false };
+        *slot = p;
+        self.len += 1;
+        true
+    }
 }
 
 /// Records prepared for a table of `buckets` buckets, apart by the half of the table
 /// their buckets are in (a fingerprint's two buckets are in the same half), so that each
 /// half is inserted by its own thread from a list of its own.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct PreparedRun {
     buckets: usize,
-    halves: [Vec<Prepared>; 2],
+    halves: [Half; 2],
     /// The lowest and highest chapter pushed since the last `clear`.
     chapters: Option<(u64, u64)>,
 }
 
 impl PreparedRun {
-    /// Empties the run, keeping its memory, for a table of `buckets` buckets
-    /// (`VolumeIndex::bucket_count`).
-    pub fn clear(&mut self, buckets: usize) {
+    /// Empties the run for a table of `buckets` buckets (`VolumeIndex::bucket_count`),
+    /// with room for `records` records (either half may get them all); keeps its memory
+    /// when it is large enough. False when the memory cannot be had.
+    pub fn clear(&mut self, buckets: usize, records: usize) -> bool {
         self.buckets = buckets;
-        self.halves.iter_mut().for_each(Vec::clear);
         self.chapters = None;
+        let bytes = records.max(1).saturating_mul(std::mem::size_of::<Prepared>());
+        self.halves.iter_mut().all(|h| {
+            h.len = 0;
+            if h.capacity() < records {
+                h.buf = AlignedBuf::new(bytes);
+            }
+            h.capacity() >= records
+        })
     }
 
     /// The table size the records were prepared for, and the lowest and highest chapter
@@ -87,25 +144,28 @@ impl PreparedRun {
 
     /// Records held.
     pub fn len(&self) -> usize {
-        self.halves.iter().map(Vec::len).sum()
+        self.halves.iter().map(|h| h.len).sum()
     }
 
-    /// Memory held by the lists (their capacity).
-    pub fn capacity(&self) -> usize {
-        self.halves.iter().map(Vec::capacity).sum()
+    /// True when the run holds memory.
+    pub fn holds_memory(&self) -> bool {
+        self.halves.iter().any(|h| h.buf.is_some())
     }
 
-    /// Adds the record of fingerprint `h` at `position` of page `page` of chapter `vcn`.
-    pub fn push(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64) {
+    /// Adds the record of fingerprint `h` at `position` of page `page` of chapter `vcn`;
+    /// false when its half is full (more records than `clear` made room for).
+    pub fn push(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64) -> bool {
         debug_assert!(page <= 0xFF && (position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE);
-        let pair = bucket_pair(self.buckets, h);
-        let upper = usize::from(pair.0 >= self.buckets / 2);
-        let prepared = Prepared { pair, word: word_of(tag_of(h), position, vcn), page: page as u8 };
-        if let Some(half) = self.halves.get_mut(upper) {
-            half.push(prepared);
+        let (a, b) = bucket_pair(self.buckets, h);
+        let upper = usize::from(a >= self.buckets / 2);
+        let word = word_of(tag_of(h), position, vcn);
+        let prepared = Prepared { a: a as u64, b: b as u64, word, page: u32::from(page as u8) };
+        if !self.halves.get_mut(upper).is_some_and(|half| half.push(prepared)) {
+            return false;
         }
         let (lo, hi) = self.chapters.unwrap_or((vcn, vcn));
         self.chapters = Some((lo.min(vcn), hi.max(vcn)));
+        true
     }
 
     /// Each half's records in `[from, to)` of the run, as fractions of each half's length
@@ -113,8 +173,8 @@ impl PreparedRun {
     /// table's lock.
     pub fn part(&self, k: usize, parts: usize) -> [&[Prepared]; 2] {
         self.halves.each_ref().map(|h| {
-            let at = |k: usize| h.len() * k / parts.max(1);
-            h.get(at(k)..at(k + 1)).unwrap_or_default()
+            let at = |k: usize| h.len * k / parts.max(1);
+            h.records().get(at(k)..at(k + 1)).unwrap_or_default()
         })
     }
 }
@@ -324,10 +384,11 @@ impl Slots<'_> {
         let mut added = 0;
         for (i, r) in recs.iter().enumerate() {
             if let Some(ahead) = recs.get(i + PREFETCH_AHEAD) {
-                self.prefetch(ahead.pair);
+                self.prefetch(ahead.pair());
             }
             if age(open, chapter_of(r.word)) < ring_chapters {
-                added += u64::from(self.place(r.word >> TAG_SHIFT, r.word, r.page, (open, ring_chapters), r.pair));
+                let (word, page) = (r.word, r.page as u8);
+                added += u64::from(self.place(word >> TAG_SHIFT, word, page, (open, ring_chapters), r.pair()));
             }
         }
         added
@@ -646,9 +707,9 @@ mod tests {
     fn insert_rebuilt(t: &mut VolumeIndex, recs: &[Rebuilt], batch: usize, open: u64, ring: u64) {
         let mut run = PreparedRun::default();
         for c in recs.chunks(batch) {
-            run.clear(t.bucket_count());
+            assert!(run.clear(t.bucket_count(), c.len()));
             for (hash, vcn, page, position) in c {
-                run.push(hash, *vcn, *page, *position);
+                assert!(run.push(hash, *vcn, *page, *position));
             }
             t.insert_prepared(run.part(0, 1), run.chapters(), open, ring);
         }

@@ -8,8 +8,8 @@
 //!
 //! Invariants:
 //! - An `AlignedBuf` is at least `ALIGN`-aligned, a whole number of its alignment long,
-//!   zeroed when made, and never reallocated; it is freed with the layout it was
-//!   allocated with.
+//!   zeroed when made, and never reallocated; it is freed the way it was made (heap
+//!   layout, or its own mapping).
 //! - A bounce buffer is `BOUNCE_BYTES` long and lent to one call at a time; at most
 //!   `BOUNCE_POOL_MAX` idle ones are kept.
 
@@ -27,11 +27,20 @@ pub const BOUNCE_BYTES: usize = 2 << 20;
 /// the VM an exit to notify the host).
 const BOUNCE_ALIGN: usize = 2 << 20;
 
-/// A zeroed, `ALIGN`-aligned heap buffer of fixed length.
+/// Length from which an `ALIGN`-aligned buffer is mapped from the kernel on its own rather
+/// than taken from the heap. Why: such buffers are short-lived and large (the index
+/// rebuild's reads), and glibc keeps freed heap memory of a thread's arena resident (its
+/// trim threshold rises with the mmap threshold as mapped blocks are freed); a mapping
+/// goes back to the system the moment it is dropped.
+const MAPPED_BYTES_MIN: usize = 1 << 20;
+
+/// A zeroed, `ALIGN`-aligned buffer of fixed length: from the heap, or a mapping of its own
+/// (`MAPPED_BYTES_MIN`).
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
     align: usize,
+    mapped: bool,
 }
 
 // SAFETY: the buffer is uniquely owned heap memory, like a Vec<u8>.
@@ -47,10 +56,29 @@ impl AlignedBuf {
     /// A buffer of `len` bytes rounded up to `align` (a power of two, at least `ALIGN`).
     fn with_align(len: usize, align: usize) -> Option<Self> {
         let len = len.max(1).checked_next_multiple_of(align)?;
+        if align == ALIGN && len >= MAPPED_BYTES_MIN {
+            // SAFETY: an anonymous private mapping of `len` bytes at an address the kernel
+            // picks: page-aligned (ALIGN is the page size) and zeroed; no other memory is
+            // touched.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return None;
+            }
+            return Some(AlignedBuf { ptr: NonNull::new(p.cast::<u8>())?, len, align, mapped: true });
+        }
         let layout = Layout::from_size_align(len, align).ok()?;
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        Some(AlignedBuf { ptr: NonNull::new(p)?, len, align })
+        Some(AlignedBuf { ptr: NonNull::new(p)?, len, align, mapped: false })
     }
 
     /// The whole buffer, to read.
@@ -70,6 +98,12 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: mapped in `with_align` with exactly this address and length, and
+            // unmapped only here.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast::<libc::c_void>(), self.len) };
+            return;
+        }
         if let Ok(layout) = Layout::from_size_align(self.len, self.align) {
             // SAFETY: allocated in `new` with exactly this layout, and freed only here.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
