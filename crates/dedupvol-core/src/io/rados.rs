@@ -11,7 +11,13 @@
 //!   RADOS completes a write only once every replica in the acting set has it on stable
 //!   storage, so a completed write is durable (docs/format.md, media assumptions).
 //! - A read waits first for queued writes to the objects it reads, so it sees them.
-//! - At most `IN_FLIGHT_MAX` writes are queued: a writer past it waits for the oldest.
+//! - At most `IN_FLIGHT_MAX` writes and `IN_FLIGHT_BYTES_MAX` bytes are queued: a writer
+//!   past either waits for the oldest. librados's own budget for operations in flight is
+//!   raised to at least `OBJECTER_OPS_MIN` and `OBJECTER_BYTES_MIN`, well above that, so
+//!   no call waits inside librados for budget: librados arms an operation's timeout
+//!   (`rados_osd_op_timeout`) only once the operation has its budget, so a call waiting
+//!   there (holding the queue's lock) would wait with no timeout at all, and every other
+//!   reader and writer of the device behind it.
 //! - A read-write device holds the exclusive lock `dedupvol` on the header object for as
 //!   long as it is open, a read-only one a shared lock: a second writer gets
 //!   `Error::InUse` naming the holder, unless it takes the volume over (`take_over`): it
@@ -34,6 +40,15 @@ use std::sync::OnceLock;
 pub const OBJECT_BYTES: u64 = 4 << 20;
 /// Writes queued before a writer waits for the oldest (bounds memory: librados holds a copy).
 const IN_FLIGHT_MAX: usize = 256;
+/// Bytes of queued writes before a writer waits for the oldest.
+const IN_FLIGHT_BYTES_MAX: usize = 64 << 20;
+/// The least budget librados is given for operations in flight (`objecter_inflight_ops`,
+/// default 1,024) and their bytes (`objecter_inflight_op_bytes`, default 100 MiB): room for
+/// every queued write plus reads of every thread beside them.
+const OBJECTER_OPS_MIN: u64 = 1024;
+const OBJECTER_BYTES_MIN: u64 = 256 << 20;
+const _: () =
+    assert!(IN_FLIGHT_MAX as u64 * 2 <= OBJECTER_OPS_MIN && IN_FLIGHT_BYTES_MAX as u64 * 2 <= OBJECTER_BYTES_MIN);
 /// Name of the lock on the header object.
 const LOCK_NAME: &str = "dedupvol";
 /// Tag shared by every holder of the shared (read-only) lock.
@@ -56,6 +71,8 @@ struct Api {
     create: unsafe extern "C" fn(*mut RadosT, *const c_char) -> c_int,
     conf_read_file: unsafe extern "C" fn(RadosT, *const c_char) -> c_int,
     conf_parse_env: unsafe extern "C" fn(RadosT, *const c_char) -> c_int,
+    conf_get: unsafe extern "C" fn(RadosT, *const c_char, *mut c_char, usize) -> c_int,
+    conf_set: unsafe extern "C" fn(RadosT, *const c_char, *const c_char) -> c_int,
     connect: unsafe extern "C" fn(RadosT) -> c_int,
     shutdown: unsafe extern "C" fn(RadosT),
     ioctx_create: unsafe extern "C" fn(RadosT, *const c_char, *mut IoctxT) -> c_int,
@@ -138,6 +155,8 @@ fn api() -> Result<&'static Api> {
                 create: sym(lib, c"rados_create")?,
                 conf_read_file: sym(lib, c"rados_conf_read_file")?,
                 conf_parse_env: sym(lib, c"rados_conf_parse_env")?,
+                conf_get: sym(lib, c"rados_conf_get")?,
+                conf_set: sym(lib, c"rados_conf_set")?,
                 connect: sym(lib, c"rados_connect")?,
                 shutdown: sym(lib, c"rados_shutdown")?,
                 ioctx_create: sym(lib, c"rados_ioctx_create")?,
@@ -244,6 +263,8 @@ impl Conn {
             if r < 0 {
                 return Err(ctx("parsing CEPH_ARGS", r));
             }
+            conn.raise_option(c"objecter_inflight_ops", OBJECTER_OPS_MIN)?;
+            conn.raise_option(c"objecter_inflight_op_bytes", OBJECTER_BYTES_MIN)?;
             let r = (api.connect)(conn.cluster);
             if r < 0 {
                 return Err(ctx("connecting to the cluster", r));
@@ -256,6 +277,29 @@ impl Conn {
             return Err(ctx(&format!("opening pool {pool}"), r));
         }
         Ok(conn)
+    }
+}
+
+impl Conn {
+    /// Sets the numeric option `name` to `least` unless the configuration already gives
+    /// it more (before `connect`: librados reads these when it starts). A librados that
+    /// does not know the option is left as it is.
+    fn raise_option(&self, name: &CStr, least: u64) -> Result<()> {
+        let mut buf = [0u8; 32];
+        // SAFETY: created handle, NUL-terminated name, `buf` valid for its length.
+        let r = unsafe { (self.api.conf_get)(self.cluster, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let now = CStr::from_bytes_until_nul(&buf).ok().and_then(|c| c.to_str().ok()?.trim().parse::<u64>().ok());
+        if r == 0 && now.is_some_and(|v| v >= least) {
+            return Ok(());
+        }
+        let value = cstr(&least.to_string())?;
+        // SAFETY: created handle, NUL-terminated name and value.
+        let r = unsafe { (self.api.conf_set)(self.cluster, name.as_ptr(), value.as_ptr()) };
+        if r < 0 && r != -libc::ENOENT {
+            let what = format!("RADOS: setting {} to {least}", name.to_string_lossy());
+            return Err(Error::io(what, rados_err(r.into())));
+        }
+        Ok(())
     }
 }
 
@@ -274,6 +318,7 @@ impl Drop for Conn {
 /// One queued asynchronous write.
 struct Pending {
     object: u64,
+    bytes: usize,
     completion: CompletionT,
 }
 
@@ -285,6 +330,8 @@ unsafe impl Send for Pending {}
 #[derive(Default)]
 struct Queue {
     pending: VecDeque<Pending>,
+    /// Bytes of the pending writes.
+    bytes: usize,
     failed: Option<io::Error>,
 }
 
@@ -582,6 +629,7 @@ impl RadosStorage {
     /// Waits for the oldest queued write and records its failure.
     fn retire_oldest(&self, q: &mut Queue) {
         if let Some(p) = q.pending.pop_front() {
+            q.bytes -= p.bytes;
             let api = self.conn.api;
             // SAFETY: a completion created by `write_at`, waited on and released once.
             let r = unsafe {
@@ -634,7 +682,7 @@ impl Storage for RadosStorage {
             let oid = self.object_name(object)?;
             let src = buf.get(at..at + n).ok_or_else(|| io::Error::other("write piece out of range"))?;
             let mut q = self.queue.lock();
-            while q.pending.len() >= IN_FLIGHT_MAX {
+            while q.pending.len() >= IN_FLIGHT_MAX || (!q.pending.is_empty() && q.bytes + n > IN_FLIGHT_BYTES_MAX) {
                 self.retire_oldest(&mut q);
             }
             let mut c: CompletionT = std::ptr::null_mut();
@@ -652,7 +700,8 @@ impl Storage for RadosStorage {
                 unsafe { (api.aio_release)(c) };
                 return Err(rados_err(r.into()));
             }
-            q.pending.push_back(Pending { object, completion: c });
+            q.pending.push_back(Pending { object, bytes: n, completion: c });
+            q.bytes += n;
         }
         Ok(())
     }
