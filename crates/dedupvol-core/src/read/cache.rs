@@ -249,8 +249,19 @@ impl ContentCache {
     /// not fit, caching the denser physical blocks serves more reads from memory. Replaces
     /// an entry under the same key (a block reused since holds another fragment there).
     pub fn fill_fragment(&mut self, pbn: u64, key: u16, block: Block, crc: u32) {
+        self.fill_decoded(pbn, key, block, crc, false);
+    }
+
+    /// `fill_fragment` of a decoded block about to be asked for (the rest of a unit whose
+    /// blocks a re-write verifies one after another), stored even when the cache is nearly
+    /// full: it enters the probationary queue like any fill, and goes if it is not used.
+    pub fn fill_fragment_soon(&mut self, pbn: u64, key: u16, block: Block, crc: u32) {
+        self.fill_decoded(pbn, key, block, crc, true);
+    }
+
+    fn fill_decoded(&mut self, pbn: u64, key: u16, block: Block, crc: u32, even_if_full: bool) {
         let Some(t) = self.table.as_mut() else { return };
-        if (t.len() as u64) >= t.capacity() - t.capacity() / 8 {
+        if !even_if_full && (t.len() as u64) >= t.capacity() - t.capacity() / 8 {
             return;
         }
         if self.fragment_keys_total >= 2 * t.capacity() as usize {
