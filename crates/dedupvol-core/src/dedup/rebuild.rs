@@ -703,6 +703,18 @@ mod tests {
             vol.close().expect("close");
         }
         assert_eq!(seen.first(), seen.last(), "the background rebuild differs from the stepped one");
+        // A close in the middle of the pipeline stops its three threads, and the next open
+        // rebuilds the whole window again.
+        let bg = OpenOptions { index_rebuild: IndexRebuild::Background, ..OpenOptions::default() };
+        let vol = Volume::open(file.clone(), None, &bg).expect("open");
+        let t = Instant::now();
+        vol.close().expect("close during the rebuild");
+        assert!(t.elapsed().as_secs() < 10, "close took {:?}", t.elapsed());
+        let vol = Volume::open(file, None, &bg).expect("open");
+        vol.wait_index_rebuilt();
+        let s = vol.stats();
+        let first = seen.first().map(|(entries, bytes, _)| (*entries, *bytes));
+        assert_eq!(Some((s.index_entries, s.index.rebuild_bytes)), first, "after a stopped rebuild");
     }
 
     /// Measures, on a volume whose chapter ring is full of synthetic records: how long
