@@ -227,8 +227,9 @@ impl Volume {
     }
 
     /// A block just taken from the allocator: checked free, and its cached copy (the
-    /// block's previous life) dropped, so no index entry for that content verifies against
-    /// it while the block is refilled.
+    /// block's previous life) dropped with the decoded blocks of fragments that may run
+    /// into it, so no index entry for that content verifies against it while the block is
+    /// refilled.
     fn prepare_block(&self, st: &State, p: u64) {
         // A referenced block, or one an unwritten batch still answers for, would have
         // its content replaced under a live mapping.
@@ -238,7 +239,7 @@ impl Volume {
             st.rc.get(p),
             st.staging.get(p).is_some()
         );
-        self.cache.lock().remove(p);
+        self.cache.lock().remove_for_reuse(p, crate::data::packer::FRAGMENT_SPAN_MAX);
     }
 
     /// Writes the open run's filled blocks (staged together) and unreserves the rest.

@@ -16,8 +16,10 @@
 //!   by `fragment_key(pbn, key)` (the fragment's first block and `Frag::key`, in a key
 //!   space no pbn reaches): a re-read of compressed data then costs neither a
 //!   decompression nor a copy. Removing a pbn removes the decoded blocks of fragments
-//!   starting in it. They are admitted only while the cache has spare room
-//!   (`fill_fragment`).
+//!   starting in it; reallocating one (`remove_for_reuse`) also those of fragments that
+//!   may run into it. Reads admit them only while the cache has spare room
+//!   (`fill_fragment`); verification admits a unit's blocks regardless
+//!   (`fill_fragment_soon`).
 //! - `fragment_keys` lists, per pbn, the keys of decoded blocks that may be cached for
 //!   it, at most `FRAGMENT_KEYS_PER_PBN` each and `2 × capacity` in all (past that, every
 //!   decoded block is dropped and the lists start again): removing a pbn without a list
@@ -226,6 +228,21 @@ impl ContentCache {
             t.remove(&pbn);
         }
         self.remove_decoded(pbn);
+    }
+
+    /// Drops block `pbn`, about to be written with new content (reallocated), and the
+    /// decompressed blocks of every fragment that may run into it: those starting in it or
+    /// in the `span_max - 1` blocks before it (`packer::FRAGMENT_SPAN_MAX`). Why the
+    /// neighbours: a decoded block stands for the content of every block its fragment
+    /// touches, and verification offers decoded blocks of fragments no mapping uses any
+    /// more (an index record outliving its data), whose tail may be this block; after the
+    /// reuse such a decoded block would no longer match the device, and verification
+    /// compares against it.
+    pub fn remove_for_reuse(&mut self, pbn: u64, span_max: u64) {
+        self.remove(pbn);
+        for q in pbn.saturating_sub(span_max.saturating_sub(1))..pbn {
+            self.remove_decoded(q);
+        }
     }
 
     /// Drops the decompressed fragments starting in `pbn` and keeps the physical block: a
@@ -474,5 +491,23 @@ mod tests {
         c.fill(2, b.clone(), block_crc(&b));
         assert_eq!(c.len(), 0);
         assert!(c.get(1).is_none());
+    }
+
+    /// A decoded block stands for every block its fragment touches: reallocating any of
+    /// them drops it (verification compares against decoded blocks of fragments no
+    /// mapping uses any more, whose tail blocks may be reused).
+    #[test]
+    fn reusing_a_block_drops_the_decoded_fragments_that_may_run_into_it() {
+        let mut c = ContentCache::new(1 << 20);
+        let b = |v: u8| -> Block { Arc::from(vec![v; 4096]) };
+        c.fill_fragment_soon(10, 5, b(1), block_crc(&b(1)));
+        c.fill_fragment_soon(30, 5, b(2), block_crc(&b(2)));
+        c.remove_for_reuse(27, 17);
+        assert!(c.get_fragment(10, 5).is_some(), "a fragment starting in 10 touches 26 at most");
+        c.remove_for_reuse(12, 17);
+        assert!(c.get_fragment(10, 5).is_none(), "a fragment starting in 10 may run into 12");
+        assert!(c.get_fragment(30, 5).is_some(), "30 is after 12");
+        c.remove_for_reuse(30, 17);
+        assert!(c.get_fragment(30, 5).is_none());
     }
 }
