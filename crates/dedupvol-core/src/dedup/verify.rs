@@ -15,26 +15,26 @@ use crate::metadata::block_map::MapEntry;
 use crate::read::cache::{Block, ContentCache};
 use parking_lot::Mutex;
 
-/// The logical content `e` maps to, from the content cache alone: a raw block, a decoded
-/// block of a fragment, or a fragment whose blocks are all cached (then decoded, with the
-/// rest of its unit: `decode_unit`). None when the cache lacks any of it.
-pub(crate) fn from_cache(cache: &mut ContentCache, e: &MapEntry) -> Option<Block> {
-    let Some(f) = e.fragment_of() else { return cache.get(e.pbn) };
+/// Whether the logical content `e` maps to equals `chunk`, from the content cache alone: a
+/// raw block, a decoded block of a fragment, or a fragment whose blocks are all cached
+/// (then decoded whole: `decode_unit`, its blocks offered to the cache when `e`'s equals
+/// `chunk`). None when the cache lacks any of it.
+pub(crate) fn matches(cache: &mut ContentCache, e: &MapEntry, chunk: &[u8]) -> Option<bool> {
+    let Some(f) = e.fragment_of() else { return cache.get(e.pbn).map(|b| *b == *chunk) };
     if let Some((b, _)) = cache.get_fragment(e.pbn, f.key()) {
-        return Some(b);
+        return Some(*b == *chunk);
     }
     let blocks: Vec<Block> = e.blocks().map_while(|p| cache.get(p)).collect();
     if blocks.len() as u64 != e.span() {
         return None;
     }
-    let (unit, mine) = decode_unit(e, &blocks.concat())?;
-    offer(cache, e.pbn, unit);
-    Some(mine)
+    let Some((unit, mine)) = decode_unit(e, &blocks.concat()) else { return Some(false) };
+    Some(offer_if_equal(cache, e.pbn, unit, &mine, chunk))
 }
 
 /// Decodes the whole unit of `e`'s fragment from the contents of its blocks back to back:
 /// every block of the unit (its key and content, to offer to the cache as decoded fragment
-/// blocks: `offer`) and `e`'s own. Why the whole unit: the duplicates of an extent
+/// blocks: `offer_if_equal`) and `e`'s own. Why the whole unit: the duplicates of an extent
 /// written again arrive block after block, each verified against its own block of the
 /// same unit; decoding the unit once instead of up to each block (half a unit on average)
 /// cut the CPU of re-importing data stored by an earlier session (whose records are
@@ -51,12 +51,19 @@ fn decode_unit(e: &MapEntry, span: &[u8]) -> Option<(Vec<(u16, Block)>, Block)> 
     Some((blocks, mine))
 }
 
-/// Offers the decoded blocks of a unit starting in `pbn` to the cache.
-fn offer(cache: &mut ContentCache, pbn: u64, blocks: Vec<(u16, Block)>) {
+/// Whether `mine` (the candidate's block of a decoded unit) equals `chunk`; if so, offers
+/// every decoded block of the unit starting in `pbn` to the cache. Only then: a unit
+/// decoded from blocks reused since (an index record outliving its data) is garbage, and
+/// must not replace a live fragment's decoded blocks under the same keys.
+fn offer_if_equal(cache: &mut ContentCache, pbn: u64, blocks: Vec<(u16, Block)>, mine: &[u8], chunk: &[u8]) -> bool {
+    if mine != chunk {
+        return false;
+    }
     for (key, b) in blocks {
         let crc = crate::read::cache::block_crc(&b);
         cache.fill_fragment_soon(pbn, key, b, crc);
     }
+    true
 }
 
 /// Reads the candidate's content (content cache first, else a verification read of the
@@ -66,8 +73,8 @@ pub(crate) fn by_read(data: &DataDevice, cache: &Mutex<ContentCache>, loc: Locat
     if !e.is_data() || !data.contains(e.pbn) || !data.contains(e.pbn + e.span() - 1) {
         return false;
     }
-    if let Some(b) = from_cache(&mut cache.lock(), &e) {
-        return *b == *chunk;
+    if let Some(equal) = matches(&mut cache.lock(), &e, chunk) {
+        return equal;
     }
     let mut buf = vec![0u8; e.span() as usize * BLOCK_SIZE];
     if data.read(IoKind::Verify, e.pbn, &mut buf, "fingerprint index entry").is_err() {
@@ -81,10 +88,7 @@ pub(crate) fn by_read(data: &DataDevice, cache: &Mutex<ContentCache>, loc: Locat
     }
     match (e.fragment_of(), unit) {
         (None, _) => buf == chunk,
-        (Some(_), Some((blocks, mine))) => {
-            offer(&mut c, e.pbn, blocks);
-            *mine == *chunk
-        }
+        (Some(_), Some((blocks, mine))) => offer_if_equal(&mut c, e.pbn, blocks, &mine, chunk),
         (Some(_), None) => false,
     }
 }
@@ -123,8 +127,11 @@ mod tests {
         }
         let block = |sub: usize| data.get(sub * BLOCK_SIZE..(sub + 1) * BLOCK_SIZE).expect("block");
         let e = MapEntry::fragment(40, f(3), crc32c::crc32c(block(3)));
-        let got = from_cache(&mut cache, &e).expect("decoded from the cached blocks");
-        assert_eq!(&*got, block(3));
+        // A chunk that differs is not a duplicate, and leaves nothing decoded behind (the
+        // unit might be garbage decoded from blocks reused since).
+        assert_eq!(matches(&mut cache, &e, block(4)), Some(false));
+        assert!(cache.get_fragment(40, f(3).key()).is_none(), "a failed comparison offered its unit");
+        assert_eq!(matches(&mut cache, &e, block(3)), Some(true), "decoded from the cached blocks");
         for sub in 0..blocks {
             let (b, crc) = cache.get_fragment(40, f(sub).key()).unwrap_or_else(|| panic!("block {sub} not cached"));
             assert!(&*b == block(sub) && crc == crate::read::cache::block_crc(block(sub)), "block {sub}");

@@ -96,7 +96,7 @@ impl Volume {
                 let mut out = [0u8; crate::config::BLOCK_SIZE];
                 match crate::data::read_unwritten(packer, staging, &e, &mut out) {
                     Some(ok) => ok && out == chunk,
-                    None => crate::dedup::verify::from_cache(&mut self.cache.lock(), &e).is_some_and(|b| *b == *chunk),
+                    None => crate::dedup::verify::matches(&mut self.cache.lock(), &e, chunk).unwrap_or(false),
                 }
             };
             if let Claim::Share(loc) = dedup.claim(&d.hash, d.cand, looked_up_at, rc, red, in_memory) {
