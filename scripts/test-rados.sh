@@ -208,12 +208,12 @@ if [ "$rc" = 0 ]; then
   grep -q "failed: flush" "$T/g.log" || fail "writes and their flush succeeded with every OSD down"
   step "   fio's writes were accepted; the server failed the flush: $(grep -m1 -o 'failed: flush.*' "$T/g.log")"
 elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-  # Known hang, seen once in six full runs (and in none of eight runs of this step
-  # alone): a block-map page read under the state lock (the cleaner's scan) that librados
-  # did not time out. The device now keeps its queued writes below librados's own budget
-  # for operations in flight (a call waiting for that budget has no timeout yet), which
-  # may have been the cause. The server answers again once the OSDs are back (below);
-  # what follows checks that nothing was damaged.
+  # Known hang, seen in about one full run in four (and in none of eight runs of this
+  # step alone): a block-map page read under the state lock (the cleaner's scan) that
+  # librados did not time out. Keeping the device's queued writes below librados's own
+  # budget for operations in flight (a call waiting for that budget has no timeout yet)
+  # did not prevent it. The server answers again once the OSDs are back (below); what
+  # follows checks that nothing was damaged.
   step "   KNOWN HANG: the server stopped answering with every OSD down (fio killed after 120 s)"
 else
   step "   fio saw: $(grep -m1 -io 'error.*' "$T/fio-g.txt" || echo "a failure")"
