@@ -18,6 +18,10 @@
 //!   (`rados_osd_op_timeout`) only once the operation has its budget, so a call waiting
 //!   there (holding the queue's lock) would wait with no timeout at all, and every other
 //!   reader and writer of the device behind it.
+//! - With an operation timeout configured (`rados_osd_op_timeout`), a read gives up after
+//!   twice it plus `READ_DEADLINE_SLACK` whatever librados does (`read_with_deadline`):
+//!   callers read block-map pages under the volume's state lock. A read given up on
+//!   keeps its buffer until librados completes it. Without one, reads wait as writes do.
 //! - A read-write device holds the exclusive lock `dedupvol` on the header object for as
 //!   long as it is open, a read-only one a shared lock: a second writer gets
 //!   `Error::InUse` naming the holder, unless it takes the volume over (`take_over`): it
@@ -49,6 +53,8 @@ const OBJECTER_OPS_MIN: u64 = 1024;
 const OBJECTER_BYTES_MIN: u64 = 256 << 20;
 const _: () =
     assert!(IN_FLIGHT_MAX as u64 * 2 <= OBJECTER_OPS_MIN && IN_FLIGHT_BYTES_MAX as u64 * 2 <= OBJECTER_BYTES_MIN);
+/// Added to twice the operation timeout to make a read's deadline (`Conn::read_deadline`).
+const READ_DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
 /// Name of the lock on the header object.
 const LOCK_NAME: &str = "dedupvol";
 /// Tag shared by every holder of the shared (read-only) lock.
@@ -83,6 +89,7 @@ struct Api {
     setxattr: unsafe extern "C" fn(IoctxT, *const c_char, *const c_char, *const c_char, usize) -> c_int,
     aio_create_completion: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, *mut CompletionT) -> c_int,
     aio_write: unsafe extern "C" fn(IoctxT, *const c_char, CompletionT, *const c_char, usize, u64) -> c_int,
+    aio_read: unsafe extern "C" fn(IoctxT, *const c_char, CompletionT, *mut c_char, usize, u64) -> c_int,
     aio_wait_for_complete: unsafe extern "C" fn(CompletionT) -> c_int,
     aio_get_return_value: unsafe extern "C" fn(CompletionT) -> c_int,
     aio_release: unsafe extern "C" fn(CompletionT),
@@ -167,6 +174,7 @@ fn api() -> Result<&'static Api> {
                 setxattr: sym(lib, c"rados_setxattr")?,
                 aio_create_completion: sym(lib, c"rados_aio_create_completion")?,
                 aio_write: sym(lib, c"rados_aio_write")?,
+                aio_read: sym(lib, c"rados_aio_read")?,
                 aio_wait_for_complete: sym(lib, c"rados_aio_wait_for_complete")?,
                 aio_get_return_value: sym(lib, c"rados_aio_get_return_value")?,
                 aio_release: sym(lib, c"rados_aio_release")?,
@@ -232,6 +240,8 @@ struct Conn {
     api: &'static Api,
     cluster: RadosT,
     ioctx: IoctxT,
+    /// How long a read may take before the device gives up on it (`read_deadline`).
+    read_deadline: Option<std::time::Duration>,
 }
 
 // SAFETY: librados cluster handles and I/O contexts are thread-safe (librados.h).
@@ -252,7 +262,7 @@ impl Conn {
         if r < 0 {
             return Err(ctx("creating a cluster handle", r));
         }
-        let mut conn = Conn { api, cluster, ioctx: std::ptr::null_mut() };
+        let mut conn = Conn { api, cluster, ioctx: std::ptr::null_mut(), read_deadline: None };
         // SAFETY: `cluster` was just created; null arguments select the defaults.
         unsafe {
             let r = (api.conf_read_file)(conn.cluster, std::ptr::null());
@@ -263,6 +273,7 @@ impl Conn {
             if r < 0 {
                 return Err(ctx("parsing CEPH_ARGS", r));
             }
+            conn.read_deadline = conn.read_deadline();
             conn.raise_option(c"objecter_inflight_ops", OBJECTER_OPS_MIN)?;
             conn.raise_option(c"objecter_inflight_op_bytes", OBJECTER_BYTES_MIN)?;
             let r = (api.connect)(conn.cluster);
@@ -281,6 +292,20 @@ impl Conn {
 }
 
 impl Conn {
+    /// The deadline of a read when the configuration sets an operation timeout
+    /// (`rados_osd_op_timeout`, in seconds): twice it plus `READ_DEADLINE_SLACK`. None
+    /// without one: reads then wait for the cluster as long as it takes, as writes do.
+    fn read_deadline(&self) -> Option<std::time::Duration> {
+        let mut buf = [0u8; 32];
+        // SAFETY: created handle, NUL-terminated name, `buf` valid for its length.
+        let r = unsafe {
+            (self.api.conf_get)(self.cluster, c"rados_osd_op_timeout".as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        };
+        let secs = CStr::from_bytes_until_nul(&buf).ok()?.to_str().ok()?.trim().parse::<f64>().ok()?;
+        (r == 0 && secs.is_finite() && secs > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(secs.min(86_400.0) * 2.0) + READ_DEADLINE_SLACK)
+    }
+
     /// Sets the numeric option `name` to `least` unless the configuration already gives
     /// it more (before `connect`: librados reads these when it starts). A librados that
     /// does not know the option is left as it is.
@@ -313,6 +338,26 @@ impl Drop for Conn {
             (self.api.shutdown)(self.cluster);
         }
     }
+}
+
+/// A read issued with a deadline (`RadosStorage::read_with_deadline`): librados reads
+/// into `buf` and the completion callback sets `done`. Shared between the reader and the
+/// callback, so a read the reader gave up on keeps its buffer until librados is done
+/// with it.
+struct ReadSlot {
+    buf: Mutex<Vec<u8>>,
+    done: Mutex<bool>,
+    cond: parking_lot::Condvar,
+}
+
+/// Completion callback of a read with a deadline; `arg` is the `ReadSlot` reference
+/// handed to librados with the read.
+extern "C" fn read_done(_c: CompletionT, arg: *mut c_void) {
+    // SAFETY: `arg` came from `Arc::into_raw` in `read_with_deadline`, for this callback
+    // alone, which librados calls once.
+    let slot = unsafe { std::sync::Arc::from_raw(arg.cast_const().cast::<ReadSlot>()) };
+    *slot.done.lock() = true;
+    slot.cond.notify_all();
 }
 
 /// One queued asynchronous write.
@@ -626,6 +671,85 @@ impl RadosStorage {
         Ok(out)
     }
 
+    /// Reads `dst.len()` bytes at `within` of object `oid` as `rados_read` would (its
+    /// return value), but gives up after `deadline` with `TimedOut`. Why: a read whose
+    /// OSDs are all down was seen to wait for minutes in librados despite its operation
+    /// timeout, while the caller held the volume's state lock (every writer behind it). The
+    /// read goes into a buffer shared with the completion callback, so a read given up on
+    /// keeps its buffer until librados is done with it (memory bounded by the reads
+    /// outstanding).
+    fn read_with_deadline(
+        &self,
+        oid: &CStr,
+        dst: &mut [u8],
+        within: u64,
+        deadline: std::time::Duration,
+    ) -> io::Result<c_int> {
+        let api = self.conn.api;
+        let n = dst.len();
+        let slot = std::sync::Arc::new(ReadSlot {
+            buf: Mutex::new(vec![0u8; n]),
+            done: Mutex::new(false),
+            cond: parking_lot::Condvar::new(),
+        });
+        // The vector is never resized: its memory stays where it is while `slot` lives.
+        let into = slot.buf.lock().as_mut_ptr();
+        let arg = std::sync::Arc::into_raw(slot.clone()).cast_mut().cast::<c_void>();
+        let mut c: CompletionT = std::ptr::null_mut();
+        let callback: extern "C" fn(CompletionT, *mut c_void) = read_done;
+        // SAFETY: `arg` is a live `ReadSlot` reference for the callback; out-pointer to a
+        // local.
+        let r = unsafe { (api.aio_create_completion)(arg, callback as *mut c_void, std::ptr::null_mut(), &mut c) };
+        if r < 0 {
+            // SAFETY: the reference handed over above; no callback will take it.
+            drop(unsafe { std::sync::Arc::from_raw(arg.cast_const().cast::<ReadSlot>()) });
+            return Err(rados_err(r.into()));
+        }
+        // SAFETY: live I/O context and completion, NUL-terminated name, `into` valid for
+        // `n` bytes for as long as `slot` lives (the callback holds a reference to it).
+        let r = unsafe { (api.aio_read)(self.conn.ioctx, oid.as_ptr(), c, into.cast(), n, within) };
+        if r < 0 {
+            // SAFETY: the read was refused, so the callback will not run: its reference
+            // and the completion are released here.
+            unsafe {
+                (api.aio_release)(c);
+                drop(std::sync::Arc::from_raw(arg.cast_const().cast::<ReadSlot>()));
+            }
+            return Err(rados_err(r.into()));
+        }
+        let until = std::time::Instant::now() + deadline;
+        let mut done = slot.done.lock();
+        while !*done {
+            if slot.cond.wait_until(&mut done, until).timed_out() {
+                break;
+            }
+        }
+        if !*done {
+            drop(done);
+            // SAFETY: a completion given up on: librados frees it once the read ends, and
+            // the callback then drops its reference to the buffer.
+            unsafe { (api.aio_release)(c) };
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("RADOS read of {n} bytes from {} gave no answer in {deadline:?}", oid.to_string_lossy()),
+            ));
+        }
+        drop(done);
+        // SAFETY: the read completed (its callback ran); the completion is released once.
+        let r = unsafe {
+            let r = (api.aio_get_return_value)(c);
+            (api.aio_release)(c);
+            r
+        };
+        if r > 0 {
+            let got = (r as usize).min(n);
+            if let (Some(d), Some(b)) = (dst.get_mut(..got), slot.buf.lock().get(..got)) {
+                d.copy_from_slice(b);
+            }
+        }
+        Ok(r)
+    }
+
     /// Waits for the oldest queued write and records its failure.
     fn retire_oldest(&self, q: &mut Queue) {
         if let Some(p) = q.pending.pop_front() {
@@ -661,8 +785,13 @@ impl Storage for RadosStorage {
         for (object, within, at, n) in pieces {
             let oid = self.object_name(object)?;
             let dst = buf.get_mut(at..at + n).ok_or_else(|| io::Error::other("read piece out of range"))?;
-            // SAFETY: live I/O context, NUL-terminated name, `dst` valid for `n` bytes.
-            let r = unsafe { (self.conn.api.read)(self.conn.ioctx, oid.as_ptr(), dst.as_mut_ptr().cast(), n, within) };
+            let r = match self.conn.read_deadline {
+                Some(deadline) => self.read_with_deadline(&oid, dst, within, deadline)?,
+                // SAFETY: live I/O context, NUL-terminated name, `dst` valid for `n` bytes.
+                None => unsafe {
+                    (self.conn.api.read)(self.conn.ioctx, oid.as_ptr(), dst.as_mut_ptr().cast(), n, within)
+                },
+            };
             let got = match r {
                 r if r >= 0 => (r as usize).min(n),
                 r if r == -libc::ENOENT => 0,
