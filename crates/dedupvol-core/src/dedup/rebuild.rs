@@ -186,18 +186,34 @@ struct Decoding {
     mode: IndexMode,
     /// Pages of this epoch or later were written by this session: skipped.
     epoch_first: u32,
+    /// Buckets of the volume index (its size never changes).
+    buckets: usize,
 }
 
 impl Decoding {
+    /// Prepares the run of `n` chapters from `v0` read into `buf` (`run`); None: the read
+    /// failed, its pages are counted skipped and `recs` is emptied. False when the lists
+    /// could not get their memory.
+    fn read_run(&self, buf: Option<&AlignedBuf>, v0: u64, n: u64, shared: &Shared, recs: &mut PreparedRun) -> bool {
+        let len = (n * self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
+        match buf.and_then(|b| b.as_slice().get(..len)) {
+            Some(chunk) => self.run(chunk, v0, shared, recs),
+            None => {
+                shared.progress.pages_skipped.fetch_add(n * self.ring.pages_per_chapter, Ordering::Relaxed);
+                recs.clear(self.buckets, 0)
+            }
+        }
+    }
+
     /// Checks the pages of the run of chapters from `v0` in `chunk` and prepares their
     /// records (the hooks, sparse: each one's buckets, word and page) into `recs`,
     /// emptied first; counts the records read and the pages skipped. False when the
     /// lists could not get their memory (the rebuild then ends: dedup lost, nothing else).
     fn run(&self, chunk: &[u8], v0: u64, shared: &Shared, recs: &mut PreparedRun) -> bool {
         let chapter_bytes = (self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
-        // The table's size never changes; a read holds at most this many records.
+        // A read holds at most this many records.
         let most = chunk.len() / BLOCK_SIZE * RECORDS_PER_PAGE;
-        if !recs.clear(shared.table.lock().bucket_count(), most) {
+        if !recs.clear(self.buckets, most) {
             shared.stop.store(true, Ordering::Relaxed);
             return false;
         }
@@ -368,18 +384,8 @@ impl Rebuilder {
                         (made <= PREPARED_RUNS + 1).then(PreparedRun::default)
                     });
                     let Some(mut recs) = recs.or_else(|| spent_rx.recv().ok()) else { break };
-                    let len = (n * runs.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
-                    match buf.as_slice().get(..len).filter(|_| ok) {
-                        Some(chunk) => {
-                            if !decoding.run(chunk, v0, decoder_shared, &mut recs) {
-                                break;
-                            }
-                        }
-                        None => {
-                            recs.clear(0, 0);
-                            let skipped = n * runs.ring.pages_per_chapter;
-                            decoder_shared.progress.pages_skipped.fetch_add(skipped, Ordering::Relaxed);
-                        }
+                    if !decoding.read_run(ok.then_some(&buf), v0, n, decoder_shared, &mut recs) {
+                        break;
                     }
                     // The reader may have ended: the buffer is then dropped here.
                     let _ = free_tx.send(buf);
@@ -403,9 +409,7 @@ impl Rebuilder {
                     break;
                 }
                 insert(&self.shared, &recs, ring_chapters);
-                let p = &self.shared.progress;
-                p.chapters_done.fetch_add(n, Ordering::Relaxed);
-                p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+                self.count_done(n);
                 let _ = spent_tx.send(recs);
             }
             // The decoder ends at its next send or wait for a list, then the reader at its.
@@ -422,15 +426,19 @@ impl Rebuilder {
     }
 
     /// Inserts the run of `n` chapters from `v0` read into `buf` (None: the read failed,
-    /// its pages are skipped) and counts it done.
+    /// its pages are skipped) and counts it done. The lists are kept for the whole rebuild
+    /// (freed at its end: fresh ones per step would leave the allocator holding tens of MiB).
     fn process(&mut self, v0: u64, n: u64, buf: Option<&AlignedBuf>) {
-        let chapter_bytes = self.ring.pages_per_chapter * BLOCK_SIZE_U64;
-        match buf.and_then(|b| b.as_slice().get(..(n * chapter_bytes) as usize)) {
-            Some(chunk) => self.insert_run(chunk, v0),
-            None => {
-                self.shared.progress.pages_skipped.fetch_add(n * self.ring.pages_per_chapter, Ordering::Relaxed);
-            }
+        let mut recs = std::mem::take(&mut self.recs);
+        if self.decoding().read_run(buf, v0, n, &self.shared, &mut recs) {
+            insert(&self.shared, &recs, self.ring.chapters);
         }
+        self.recs = recs;
+        self.count_done(n);
+    }
+
+    /// Counts `n` more chapters done.
+    fn count_done(&self, n: u64) {
         let p = &self.shared.progress;
         p.chapters_done.fetch_add(n, Ordering::Relaxed);
         p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
@@ -441,20 +449,10 @@ impl Rebuilder {
         Runs { ring: self.ring, newest: self.newest }
     }
 
-    /// Checks, decodes and inserts the run of chapters from `v0` in `chunk` (one step).
-    fn insert_run(&mut self, chunk: &[u8], v0: u64) {
-        // Into lists kept for the whole rebuild (freed at its end: fresh ones per step would
-        // leave the allocator holding tens of MiB).
-        let mut recs = std::mem::take(&mut self.recs);
-        if self.decoding().run(chunk, v0, &self.shared, &mut recs) {
-            insert(&self.shared, &recs, self.ring.chapters);
-        }
-        self.recs = recs;
-    }
-
     /// What the decoding of a run needs.
     fn decoding(&self) -> Decoding {
-        Decoding { ring: self.ring, uuid_lo: self.uuid_lo, mode: self.mode, epoch_first: self.epoch_first }
+        let buckets = self.shared.table.lock().bucket_count();
+        Decoding { ring: self.ring, uuid_lo: self.uuid_lo, mode: self.mode, epoch_first: self.epoch_first, buckets }
     }
 
     fn finish(&mut self) {

@@ -296,25 +296,26 @@ impl Conn {
     /// (`rados_osd_op_timeout`, in seconds): twice it plus `READ_DEADLINE_SLACK`. None
     /// without one: reads then wait for the cluster as long as it takes, as writes do.
     fn read_deadline(&self) -> Option<std::time::Duration> {
+        let secs = self.conf_number(c"rados_osd_op_timeout")?;
+        (secs.is_finite() && secs > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(secs.min(86_400.0) * 2.0) + READ_DEADLINE_SLACK)
+    }
+
+    /// The numeric value of option `name` in the configuration; None when it is unknown or
+    /// not a number.
+    fn conf_number(&self, name: &CStr) -> Option<f64> {
         let mut buf = [0u8; 32];
         // SAFETY: created handle, NUL-terminated name, `buf` valid for its length.
-        let r = unsafe {
-            (self.api.conf_get)(self.cluster, c"rados_osd_op_timeout".as_ptr(), buf.as_mut_ptr().cast(), buf.len())
-        };
-        let secs = CStr::from_bytes_until_nul(&buf).ok()?.to_str().ok()?.trim().parse::<f64>().ok()?;
-        (r == 0 && secs.is_finite() && secs > 0.0)
-            .then(|| std::time::Duration::from_secs_f64(secs.min(86_400.0) * 2.0) + READ_DEADLINE_SLACK)
+        let r = unsafe { (self.api.conf_get)(self.cluster, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let value = CStr::from_bytes_until_nul(&buf).ok()?.to_str().ok()?.trim().parse::<f64>().ok();
+        value.filter(|_| r == 0)
     }
 
     /// Sets the numeric option `name` to `least` unless the configuration already gives
     /// it more (before `connect`: librados reads these when it starts). A librados that
     /// does not know the option is left as it is.
     fn raise_option(&self, name: &CStr, least: u64) -> Result<()> {
-        let mut buf = [0u8; 32];
-        // SAFETY: created handle, NUL-terminated name, `buf` valid for its length.
-        let r = unsafe { (self.api.conf_get)(self.cluster, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        let now = CStr::from_bytes_until_nul(&buf).ok().and_then(|c| c.to_str().ok()?.trim().parse::<u64>().ok());
-        if r == 0 && now.is_some_and(|v| v >= least) {
+        if self.conf_number(name).is_some_and(|v| v >= least as f64) {
             return Ok(());
         }
         let value = cstr(&least.to_string())?;
