@@ -212,9 +212,10 @@ elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
   # step alone): a block-map page read under the state lock (the cleaner's scan) that
   # librados did not time out. Keeping the device's queued writes below librados's own
   # budget for operations in flight (a call waiting for that budget has no timeout yet)
-  # did not prevent it; reads now also give up on their own past twice the operation
-  # timeout, which should end it if that read is where it waits. The server answers
-  # again once the OSDs are back (below); what follows checks that nothing was damaged.
+  # did not prevent it; reads, and waits for queued writes, now also give up on their
+  # own past twice the operation timeout, which should end it if either is where it
+  # waits. The server answers again once the OSDs are back (below); what follows checks
+  # that nothing was damaged.
   step "   KNOWN HANG: the server stopped answering with every OSD down (fio killed after 120 s)"
 else
   step "   fio saw: $(grep -m1 -io 'error.*' "$T/fio-g.txt" || echo "a failure")"

@@ -18,10 +18,13 @@
 //!   (`rados_osd_op_timeout`) only once the operation has its budget, so a call waiting
 //!   there (holding the queue's lock) would wait with no timeout at all, and every other
 //!   reader and writer of the device behind it.
-//! - With an operation timeout configured (`rados_osd_op_timeout`), a read gives up after
-//!   twice it plus `READ_DEADLINE_SLACK` whatever librados does (`read_with_deadline`):
-//!   callers read block-map pages under the volume's state lock. A read given up on
-//!   keeps its buffer until librados completes it. Without one, reads wait as writes do.
+//! - With an operation timeout configured (`rados_osd_op_timeout`), every wait for the
+//!   cluster gives up after twice it plus `DEADLINE_SLACK` whatever librados does: a read
+//!   (`read_with_deadline`; callers read block-map pages under the volume's state lock)
+//!   and the wait for a queued write (`retire_oldest`; a flush, or a write waiting for
+//!   room in the queue). A read given up on keeps its buffer until librados completes it;
+//!   a write given up on fails the next `sync`, as a failed write does. Without one,
+//!   reads and writes wait for the cluster as long as it takes.
 //! - A read-write device holds the exclusive lock `dedupvol` on the header object for as
 //!   long as it is open, a read-only one a shared lock: a second writer gets
 //!   `Error::InUse` naming the holder, unless it takes the volume over (`take_over`): it
@@ -53,8 +56,8 @@ const OBJECTER_OPS_MIN: u64 = 1024;
 const OBJECTER_BYTES_MIN: u64 = 256 << 20;
 const _: () =
     assert!(IN_FLIGHT_MAX as u64 * 2 <= OBJECTER_OPS_MIN && IN_FLIGHT_BYTES_MAX as u64 * 2 <= OBJECTER_BYTES_MIN);
-/// Added to twice the operation timeout to make a read's deadline (`Conn::read_deadline`).
-const READ_DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
+/// Added to twice the operation timeout to make a request's deadline (`Conn::deadline`).
+const DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
 /// Name of the lock on the header object.
 const LOCK_NAME: &str = "dedupvol";
 /// Tag shared by every holder of the shared (read-only) lock.
@@ -240,8 +243,8 @@ struct Conn {
     api: &'static Api,
     cluster: RadosT,
     ioctx: IoctxT,
-    /// How long a read may take before the device gives up on it (`read_deadline`).
-    read_deadline: Option<std::time::Duration>,
+    /// How long a request may take before the device gives up on it (`Conn::op_deadline`).
+    deadline: Option<std::time::Duration>,
 }
 
 // SAFETY: librados cluster handles and I/O contexts are thread-safe (librados.h).
@@ -262,7 +265,7 @@ impl Conn {
         if r < 0 {
             return Err(ctx("creating a cluster handle", r));
         }
-        let mut conn = Conn { api, cluster, ioctx: std::ptr::null_mut(), read_deadline: None };
+        let mut conn = Conn { api, cluster, ioctx: std::ptr::null_mut(), deadline: None };
         // SAFETY: `cluster` was just created; null arguments select the defaults.
         unsafe {
             let r = (api.conf_read_file)(conn.cluster, std::ptr::null());
@@ -273,7 +276,7 @@ impl Conn {
             if r < 0 {
                 return Err(ctx("parsing CEPH_ARGS", r));
             }
-            conn.read_deadline = conn.read_deadline();
+            conn.deadline = conn.op_deadline();
             conn.raise_option(c"objecter_inflight_ops", OBJECTER_OPS_MIN)?;
             conn.raise_option(c"objecter_inflight_op_bytes", OBJECTER_BYTES_MIN)?;
             let r = (api.connect)(conn.cluster);
@@ -292,13 +295,13 @@ impl Conn {
 }
 
 impl Conn {
-    /// The deadline of a read when the configuration sets an operation timeout
-    /// (`rados_osd_op_timeout`, in seconds): twice it plus `READ_DEADLINE_SLACK`. None
-    /// without one: reads then wait for the cluster as long as it takes, as writes do.
-    fn read_deadline(&self) -> Option<std::time::Duration> {
+    /// The deadline of a request when the configuration sets an operation timeout
+    /// (`rados_osd_op_timeout`, in seconds): twice it plus `DEADLINE_SLACK`. None without
+    /// one: requests then wait for the cluster as long as it takes.
+    fn op_deadline(&self) -> Option<std::time::Duration> {
         let secs = self.conf_number(c"rados_osd_op_timeout")?;
         (secs.is_finite() && secs > 0.0)
-            .then(|| std::time::Duration::from_secs_f64(secs.min(86_400.0) * 2.0) + READ_DEADLINE_SLACK)
+            .then(|| std::time::Duration::from_secs_f64(secs.min(86_400.0) * 2.0) + DEADLINE_SLACK)
     }
 
     /// The numeric value of option `name` in the configuration; None when it is unknown or
@@ -341,22 +344,44 @@ impl Drop for Conn {
     }
 }
 
-/// A read issued with a deadline (`RadosStorage::read_with_deadline`): librados reads
-/// into `buf` and the completion callback sets `done`. Shared between the reader and the
-/// callback, so a read the reader gave up on keeps its buffer until librados is done
-/// with it.
-struct ReadSlot {
+/// A request issued with a deadline (`RadosStorage::issue`): librados reads into
+/// `buf` (empty for a write) and the completion callback sets `done`. Shared between the
+/// waiter and the callback, so a read the waiter gave up on keeps its buffer until
+/// librados is done with it.
+struct Slot {
     buf: Mutex<Vec<u8>>,
     done: Mutex<bool>,
     cond: parking_lot::Condvar,
 }
 
-/// Completion callback of a read with a deadline; `arg` is the `ReadSlot` reference
-/// handed to librados with the read.
-extern "C" fn read_done(_c: CompletionT, arg: *mut c_void) {
-    // SAFETY: `arg` came from `Arc::into_raw` in `read_with_deadline`, for this callback
-    // alone, which librados calls once.
-    let slot = unsafe { std::sync::Arc::from_raw(arg.cast_const().cast::<ReadSlot>()) };
+impl Slot {
+    fn new(bytes: usize) -> std::sync::Arc<Slot> {
+        std::sync::Arc::new(Slot {
+            buf: Mutex::new(vec![0u8; bytes]),
+            done: Mutex::new(false),
+            cond: parking_lot::Condvar::new(),
+        })
+    }
+
+    /// Waits for the callback until `deadline` has passed; true when it ran.
+    fn wait(&self, deadline: std::time::Duration) -> bool {
+        let until = std::time::Instant::now() + deadline;
+        let mut done = self.done.lock();
+        while !*done {
+            if self.cond.wait_until(&mut done, until).timed_out() {
+                break;
+            }
+        }
+        *done
+    }
+}
+
+/// Completion callback of a request with a deadline; `arg` is the `Slot` reference
+/// handed to librados with the request.
+extern "C" fn slot_done(_c: CompletionT, arg: *mut c_void) {
+    // SAFETY: `arg` came from `Arc::into_raw` in `issue`, for this callback alone,
+    // which librados calls once.
+    let slot = unsafe { std::sync::Arc::from_raw(arg.cast_const().cast::<Slot>()) };
     *slot.done.lock() = true;
     slot.cond.notify_all();
 }
@@ -366,6 +391,8 @@ struct Pending {
     object: u64,
     bytes: usize,
     completion: CompletionT,
+    /// Its completion flag, when the device has a deadline.
+    slot: Option<std::sync::Arc<Slot>>,
 }
 
 // SAFETY: a completion may be waited on and released from any thread.
@@ -379,6 +406,10 @@ struct Queue {
     /// Bytes of the pending writes.
     bytes: usize,
     failed: Option<io::Error>,
+    /// A write was given up on at its deadline: the cluster does not answer, so the
+    /// writes after it are given up on unless already answered (a flush or a close waits
+    /// one deadline, not one per queued write); cleared by the next write answered.
+    gave_up: bool,
 }
 
 /// A device in RADOS objects (see the module documentation).
@@ -688,54 +719,20 @@ impl RadosStorage {
     ) -> io::Result<c_int> {
         let api = self.conn.api;
         let n = dst.len();
-        let slot = std::sync::Arc::new(ReadSlot {
-            buf: Mutex::new(vec![0u8; n]),
-            done: Mutex::new(false),
-            cond: parking_lot::Condvar::new(),
-        });
+        let slot = Slot::new(n);
         // The vector is never resized: its memory stays where it is while `slot` lives.
         let into = slot.buf.lock().as_mut_ptr();
-        let arg = std::sync::Arc::into_raw(slot.clone()).cast_mut().cast::<c_void>();
-        let mut c: CompletionT = std::ptr::null_mut();
-        let callback: extern "C" fn(CompletionT, *mut c_void) = read_done;
-        // SAFETY: `arg` is a live `ReadSlot` reference for the callback; out-pointer to a
-        // local.
-        let r = unsafe { (api.aio_create_completion)(arg, callback as *mut c_void, std::ptr::null_mut(), &mut c) };
-        if r < 0 {
-            // SAFETY: the reference handed over above; no callback will take it.
-            drop(unsafe { std::sync::Arc::from_raw(arg.cast_const().cast::<ReadSlot>()) });
-            return Err(rados_err(r.into()));
-        }
         // SAFETY: live I/O context and completion, NUL-terminated name, `into` valid for
         // `n` bytes for as long as `slot` lives (the callback holds a reference to it).
-        let r = unsafe { (api.aio_read)(self.conn.ioctx, oid.as_ptr(), c, into.cast(), n, within) };
-        if r < 0 {
-            // SAFETY: the read was refused, so the callback will not run: its reference
-            // and the completion are released here.
-            unsafe {
-                (api.aio_release)(c);
-                drop(std::sync::Arc::from_raw(arg.cast_const().cast::<ReadSlot>()));
-            }
-            return Err(rados_err(r.into()));
-        }
-        let until = std::time::Instant::now() + deadline;
-        let mut done = slot.done.lock();
-        while !*done {
-            if slot.cond.wait_until(&mut done, until).timed_out() {
-                break;
-            }
-        }
-        if !*done {
-            drop(done);
-            // SAFETY: a completion given up on: librados frees it once the read ends, and
-            // the callback then drops its reference to the buffer.
-            unsafe { (api.aio_release)(c) };
+        let c = self.issue(Some(&slot), |c| unsafe {
+            (api.aio_read)(self.conn.ioctx, oid.as_ptr(), c, into.cast(), n, within)
+        })?;
+        if !self.wait_slot(&slot, c, deadline) {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("RADOS read of {n} bytes from {} gave no answer in {deadline:?}", oid.to_string_lossy()),
             ));
         }
-        drop(done);
         // SAFETY: the read completed (its callback ran); the completion is released once.
         let r = unsafe {
             let r = (api.aio_get_return_value)(c);
@@ -751,21 +748,89 @@ impl RadosStorage {
         Ok(r)
     }
 
-    /// Waits for the oldest queued write and records its failure.
-    fn retire_oldest(&self, q: &mut Queue) {
-        if let Some(p) = q.pending.pop_front() {
-            q.bytes -= p.bytes;
-            let api = self.conn.api;
-            // SAFETY: a completion created by `write_at`, waited on and released once.
-            let r = unsafe {
-                (api.aio_wait_for_complete)(p.completion);
-                let r = (api.aio_get_return_value)(p.completion);
-                (api.aio_release)(p.completion);
-                r
-            };
-            if r < 0 && q.failed.is_none() {
-                q.failed = Some(rados_err(r.into()));
+    /// Makes a completion, whose callback sets `slot`'s flag when there is one, and issues
+    /// the request `issue(completion)` with it (a librados call's return value). On an
+    /// error nothing is left behind: no completion, no reference to `slot`.
+    fn issue(
+        &self,
+        slot: Option<&std::sync::Arc<Slot>>,
+        issue: impl FnOnce(CompletionT) -> c_int,
+    ) -> io::Result<CompletionT> {
+        let api = self.conn.api;
+        let arg =
+            slot.map_or(std::ptr::null_mut(), |s| std::sync::Arc::into_raw(s.clone()).cast_mut().cast::<c_void>());
+        // The callback's reference to `slot`, taken back when no callback will run.
+        let release_arg = || {
+            if !arg.is_null() {
+                // SAFETY: the reference handed over above, taken back once.
+                drop(unsafe { std::sync::Arc::from_raw(arg.cast_const().cast::<Slot>()) });
             }
+        };
+        let mut c: CompletionT = std::ptr::null_mut();
+        let callback: extern "C" fn(CompletionT, *mut c_void) = slot_done;
+        let cb = if arg.is_null() { std::ptr::null_mut() } else { callback as *mut c_void };
+        // SAFETY: `arg` is null or a live `Slot` reference for the callback; out-pointer to
+        // a local.
+        let r = unsafe { (api.aio_create_completion)(arg, cb, std::ptr::null_mut(), &mut c) };
+        if r < 0 {
+            release_arg();
+            return Err(rados_err(r.into()));
+        }
+        let r = issue(c);
+        if r < 0 {
+            // SAFETY: the request was refused, so the callback will not run.
+            unsafe { (api.aio_release)(c) };
+            release_arg();
+            return Err(rados_err(r.into()));
+        }
+        Ok(c)
+    }
+
+    /// Waits for the request of completion `c` until `deadline`; false when it gave up,
+    /// having released `c` (librados frees it once the request ends, and the callback then
+    /// drops its reference to `slot`).
+    fn wait_slot(&self, slot: &Slot, c: CompletionT, deadline: std::time::Duration) -> bool {
+        if slot.wait(deadline) {
+            return true;
+        }
+        // SAFETY: a completion given up on, released once, never used again.
+        unsafe { (self.conn.api.aio_release)(c) };
+        false
+    }
+
+    /// Waits for the oldest queued write (until the device's deadline, if it has one) and
+    /// records its failure.
+    fn retire_oldest(&self, q: &mut Queue) {
+        let Some(p) = q.pending.pop_front() else { return };
+        q.bytes -= p.bytes;
+        let api = self.conn.api;
+        if let (Some(slot), Some(deadline)) = (&p.slot, self.conn.deadline) {
+            let deadline = if q.gave_up { std::time::Duration::ZERO } else { deadline };
+            if !self.wait_slot(slot, p.completion, deadline) {
+                q.gave_up = true;
+                if q.failed.is_none() {
+                    q.failed = Some(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "a RADOS write of {} bytes to object {} gave no answer in {deadline:?}",
+                            p.bytes, p.object
+                        ),
+                    ));
+                }
+                return;
+            }
+            // It answered: the cluster is back, later writes get their whole deadline.
+            q.gave_up = false;
+        }
+        // SAFETY: a completion created by `write_at`, waited on and released once.
+        let r = unsafe {
+            (api.aio_wait_for_complete)(p.completion);
+            let r = (api.aio_get_return_value)(p.completion);
+            (api.aio_release)(p.completion);
+            r
+        };
+        if r < 0 && q.failed.is_none() {
+            q.failed = Some(rados_err(r.into()));
         }
     }
 }
@@ -786,7 +851,7 @@ impl Storage for RadosStorage {
         for (object, within, at, n) in pieces {
             let oid = self.object_name(object)?;
             let dst = buf.get_mut(at..at + n).ok_or_else(|| io::Error::other("read piece out of range"))?;
-            let r = match self.conn.read_deadline {
+            let r = match self.conn.deadline {
                 Some(deadline) => self.read_with_deadline(&oid, dst, within, deadline)?,
                 // SAFETY: live I/O context, NUL-terminated name, `dst` valid for `n` bytes.
                 None => unsafe {
@@ -815,22 +880,14 @@ impl Storage for RadosStorage {
             while q.pending.len() >= IN_FLIGHT_MAX || (!q.pending.is_empty() && q.bytes + n > IN_FLIGHT_BYTES_MAX) {
                 self.retire_oldest(&mut q);
             }
-            let mut c: CompletionT = std::ptr::null_mut();
-            // SAFETY: no callbacks; out-pointer to a local.
-            let r = unsafe {
-                (api.aio_create_completion)(std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), &mut c)
+            // SAFETY (both): live I/O context and completion; librados copies `src` before
+            // returning.
+            let write = |c: CompletionT| unsafe {
+                (api.aio_write)(self.conn.ioctx, oid.as_ptr(), c, src.as_ptr().cast(), n, within)
             };
-            if r < 0 {
-                return Err(rados_err(r.into()));
-            }
-            // SAFETY: live I/O context and completion; librados copies `src` before returning.
-            let r = unsafe { (api.aio_write)(self.conn.ioctx, oid.as_ptr(), c, src.as_ptr().cast(), n, within) };
-            if r < 0 {
-                // SAFETY: the completion was never handed to a request.
-                unsafe { (api.aio_release)(c) };
-                return Err(rados_err(r.into()));
-            }
-            q.pending.push_back(Pending { object, bytes: n, completion: c });
+            let slot = self.conn.deadline.map(|_| Slot::new(0));
+            let c = self.issue(slot.as_ref(), write)?;
+            q.pending.push_back(Pending { object, bytes: n, completion: c, slot });
             q.bytes += n;
         }
         Ok(())
