@@ -60,8 +60,8 @@ pub use obs::stats::{IndexFigures, LifetimeCounters, ReductionCounters, Savings,
 pub use pipeline::batcher::{BatchOptions, PipelineStats, StageStats};
 pub use pipeline::defer::DeferralStats;
 pub use pipeline::offload::{
-    compress_unit, print_chunk, Capacity, CompressUnit, Compressed, CpuOffload, Offload, OffloadError, OffloadStats,
-    PrintOp, Prints,
+    compress_unit, print_chunk, print_chunks, Capacity, CompressUnit, Compressed, CpuOffload, Offload, OffloadError,
+    OffloadStats, PrintOp, Prints,
 };
 pub use volume::block_status::{
     Extent, ExtentKind, RefcountBucket, BLOCK_STATUS_BLOCKS_MAX, BLOCK_STATUS_BLOCKS_PER_HOLD,

@@ -213,7 +213,7 @@ pub fn measure_rates(compress_fraction: f64, seed: u64) -> Result<Rates, ModelEr
     let mut data = vec![0u8; RATE_SAMPLE_BYTES];
     model.fill_range(0, &mut data);
     let n = data.len();
-    let blake3_mb_s = rate(n, || data.chunks_exact(BLOCK_BYTES).map(|c| blake3::hash(c).as_bytes()[0] as usize).sum());
+    let blake3_mb_s = rate(n, || engine_prints(&data, BLAKE3_ONLY));
     let crc32c_mb_s = rate(n, || data.chunks_exact(BLOCK_BYTES).map(|c| crc32c::crc32c(c) as usize).sum());
     let probe_mb_s = rate(n, || {
         data.chunks_exact(BLOCK_BYTES).filter(|c| dedupvol_core::incompressible(Compression::Zstd, c)).count()
@@ -303,11 +303,8 @@ fn measure_metadata(model: &ContentModel) -> Result<(f64, f64, f64), ModelError>
         }
         let engine_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let mut sink = 0usize;
-        for c in data.chunks_exact(BLOCK_BYTES) {
-            sink = sink.wrapping_add(blake3::hash(c).as_bytes()[0] as usize + crc32c::crc32c(c) as usize);
-        }
-        std::hint::black_box(sink);
+        let op = dedupvol_core::PrintOp { crc32c: true, ..BLAKE3_ONLY };
+        std::hint::black_box(data.chunks(req).map(|r| engine_prints(r, op)).sum::<usize>());
         let hash_s = start.elapsed().as_secs_f64();
         Ok((engine_s - hash_s) * 1e6 / distinct as f64)
     };
@@ -805,6 +802,19 @@ pub fn sweep(
         }
     }
     Ok(rows)
+}
+
+/// Stage 1's BLAKE3 alone.
+const BLAKE3_ONLY: dedupvol_core::PrintOp =
+    dedupvol_core::PrintOp { zero_check: false, weak_mask: None, crc32c: false, blake3: true };
+
+/// Fingerprints every 4 KiB block of `data` as the engine's CPU backend does (hashes side
+/// by side, `print_chunks`); a sum of their first bytes, so the work is not optimised away.
+fn engine_prints(data: &[u8], op: dedupvol_core::PrintOp) -> usize {
+    let chunks: Vec<&[u8]> = data.chunks_exact(BLOCK_BYTES).collect();
+    let mut out = vec![dedupvol_core::Prints::default(); chunks.len()];
+    dedupvol_core::print_chunks(op, &chunks, &mut out);
+    out.iter().map(|p| p.blake3[0] as usize + p.crc32c as usize).fold(0, usize::wrapping_add)
 }
 
 #[cfg(test)]

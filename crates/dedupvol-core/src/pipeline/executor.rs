@@ -27,25 +27,42 @@ const POOL_THREADS_MAX: usize = 8;
 /// Runs `f` on every element, splitting large slices across the executor's workers (one
 /// request from a single-threaded client, such as an import, still uses every core).
 pub(crate) fn for_each<T: Send>(exec: &dyn Executor, items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+    for_each_group(exec, items, 1, |i, g| {
+        for (j, t) in g.iter_mut().enumerate() {
+            f(i + j, t);
+        }
+    });
+}
+
+/// `for_each` on runs of up to `group` consecutive elements: `f(i, run)` gets the run
+/// starting at element `i`, and every run but a job's last is `group` long (work that is
+/// cheaper done on several elements at once, such as hashing them side by side).
+pub(crate) fn for_each_group<T: Send>(
+    exec: &dyn Executor,
+    items: &mut [T],
+    group: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let group = group.max(1);
     let width = exec.width();
     if items.len() < PARALLEL_CHUNKS_MIN || width < 2 {
-        for (i, t) in items.iter_mut().enumerate() {
-            f(i, t);
+        for (k, run) in items.chunks_mut(group).enumerate() {
+            f(k * group, run);
         }
         return;
     }
     // Several jobs per worker, taken in turn: items cost unequal work (a piece of unique
     // chunks is hashed and compressed, a piece of duplicates only hashed), and equal
     // shares of items left one worker idle while the other finished its share.
-    let per = items.len().div_ceil(width * JOBS_PER_WORKER).max(1);
+    let per = items.len().div_ceil(width * JOBS_PER_WORKER).max(1).next_multiple_of(group);
     let f = &f;
     let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = items
         .chunks_mut(per)
         .enumerate()
         .map(|(k, part)| {
             Box::new(move || {
-                for (j, t) in part.iter_mut().enumerate() {
-                    f(k * per + j, t);
+                for (j, run) in part.chunks_mut(group).enumerate() {
+                    f(k * per + j * group, run);
                 }
             }) as Box<dyn FnOnce() + Send + '_>
         })

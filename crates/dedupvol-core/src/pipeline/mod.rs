@@ -26,6 +26,7 @@
 //!   chunk shared with its journal copy takes the copy's crc, the bytes being equal.
 
 pub(crate) mod batcher;
+pub(crate) mod blake3_many;
 pub(crate) mod defer;
 pub(crate) mod executor;
 pub(crate) mod fingerprint;

@@ -20,7 +20,8 @@
 //! - A batch's answer has exactly one result per chunk or unit, in order: the output
 //!   slices are sized by the engine, and a backend cannot change their length.
 
-use super::executor::{for_each, CpuPool, Executor};
+use super::blake3_many;
+use super::executor::{for_each, for_each_group, CpuPool, Executor};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
 use crate::metadata::block_map::{Frag, UNIT_BLOCKS_MAX};
@@ -139,6 +140,34 @@ pub fn print_chunk(op: PrintOp, c: &[u8]) -> Prints {
     p
 }
 
+/// `print_chunk` of every chunk of `chunks` into `out` (as long), with the BLAKE3 hashes
+/// of up to `blake3_many::GROUP` chunks computed side by side: what `CpuOffload` runs.
+pub fn print_chunks(op: PrintOp, chunks: &[&[u8]], out: &mut [Prints]) {
+    for (cs, os) in chunks.chunks(blake3_many::GROUP).zip(out.chunks_mut(blake3_many::GROUP)) {
+        let mut strong: [&[u8]; blake3_many::GROUP] = [&[]; blake3_many::GROUP];
+        let mut at = [0usize; blake3_many::GROUP];
+        let mut n = 0;
+        for (k, (c, o)) in cs.iter().zip(os.iter_mut()).enumerate() {
+            *o = print_chunk(PrintOp { blake3: false, ..op }, c);
+            if op.blake3 && !o.zero {
+                if let (Some(s), Some(a)) = (strong.get_mut(n), at.get_mut(n)) {
+                    (*s, *a) = (*c, k);
+                    n += 1;
+                }
+            }
+        }
+        let mut hashes = [[0u8; 32]; blake3_many::GROUP];
+        if let (Some(ins), Some(outs)) = (strong.get(..n), hashes.get_mut(..n)) {
+            blake3_many::hash_chunks(ins, outs);
+        }
+        for (&k, h) in at.iter().zip(&hashes).take(n) {
+            if let Some(o) = os.get_mut(k) {
+                o.blake3 = *h;
+            }
+        }
+    }
+}
+
 /// Stage 3's work on one unit, as the CPU does it (the caller ran the incompressibility
 /// probe already).
 pub fn compress_unit(u: &CompressUnit<'_>) -> Compressed {
@@ -148,7 +177,8 @@ pub fn compress_unit(u: &CompressUnit<'_>) -> Compressed {
     Compressed { bytes, busy_ns }
 }
 
-/// The CPU backend: the process's pool (or a volume's own), through `for_each`.
+/// The CPU backend: the process's pool (or a volume's own), through `for_each` (`print_chunks`
+/// on runs of chunks for stage 1).
 pub struct CpuOffload {
     pool: Arc<CpuPool>,
 }
@@ -194,9 +224,9 @@ impl Offload for CpuOffload {
         if chunks.len() != out.len() {
             return Err(mismatch(chunks.len(), out.len()));
         }
-        for_each(&*self.pool, out, |i, o| {
-            if let Some(c) = chunks.get(i) {
-                *o = print_chunk(op, c);
+        for_each_group(&*self.pool, out, blake3_many::GROUP, |i, run| {
+            if let Some(cs) = chunks.get(i..i + run.len()) {
+                print_chunks(op, cs, run);
             }
         });
         Ok(())
@@ -381,6 +411,27 @@ fn fragment_ok(u: &CompressUnit<'_>, o: &Compressed) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cpu_backend_answers_as_print_chunk_does_one_by_one() {
+        // Zero chunks among the data ones (no BLAKE3 for them), every op, several runs
+        // of the side-by-side hash, through the pool as a volume calls it.
+        let data: Vec<Vec<u8>> = (0..150u64)
+            .map(|i| if i % 7 == 3 { vec![0; BLOCK_SIZE] } else { crate::codec::test_random_bytes(i, BLOCK_SIZE) })
+            .collect();
+        let chunks: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        let cpu = CpuOffload::with_workers(2);
+        for (zero_check, weak, crc32c, blake3) in
+            [(true, true, true, true), (false, false, false, true), (true, false, true, false)]
+        {
+            let op = PrintOp { zero_check, weak_mask: weak.then_some(u64::MAX), crc32c, blake3 };
+            let mut out = vec![Prints::default(); chunks.len()];
+            cpu.fingerprint(op, &chunks, &mut out).expect("fingerprint");
+            for (i, (c, o)) in chunks.iter().zip(&out).enumerate() {
+                assert_eq!(*o, print_chunk(op, c), "chunk {i}, {op:?}");
+            }
+        }
+    }
 
     #[test]
     fn checks_refuse_a_false_zero_a_wrong_crc_and_a_bad_fragment() {
