@@ -81,17 +81,40 @@ impl Deferral {
         }
     }
 
+    /// True when a batch of `chunks` would take the backlog past the budget: the whole
+    /// batch then gets the fast codec (`assign` with `all`), and the caller skips the
+    /// incompressibility probe, whose byte histogram and LZ4 attempt cost about as much
+    /// as the LZ4 compression that answers the same question (a unit LZ4 cannot shrink
+    /// enough is stored raw). Deciding per batch rather than per job defers at most one
+    /// batch more than the budget asks, and saves the probe on every deferred chunk.
+    pub(crate) fn defers_all(this: Option<&Arc<Deferral>>, workers: usize, chunks: usize) -> bool {
+        this.is_some_and(|g| {
+            g.defers() && g.in_flight.load(Ordering::Acquire).saturating_add(chunks as u64) > g.allowed(workers)
+        })
+    }
+
+    /// The volume's codec is one deferral can replace with a faster one.
+    fn defers(&self) -> bool {
+        self.codec != Compression::Lz4 && self.codec != Compression::None
+    }
+
+    /// Chunks in compression beyond which a job is deferred.
+    fn allowed(&self, workers: usize) -> u64 {
+        let cost = self.cost_ns.load(Ordering::Relaxed).max(1);
+        self.budget_ns.saturating_mul(workers.max(1) as u64) / cost
+    }
+
     /// Gives each job its codec (in order) and counts the batch's chunks in. Without a
-    /// gauge (`this` None) every job keeps the volume's codec.
-    pub(crate) fn assign(this: Option<&Arc<Deferral>>, jobs: &mut [Job], workers: usize) -> Backlog {
+    /// gauge (`this` None) every job keeps the volume's codec; with `all` (the caller saw
+    /// `defers_all`, and probed nothing) every job gets the fast codec.
+    pub(crate) fn assign(this: Option<&Arc<Deferral>>, jobs: &mut [Job], workers: usize, all: bool) -> Backlog {
         let Some(g) = this else { return Backlog { gauge: None, chunks: 0 } };
-        if g.codec == Compression::Lz4 || g.codec == Compression::None {
+        if !g.defers() {
             return Backlog { gauge: None, chunks: 0 };
         }
         let total: u64 = jobs.iter().map(|j| j.n as u64).sum();
         let before = g.in_flight.fetch_add(total, Ordering::AcqRel);
-        let cost = g.cost_ns.load(Ordering::Relaxed).max(1);
-        let allowed = g.budget_ns.saturating_mul(workers.max(1) as u64) / cost;
+        let allowed = if all { 0 } else { g.allowed(workers) };
         let mut at = before;
         let (mut deferred, mut inline) = (0u64, 0u64);
         for job in jobs.iter_mut() {
@@ -161,10 +184,12 @@ mod tests {
         // 1 ms budget at 10 us a chunk on 2 workers: 200 chunks inline.
         let g = Arc::new(Deferral::new(Compression::Zstd, 1000, Some(10_000)));
         let mut a = jobs(150);
-        let first = Deferral::assign(Some(&g), &mut a, 2);
+        let first = Deferral::assign(Some(&g), &mut a, 2, false);
         assert!(a.iter().all(|j| j.codec == Compression::Zstd));
         let mut b = jobs(100);
-        let second = Deferral::assign(Some(&g), &mut b, 2);
+        assert!(!Deferral::defers_all(Some(&g), 2, 50), "150 in flight and 50 more: 200 allowed");
+        assert!(Deferral::defers_all(Some(&g), 2, 51), "one more than allowed");
+        let second = Deferral::assign(Some(&g), &mut b, 2, false);
         assert_eq!(b.iter().filter(|j| j.codec == Compression::Lz4).count(), 50, "the 50 beyond the backlog of 200");
         assert_eq!(g.in_flight(), 250);
         drop((first, second));
@@ -173,7 +198,7 @@ mod tests {
         assert_eq!((s.deferred_chunks, s.inline_chunks), (50, 200));
         // Without a gauge nothing changes.
         let mut c = jobs(5000);
-        drop(Deferral::assign(None, &mut c, 2));
+        drop(Deferral::assign(None, &mut c, 2, false));
         assert!(c.iter().all(|j| j.codec == Compression::Zstd));
     }
 }

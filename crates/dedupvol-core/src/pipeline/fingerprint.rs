@@ -206,7 +206,7 @@ pub(crate) fn fingerprint_predicted(
         let single = |p: &Plan| matches!(p, Plan::Data(_));
         piece.jobs = form_jobs(piece.plans, piece.first, lbas, extent_max, compression, member, single);
         // One backlog per piece: the pieces of a batch run side by side, each a worker's.
-        let backlog = Deferral::assign(defer, &mut piece.jobs, width);
+        let backlog = Deferral::assign(defer, &mut piece.jobs, width, false);
         let probed: &[Plan] = piece.plans;
         let first = piece.first;
         run_jobs(

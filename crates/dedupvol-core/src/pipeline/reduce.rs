@@ -112,6 +112,9 @@ pub(crate) fn verify_and_compress(
     early: Vec<Job>,
     defer: Option<&Arc<Deferral>>,
 ) -> Vec<Unit> {
+    // A batch that would take the deferral backlog past its budget goes to the fast codec
+    // whole, which decides compressibility itself: the probe is skipped.
+    let defer_all = Deferral::defers_all(defer, off.parallel(), plans.len());
     for_each(exec, plans, |i, p| {
         let Plan::Data(d) = p else { return };
         let c = chunk(buf, i);
@@ -139,7 +142,7 @@ pub(crate) fn verify_and_compress(
         if let Candidate { loc: Some(loc), verified: false } = d.cand {
             d.cand.verified = verify::by_read(data, cache, loc, c);
         }
-        if !d.cand.verified && compression != Compression::None && !d.probed {
+        if !d.cand.verified && compression != Compression::None && !d.probed && !defer_all {
             d.incompressible = packer::incompressible(c);
         }
     });
@@ -191,7 +194,7 @@ pub(crate) fn verify_and_compress(
     let member = |p: &Plan| extent_member(p, compression);
     let single = |p: &Plan| matches!(p, Plan::Data(d) if needs_store(d) && !d.batch_dup && !d.early);
     let mut jobs = form_jobs(plans, 0, lbas, extent_max, compression, member, single);
-    let backlog = Deferral::assign(defer, &mut jobs, off.parallel());
+    let backlog = Deferral::assign(defer, &mut jobs, off.parallel(), defer_all);
     let probed: &[Plan] = plans;
     run_jobs(
         exec,
