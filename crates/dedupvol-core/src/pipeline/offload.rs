@@ -16,7 +16,9 @@
 //!   CPU code and counted. Its BLAKE3 fingerprints are never trusted alone: the volume
 //!   verifies every dedup candidate by its bytes for the session (`Deduper::distrust`).
 //! - The built-in `CpuOffload` runs the very functions those checks would use
-//!   (`print_chunk`, `compress_unit`), so its results are taken as they are.
+//!   (`print_chunk`, `compress_unit`), so its results are taken as they are. Stage 1 runs
+//!   `print_chunks`, which hashes 16 chunks side by side and answers exactly as
+//!   `print_chunk` one by one (tested against it, and `blake3_many` against `blake3::hash`).
 //! - A batch's answer has exactly one result per chunk or unit, in order: the output
 //!   slices are sized by the engine, and a backend cannot change their length.
 
