@@ -58,7 +58,7 @@ pub(crate) fn hash_chunks(inputs: &[&[u8]], out: &mut [[u8; 32]]) {
             }
         }
         if let (true, Some(w)) = (all, whole.get(..ins.len())) {
-            hash_group(w, outs);
+            hash_group(platform(), w, outs);
         } else {
             for (c, o) in ins.iter().zip(outs.iter_mut()) {
                 *o = *blake3::hash(c).as_bytes();
@@ -70,9 +70,8 @@ pub(crate) fn hash_chunks(inputs: &[&[u8]], out: &mut [[u8; 32]]) {
 
 /// BLAKE3 of up to `GROUP` 4 KiB inputs.
 #[expect(clippy::indexing_slicing, reason = "n ≤ GROUP, the length of every array indexed; chunk c < 4 of 4")]
-fn hash_group(ins: &[&[u8; INPUT]], out: &mut [[u8; 32]]) {
+fn hash_group(p: Platform, ins: &[&[u8; INPUT]], out: &mut [[u8; 32]]) {
     let n = ins.len().min(GROUP).min(out.len());
-    let p = platform();
     // cvs[i]: input i's four chunk chaining values, back to back (two parents' inputs).
     let mut cvs = [[0u8; 4 * 32]; GROUP];
     let mut hashed = [0u8; GROUP * 32];
@@ -146,6 +145,26 @@ mod tests {
             inputs.push(v);
         }
         check(&inputs);
+    }
+
+    #[test]
+    fn every_simd_kernel_of_this_machine_gives_the_reference_hash() {
+        // The machine's best kernel is what the engine uses; the narrower ones are what
+        // machines without AVX-512 (or without AVX2) use.
+        let inputs: Vec<Vec<u8>> = (0..GROUP as u64).map(|i| test_random_bytes(77 + i, INPUT)).collect();
+        let refs: Vec<&[u8; INPUT]> =
+            inputs.iter().filter_map(|v| <&[u8; INPUT]>::try_from(v.as_slice()).ok()).collect();
+        let kernels =
+            [Some(Platform::portable()), Platform::sse2(), Platform::sse41(), Platform::avx2(), Platform::avx512()];
+        for p in kernels.into_iter().flatten() {
+            for n in [2, 5, GROUP] {
+                let mut out = vec![[0u8; 32]; n];
+                hash_group(p, &refs[..n], &mut out);
+                for (i, o) in out.iter().enumerate() {
+                    assert_eq!(blake3::hash(&inputs[i]).as_bytes(), o, "{p:?}, input {i} of {n}");
+                }
+            }
+        }
     }
 
     #[test]
