@@ -148,6 +148,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn every_simd_kernel_of_this_machine_gives_the_reference_hash() {
         // The machine's best kernel is what the engine uses; the narrower ones are what
         // machines without AVX-512 (or without AVX2) use.
