@@ -145,6 +145,11 @@ pub fn print_chunk(op: PrintOp, c: &[u8]) -> Prints {
 /// `print_chunk` of every chunk of `chunks` into `out` (as long), with the BLAKE3 hashes
 /// of up to `blake3_many::GROUP` chunks computed side by side: what `CpuOffload` runs.
 pub fn print_chunks(op: PrintOp, chunks: &[&[u8]], out: &mut [Prints]) {
+    if let ([c], [o]) = (chunks, &mut *out) {
+        // A single chunk (a 4 KiB write) has nothing to hash beside it.
+        *o = print_chunk(op, c);
+        return;
+    }
     for (cs, os) in chunks.chunks(blake3_many::GROUP).zip(out.chunks_mut(blake3_many::GROUP)) {
         let mut strong: [&[u8]; blake3_many::GROUP] = [&[]; blake3_many::GROUP];
         let mut at = [0usize; blake3_many::GROUP];
