@@ -36,6 +36,12 @@ pub fn fragment_limit(blocks: usize) -> usize {
 /// from any offset of its first block.
 pub const FRAGMENT_SPAN_MAX: u64 = 17;
 
+/// The first blocks of the fragments that may run into block `pbn` from before it (those
+/// starting in the `FRAGMENT_SPAN_MAX - 1` blocks before it).
+pub fn fragments_reaching(pbn: u64) -> std::ops::Range<u64> {
+    pbn.saturating_sub(FRAGMENT_SPAN_MAX - 1)..pbn
+}
+
 /// Largest fragment of a single block.
 pub const FRAGMENT_BYTES_MAX: usize = BLOCK_SIZE - BLOCK_SIZE / 16;
 

@@ -460,21 +460,11 @@ impl Rebuilder {
         if p.running.swap(false, Ordering::Relaxed) {
             p.millis.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
-        let held = self.buf.take().is_some() | self.recs.holds_memory();
+        // The read buffer and the lists go back to the system here: they are mapped on
+        // their own (`AlignedBuf`), not taken from the heap, whose freed memory glibc
+        // would keep resident in the rebuild threads' arenas.
+        self.buf = None;
         self.recs = PreparedRun::default();
-        // Tens of MiB were just freed (the read buffers and the decoded records); glibc
-        // keeps freed heap memory of a thread's arena unless asked, and after the first
-        // rebuild of a large window the rebuild buffers come from the heap (its mmap
-        // threshold grows as mapped blocks are freed).
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        if held {
-            // SAFETY: malloc_trim only returns free heap memory to the kernel.
-            unsafe {
-                libc::malloc_trim(0);
-            }
-        }
-        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-        let _ = held;
     }
 }
 

@@ -99,14 +99,14 @@ mod tests {
     use crate::config::Compression;
     use crate::metadata::block_map::Frag;
 
-    /// Re-importing data an earlier session stored verifies each duplicate against its
-    /// block of a 64 KiB extent; each used to decompress its unit up to that block (a
-    /// re-import ran at 83 MB/s where the first ran at 340). The first verification must
-    /// leave the whole unit decoded in the cache, so the other fifteen decode nothing.
     fn block_of(p: u64) -> Vec<u8> {
         vec![p as u8; BLOCK_SIZE]
     }
 
+    /// Re-importing data an earlier session stored verifies each duplicate against its
+    /// block of a 64 KiB extent; each used to decompress its unit up to that block (a
+    /// re-import ran at 83 MB/s where the first ran at 340). The first verification must
+    /// leave the whole unit decoded in the cache, so the other fifteen decode nothing.
     #[test]
     fn verifying_one_block_of_an_extent_caches_its_whole_unit() {
         let blocks = 16usize;

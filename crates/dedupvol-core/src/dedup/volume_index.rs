@@ -147,11 +147,6 @@ impl PreparedRun {
         self.halves.iter().map(|h| h.len).sum()
     }
 
-    /// True when the run holds memory.
-    pub fn holds_memory(&self) -> bool {
-        self.halves.iter().any(|h| h.buf.is_some())
-    }
-
     /// Adds the record of fingerprint `h` at `position` of page `page` of chapter `vcn`;
     /// false when its half is full (more records than `clear` made room for).
     pub fn push(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64) -> bool {

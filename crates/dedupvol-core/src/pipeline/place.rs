@@ -239,7 +239,7 @@ impl Volume {
             st.rc.get(p),
             st.staging.get(p).is_some()
         );
-        self.cache.lock().remove_for_reuse(p, crate::data::packer::FRAGMENT_SPAN_MAX);
+        self.cache.lock().remove_for_reuse(p);
     }
 
     /// Writes the open run's filled blocks (staged together) and unreserves the rest.

@@ -232,15 +232,15 @@ impl ContentCache {
 
     /// Drops block `pbn`, about to be written with new content (reallocated), and the
     /// decompressed blocks of every fragment that may run into it: those starting in it or
-    /// in the `span_max - 1` blocks before it (`packer::FRAGMENT_SPAN_MAX`). Why the
-    /// neighbours: a decoded block stands for the content of every block its fragment
-    /// touches, and verification offers decoded blocks of fragments no mapping uses any
-    /// more (an index record outliving its data), whose tail may be this block; after the
-    /// reuse such a decoded block would no longer match the device, and verification
-    /// compares against it.
-    pub fn remove_for_reuse(&mut self, pbn: u64, span_max: u64) {
+    /// in the blocks before it that a fragment can reach it from
+    /// (`packer::fragments_reaching`). Why the neighbours: a decoded block stands for the
+    /// content of every block its fragment touches, and verification offers decoded blocks
+    /// of fragments no mapping uses any more (an index record outliving its data), whose
+    /// tail may be this block; after the reuse such a decoded block would no longer match
+    /// the device, and verification compares against it.
+    pub fn remove_for_reuse(&mut self, pbn: u64) {
         self.remove(pbn);
-        for q in pbn.saturating_sub(span_max.saturating_sub(1))..pbn {
+        for q in crate::data::packer::fragments_reaching(pbn) {
             self.remove_decoded(q);
         }
     }
@@ -502,12 +502,12 @@ mod tests {
         let b = |v: u8| -> Block { Arc::from(vec![v; 4096]) };
         c.fill_fragment_soon(10, 5, b(1), block_crc(&b(1)));
         c.fill_fragment_soon(30, 5, b(2), block_crc(&b(2)));
-        c.remove_for_reuse(27, 17);
+        c.remove_for_reuse(27);
         assert!(c.get_fragment(10, 5).is_some(), "a fragment starting in 10 touches 26 at most");
-        c.remove_for_reuse(12, 17);
+        c.remove_for_reuse(12);
         assert!(c.get_fragment(10, 5).is_none(), "a fragment starting in 10 may run into 12");
         assert!(c.get_fragment(30, 5).is_some(), "30 is after 12");
-        c.remove_for_reuse(30, 17);
+        c.remove_for_reuse(30);
         assert!(c.get_fragment(30, 5).is_none());
     }
 }

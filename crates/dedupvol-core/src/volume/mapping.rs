@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::metadata::block_map::MapEntry;
 use crate::pipeline::segments;
 
-use crate::data::packer::FRAGMENT_SPAN_MAX;
+use crate::data::packer::fragments_reaching;
 
 /// Blocks handled per state-lock hold for discard / write-zeroes of large ranges.
 const UNMAP_BLOCKS_PER_LOCK: u64 = 8192;
@@ -87,7 +87,7 @@ impl Volume {
             let fragment_freed = old.fragment_of().is_some();
             if let (true, Some(&lo), Some(&hi)) = (fragment_freed, freed.iter().min(), freed.iter().max()) {
                 let mut cache = self.cache.lock();
-                for q in lo.saturating_sub(FRAGMENT_SPAN_MAX - 1)..hi {
+                for q in fragments_reaching(lo).start..hi {
                     if st.rc.get(q) > 0 {
                         if st.dedup.void_stamp(q) {
                             st.red.stamp_wrap_scans += 1;
