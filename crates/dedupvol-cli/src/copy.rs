@@ -52,6 +52,11 @@ pub struct ImportArgs {
     input_offset: u64,
     #[command(flatten)]
     tier: crate::volume_cmds::TierArgs,
+    /// After the copy, bring the whole volume to rest before closing: compress everything
+    /// once more at the volume's rest level (see `format --rest-level`), as a served
+    /// volume does by itself while idle. Ctrl-C stops it between passes; what is done stays.
+    #[arg(long)]
+    settle: bool,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -216,6 +221,15 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
     let flushed = vol.flush().context("flushing");
     let secs = start.elapsed().as_secs_f64();
     let s = vol.stats();
+    let settled = if a.settle && copied.is_ok() && flushed.is_ok() && interrupt::signal().is_none() {
+        let t = std::time::Instant::now();
+        let r = vol
+            .settle(&dedupvol_core::RecompressOptions::default(), &|| interrupt::signal().is_some())
+            .context("settling");
+        Some(r.map(|r| (r, t.elapsed().as_secs_f64(), vol.stats())))
+    } else {
+        None
+    };
     let closed = match Arc::try_unwrap(vol) {
         Ok(v) => v.close().context("closing"),
         Err(_) => Err(anyhow::anyhow!("volume still shared")),
@@ -223,7 +237,10 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
     let copied = copied?;
     flushed?;
     closed?;
-    if let Some(sig) = interrupt::signal() {
+    let settled = settled.transpose()?;
+    // A stop during settling leaves the copy whole: only a stop during the copy is an
+    // interrupted import.
+    if let Some(sig) = interrupt::signal().filter(|_| settled.is_none()) {
         let (input_end, volume_end) = (a.input_offset + copied, a.offset + copied);
         eprintln!(
             "dedupvol: import interrupted by {}: copied {copied} bytes ({}): input bytes {}..{input_end} are in the volume at offsets {}..{volume_end}, flushed; the volume was closed cleanly",
@@ -247,6 +264,14 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
             "logical_bytes_used": s.logical_bytes_used,
             "physical_data_bytes_used": s.physical_data_bytes_used,
             "reduction_ratio": s.reduction_ratio,
+            "settled": settled.as_ref().map(|(r, secs, after)| serde_json::json!({
+                "seconds": secs,
+                "logical_bytes_recompressed": r.bytes_recompressed,
+                "bytes_stored": r.bytes_after,
+                "work_left": r.more,
+                "physical_data_bytes_used": after.physical_data_bytes_used,
+                "reduction_ratio": after.reduction_ratio,
+            })),
         });
         outln!("{}", serde_json::to_string_pretty(&j)?)?;
         return Ok(ExitCode::SUCCESS);
@@ -260,6 +285,18 @@ pub fn import(a: ImportArgs) -> anyhow::Result<ExitCode> {
         human(s.physical_data_bytes_used),
         crate::ratio_text(s.reduction_ratio)
     )?;
+    if let Some((r, secs, after)) = settled {
+        outln!(
+            "settled {} at rest level {} in {:.2}s ({:.1} MB/s){}: volume now {} physical (ratio {})",
+            human(r.bytes_recompressed),
+            after.rest_level,
+            secs,
+            r.bytes_recompressed as f64 / secs.max(1e-9) / 1e6,
+            if r.more { ", stopped with work left" } else { "" },
+            human(after.physical_data_bytes_used),
+            crate::ratio_text(after.reduction_ratio)
+        )?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -116,6 +116,10 @@ pub struct BenchArgs {
     /// Compression of the engine volume: zstd, zstd:LEVEL, lz4 or none.
     #[arg(long, default_value = "zstd")]
     compression: String,
+    /// The engine volume's rest level (as `format`): after the timed phase, recompression
+    /// at rest runs until done and its ratio is printed beside the timed one.
+    #[arg(long)]
+    rest_level: Option<String>,
     /// Write policy of the engine volume.
     #[arg(long, default_value = "async")]
     write_policy: String,
@@ -325,6 +329,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         request_bytes: request_bytes as usize,
         compression,
         compression_level,
+        rest_level: a.rest_level.as_deref().map(crate::volume_cmds::parse_rest_level).transpose()?,
         write_policy,
         baselines: !a.no_baseline,
         index_memory_bytes: size_arg("index-memory", &a.index_memory)?,

@@ -34,6 +34,12 @@ pub const ZSTD_LEVEL_MIN: i8 = -7;
 /// Strongest zstd level accepted: above it a 4 KiB block gains almost nothing and ingest
 /// falls below 100 MB/s a core.
 pub const ZSTD_LEVEL_MAX: i8 = 19;
+/// zstd level data at rest is brought to in a zstd volume that names none (the
+/// recompressor's, while the volume is idle; `FormatOptions::rest_level`). Why 6: on 64 KiB
+/// units of a /usr tar it keeps 99 % of level 9's reduction (2.275× against 2.288×, level 1
+/// 2.149×) and compresses at several times level 9's speed; decoding is as fast as level
+/// 1's, so reads pay nothing for it.
+pub const REST_LEVEL_DEFAULT: i8 = 6;
 
 impl Compression {
     /// On-disk code.
@@ -241,6 +247,11 @@ pub struct FormatOptions {
     /// zstd level (`ZSTD_LEVEL_MIN..=ZSTD_LEVEL_MAX`); 0 picks `ZSTD_LEVEL_DEFAULT`.
     /// Ignored by the other codecs.
     pub compression_level: i8,
+    /// zstd level the recompressor brings data at rest to while the volume is idle (zstd
+    /// volumes only; `1..=ZSTD_LEVEL_MAX`): writes compress fast at `compression_level`,
+    /// and an idle volume compresses them again, harder, once. `Some(0)`: off (data stays
+    /// as written). `None`: `REST_LEVEL_DEFAULT` in a zstd volume, off otherwise.
+    pub rest_level: Option<i8>,
     /// Deduplicate writes.
     pub dedup: bool,
     /// Upper bound on the in-memory part of the fingerprint index (the volume index).
@@ -276,6 +287,7 @@ impl Default for FormatOptions {
             logical_size_bytes: 1 << 30,
             compression: Compression::default(),
             compression_level: 0,
+            rest_level: None,
             dedup: true,
             index_memory_bytes: 64 << 20,
             dedup_window_bytes: None,
@@ -300,6 +312,15 @@ pub const DEDUP_WINDOW_BYTES_MAX: u64 = 32768 * 256 * 101 * BLOCK_SIZE_U64;
 pub const INDEX_MEMORY_BYTES_MIN: u64 = 64 << 10;
 
 impl FormatOptions {
+    /// The rest level this volume gets (0: off): see `rest_level`.
+    pub fn effective_rest_level(&self) -> i8 {
+        match (self.rest_level, self.compression) {
+            (Some(l), _) => l,
+            (None, Compression::Zstd) => REST_LEVEL_DEFAULT,
+            (None, _) => 0,
+        }
+    }
+
     /// Checks sizes before anything is written.
     pub fn validate(&self) -> Result<()> {
         if self.logical_size_bytes == 0 || !self.logical_size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
@@ -340,6 +361,21 @@ impl FormatOptions {
                     self.compression_level
                 )));
             }
+        }
+        match self.rest_level {
+            None | Some(0) => {}
+            Some(_) if self.compression != Compression::Zstd => {
+                return Err(Error::InvalidArgument(format!(
+                    "a rest level is a zstd level, but this volume compresses with {}",
+                    self.compression
+                )));
+            }
+            Some(l) if !(1..=ZSTD_LEVEL_MAX).contains(&l) => {
+                return Err(Error::InvalidArgument(format!(
+                    "rest level {l} must be between 1 and {ZSTD_LEVEL_MAX} (0: off)"
+                )));
+            }
+            Some(_) => {}
         }
         let slab = self.slab_size_bytes;
         if !((1 << 20)..=(1 << 35)).contains(&slab) || !slab.is_power_of_two() {

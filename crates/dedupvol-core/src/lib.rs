@@ -44,8 +44,8 @@ pub use check::scrub::{ScrubDamage, ScrubOptions, ScrubReport, ScrubStatus};
 pub use check::{check_volume, check_volume_with, CheckOptions, CheckReport, IndexAudit, LostRange, Problem};
 pub use config::{
     compression_name, effective_level, parse_compression, parse_size, Compression, DedupVerify, FormatOptions,
-    IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy, BLOCK_SIZE, TIER_FILL_PERCENT_DEFAULT,
-    TIER_PROMOTE_REFCOUNT_DEFAULT, ZSTD_LEVEL_DEFAULT, ZSTD_LEVEL_MAX, ZSTD_LEVEL_MIN,
+    IndexMode, OpenOptions, TierDevice, TierOptions, WritePolicy, BLOCK_SIZE, REST_LEVEL_DEFAULT,
+    TIER_FILL_PERCENT_DEFAULT, TIER_PROMOTE_REFCOUNT_DEFAULT, ZSTD_LEVEL_DEFAULT, ZSTD_LEVEL_MAX, ZSTD_LEVEL_MIN,
 };
 pub use dedup::index::IndexRebuild;
 pub use dedup::predictor::PredictorStats;
@@ -104,6 +104,7 @@ pub fn incompressible(codec: Compression, block: &[u8]) -> bool {
 /// The on-disk format: its constants and the superblock decoder, for tools that inspect
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.
 pub mod format {
+    pub use crate::config::REST_LEVEL_DEFAULT;
     pub use crate::data::packer::RUN_BLOCKS_MAX;
     pub use crate::dedup::chapter::{
         CHAPTER_MAGIC, CHAPTER_PAGES_MAX, CHAPTER_PAGE_HEADER_BYTES, RECORDS_PER_PAGE, RECORD_BYTES, RING_CHAPTERS_MAX,
@@ -111,7 +112,7 @@ pub mod format {
     pub use crate::dedup::index::SPARSE_SAMPLE;
     pub use crate::dedup::volume_index::SLOT_BYTES as INDEX_SLOT_BYTES;
     pub use crate::io::RADOS_OBJECT_BYTES;
-    pub use crate::metadata::block_map::{MAP_ENTRY_BYTES, PAGE_HEADER_BYTES, UNIT_BLOCKS_MAX};
+    pub use crate::metadata::block_map::{FRAG_SETTLED, MAP_ENTRY_BYTES, PAGE_HEADER_BYTES, UNIT_BLOCKS_MAX};
     pub use crate::metadata::journal::{
         JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,
     };
@@ -122,8 +123,8 @@ pub mod format {
         STRIPE_PATH_BYTES_MAX, STRIPE_RECORD_OFFSET, STRIPE_UNIT_BLOCKS,
     };
     pub use crate::metadata::superblock::{
-        LifetimeRaw, Superblock, SuperblockRaw, FORMAT_VERSION, FORMAT_VERSION_STRIPED, LIFETIME_RECORD_OFFSET,
-        SUPERBLOCK_MAGIC,
+        LifetimeRaw, Superblock, SuperblockRaw, FORMAT_VERSION, FORMAT_VERSION_REST, FORMAT_VERSION_REST_STRIPED,
+        FORMAT_VERSION_STRIPED, LIFETIME_RECORD_OFFSET, SUPERBLOCK_MAGIC,
     };
     pub use crate::tier::layout::{
         SlotRecordRaw as TierSlotRecordRaw, TierHeaderRaw, TIER_FORMAT_VERSION, TIER_HEADER_BYTES, TIER_MAGIC,

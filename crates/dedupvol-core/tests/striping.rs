@@ -238,15 +238,23 @@ fn per_device_bytes_are_balanced_on_sequential_and_random_writes() {
     vol.close().expect("close");
 }
 
-/// A single-device volume keeps format version 2 and no stripe record: it reads as
-/// before, and a build that knows only version 2 still reads it.
+/// A single-device volume without a rest level keeps format version 2 and no stripe
+/// record: it reads as before, and a build that knows only version 2 still reads it. With
+/// the default rest level it is version 4, striped version 5 (a build that does not know
+/// settled fragments refuses them by the version).
 #[test]
 fn a_single_device_volume_keeps_version_2() {
     let dir = tempfile::tempdir().expect("tmp");
     let path = dir.path().join("one");
-    Volume::format_path(&path, Some(16 << 20), None, &opts(16 << 20), false).expect("format");
+    let no_rest = FormatOptions { rest_level: Some(0), ..opts(16 << 20) };
+    Volume::format_path(&path, Some(16 << 20), None, &no_rest, false).expect("format");
     let b = std::fs::read(&path).expect("read");
     assert_eq!(&b[12..16], &dedupvol_core::format::FORMAT_VERSION.to_le_bytes());
+    let rest = dir.path().join("rest");
+    Volume::format_path(&rest, Some(16 << 20), None, &opts(16 << 20), false).expect("format");
+    let r = std::fs::read(&rest).expect("read");
+    assert_eq!(&r[12..16], &dedupvol_core::format::FORMAT_VERSION_REST.to_le_bytes());
+    assert_eq!(r[211] as i8, dedupvol_core::format::REST_LEVEL_DEFAULT);
     let off = dedupvol_core::format::STRIPE_RECORD_OFFSET;
     assert!(b[off..off + 4].iter().all(|&x| x == 0), "no stripe record");
     let vol = open(&path).expect("open");
@@ -254,7 +262,7 @@ fn a_single_device_volume_keeps_version_2() {
     vol.close().expect("close");
     let (_d, striped) = striped_files(16 << 20);
     let b = std::fs::read(&striped[0]).expect("read");
-    assert_eq!(&b[12..16], &dedupvol_core::format::FORMAT_VERSION_STRIPED.to_le_bytes());
+    assert_eq!(&b[12..16], &dedupvol_core::format::FORMAT_VERSION_REST_STRIPED.to_le_bytes());
     assert_eq!(&b[off..off + 4], b"DVST");
 }
 

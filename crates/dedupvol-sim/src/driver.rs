@@ -343,6 +343,14 @@ impl RunConfig {
             index_mode: if r.gen_bool(0.3) { IndexMode::Sparse } else { IndexMode::Dense },
             ..FormatOptions::default()
         };
+        // Recompression at rest, from its own stream: zstd volumes get none, the level they
+        // write with (fragments are only marked settled) or a stronger one.
+        let mut format = format;
+        format.rest_level = Some(if format.compression == Compression::Zstd {
+            pick(&mut ChaCha8Rng::seed_from_u64(seed ^ 0x4E57_0000), &[0i8, 1, 6])
+        } else {
+            0
+        });
         let open = OpenOptions {
             read_only: false,
             write_policy: if r.gen_bool(0.15) {
@@ -443,7 +451,7 @@ impl RunConfig {
     /// One line describing the configuration.
     pub fn summary(&self) -> String {
         format!(
-            "{} data={}MiB meta={} logical={}KiB policy={:?}/{:?} comp={:?} dedup={} verify={:?} journal={}KiB bm_cache={}KiB writers={} crash_ppm={} woj={:?} woj_mask={:#x} faults={:?}",
+            "{} data={}MiB meta={} logical={}KiB policy={:?}/{:?} comp={:?} rest={} dedup={} verify={:?} journal={}KiB bm_cache={}KiB writers={} crash_ppm={} woj={:?} woj_mask={:#x} faults={:?}",
             if self.meta_dev { "two-device" } else { "one-device" },
             self.data_bytes >> 20,
             if self.meta_dev { format!("{}MiB", self.meta_bytes >> 20) } else { "shared".into() },
@@ -451,6 +459,7 @@ impl RunConfig {
             self.format.write_policy,
             self.open.write_policy,
             self.format.compression,
+            self.format.effective_rest_level(),
             self.format.dedup,
             self.format.verify,
             self.format.journal_size_bytes.unwrap_or(0) >> 10,
@@ -864,7 +873,9 @@ impl<E: SimEngine> Run<'_, E> {
             if self.vol.is_some() && !self.machine.is_crashed() && self.cleaner_rng.gen_range(0..100) < CLEAN_STEP_PCT {
                 self.op_clean()?;
             }
-            if self.opts.recompress
+            // Passes run when sessions store with the other codec, or when the volume has
+            // a rest level (every write then leaves data for them to settle).
+            if (self.opts.recompress || self.cfg.format.effective_rest_level() != 0)
                 && self.vol.is_some()
                 && !self.machine.is_crashed()
                 && self.recompress_rng.gen_range(0..100) < RECOMPRESS_STEP_PCT

@@ -53,17 +53,16 @@ pub struct FinalClean {
 pub struct FinalRecompress {
     /// Reduction at the end of the timed phase (deferred data stored with LZ4).
     pub reduction_before: f64,
-    /// Reduction once every fragment is in the volume's codec.
+    /// Reduction once every fragment is at rest (the volume's codec; settled at the rest
+    /// level when the volume has one).
     pub reduction_after: f64,
     /// Logical bytes compressed again.
     pub bytes_recompressed: u64,
+    /// Bytes the passes stored (their device writes of data).
+    pub bytes_written: u64,
     /// Seconds the passes took.
     pub seconds: f64,
 }
-
-/// Recompression passes the benchmark runs at most after its timed phase (each bounded by
-/// the pass's budget, 64 MiB).
-const RECOMPRESS_PASSES_MAX: usize = 4096;
 
 /// How often the engine run's cleaner looks at the dead-space hint, and the hint that
 /// starts a pass (as `serve` runs it).
@@ -131,6 +130,8 @@ pub struct BenchOptions {
     pub compression: Compression,
     /// Its level (zstd; 0 for the default).
     pub compression_level: i8,
+    /// Its rest level (`FormatOptions::rest_level`; None: the format default).
+    pub rest_level: Option<i8>,
     /// Write policy of the engine volume.
     pub write_policy: WritePolicy,
     /// Also run the no-reduction volume and raw-file baselines.
@@ -628,6 +629,7 @@ pub fn run_scenario(
     let fmt = FormatOptions {
         compression: opts.compression,
         compression_level: opts.compression_level,
+        rest_level: opts.rest_level,
         write_policy: opts.write_policy,
         index_memory_bytes: opts.index_memory_bytes,
         verify: opts.verify,
@@ -706,26 +708,20 @@ pub fn run_scenario(
                 live_estimate: live.finish().reduction_ratio,
             });
         }
-        if opts.defer_compression_micros > 0 {
-            // Deferred compression: what the idle volume's recompression reaches, untimed,
-            // reported beside the timed figures (passes until one finds nothing to do).
+        if opts.defer_compression_micros > 0 || fmt.effective_rest_level() != 0 {
+            // Deferred compression, or a rest level: what the idle volume's recompression
+            // reaches, untimed, reported beside the timed figures (passes until one finds
+            // nothing to do).
             let before_final = vol.stats();
             let t = std::time::Instant::now();
-            let mut bytes = 0u64;
-            for _ in 0..RECOMPRESS_PASSES_MAX {
-                let r = vol
-                    .recompress(&dedupvol_core::RecompressOptions::default())
-                    .map_err(|e| format!("recompression: {e}"))?;
-                bytes += r.bytes_recompressed;
-                if r.fragments_found == 0 {
-                    break;
-                }
-            }
-            vol.flush().map_err(|e| format!("flush: {e}"))?;
+            let r = vol
+                .settle(&dedupvol_core::RecompressOptions::default(), &|| false)
+                .map_err(|e| format!("recompression: {e}"))?;
             result.final_recompress = Some(FinalRecompress {
                 reduction_before: before_final.reduction_ratio,
                 reduction_after: vol.stats().reduction_ratio,
-                bytes_recompressed: bytes,
+                bytes_recompressed: r.bytes_recompressed,
+                bytes_written: r.bytes_after,
                 seconds: t.elapsed().as_secs_f64(),
             });
         }

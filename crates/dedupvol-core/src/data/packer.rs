@@ -211,7 +211,7 @@ pub fn decompress(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8]) -> Result<()>
             format!("{} for {want} bytes", out.len()),
         ));
     }
-    let codec = Compression::from_code(f.codec).unwrap_or(Compression::None);
+    let codec = f.compression().unwrap_or(Compression::None);
     let decoded = match codec {
         Compression::None => return Err(damaged(pbn, "a compression codec", format!("codec {}", f.codec))),
         Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| e.to_string()),
@@ -247,7 +247,7 @@ pub fn decompress(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8]) -> Result<()>
 /// blocks decode whole.
 pub fn decompress_prefix(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8]) -> Result<()> {
     let unit = f.unit_blocks() * BLOCK_SIZE;
-    if out.len() == unit || Compression::from_code(f.codec) != Some(Compression::Zstd) {
+    if out.len() == unit || f.compression() != Some(Compression::Zstd) {
         if out.len() == unit {
             return decompress(pbn, f, frag, out);
         }

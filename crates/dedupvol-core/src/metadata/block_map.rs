@@ -53,13 +53,19 @@ pub const STATE_FRAGMENT: u8 = 3;
 /// Logical blocks one compressed unit (an extent) holds at most (64 KiB).
 pub const UNIT_BLOCKS_MAX: u8 = 16;
 
+/// Bit of a fragment's codec byte marking it settled: compressed again by the
+/// recompressor at the volume's rest level (format versions 4 and 5), so no later pass
+/// takes it. The low bits are the codec (`Compression::code`); the mark changes nothing
+/// about how the fragment decodes.
+pub const FRAG_SETTLED: u8 = 0x80;
+
 /// Where a compressed fragment lies and what it decodes to. A fragment is a byte range
 /// that starts `off` bytes into its first physical block and may run on into the
 /// following blocks; it decodes to `unit_blocks()` logical blocks, of which the entry's
 /// block is number `sub()`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub struct Frag {
-    /// Codec of the fragment (`Compression::code`).
+    /// Codec of the fragment (`Compression::code`), with `FRAG_SETTLED` when settled.
     pub codec: u8,
     /// Low nibble: blocks in the unit minus one; high nibble: this block's index in it.
     pub unit: u8,
@@ -74,6 +80,14 @@ impl Frag {
     pub fn new(codec: u8, off: u16, len: u16, blocks: u8, sub: u8) -> Self {
         debug_assert!((1..=UNIT_BLOCKS_MAX).contains(&blocks) && sub < blocks && usize::from(off) < BLOCK_SIZE);
         Frag { codec, unit: (blocks - 1) | (sub << 4), off, len }
+    }
+    /// The codec the fragment decodes with (None: not a known codec).
+    pub fn compression(&self) -> Option<crate::config::Compression> {
+        crate::config::Compression::from_code(self.codec & !FRAG_SETTLED)
+    }
+    /// Compressed again at the volume's rest level (`FRAG_SETTLED`).
+    pub fn settled(&self) -> bool {
+        self.codec & FRAG_SETTLED != 0
     }
     /// Logical blocks the unit decodes to.
     pub fn unit_blocks(&self) -> usize {
@@ -189,9 +203,7 @@ impl MapEntry {
                         frag.sub(),
                         frag.unit_blocks()
                     ))
-                } else if crate::config::Compression::from_code(frag.codec)
-                    .is_none_or(|c| c == crate::config::Compression::None)
-                {
+                } else if frag.compression().is_none_or(|c| c == crate::config::Compression::None) {
                     Err(format!("fragment codec {}", frag.codec))
                 } else {
                     Ok(e)
@@ -573,6 +585,7 @@ mod tests {
             MapEntry::raw((1 << 40) - 1, 0xdead_beef),
             MapEntry::fragment(7, Frag::new(2, 4095, 65535, 16, 15), 1),
             MapEntry::fragment(9, Frag::new(1, 0, 1, 1, 0), 2),
+            MapEntry::fragment(11, Frag::new(2 | FRAG_SETTLED, 100, 900, 4, 3), 3),
         ] {
             let mut b = [0u8; MAP_ENTRY_BYTES];
             e.encode(&mut b);
@@ -590,6 +603,14 @@ mod tests {
         assert!(MapEntry::decode(&b).is_ok());
         b[6] = 9;
         assert!(MapEntry::decode(&b).is_err());
+        // The settled mark on a known codec decodes; on none or an unknown one it does not.
+        b[6] = 2 | FRAG_SETTLED;
+        let settled = MapEntry::decode(&b).expect("settled zstd");
+        assert!(settled.frag.settled() && settled.frag.compression() == Some(crate::config::Compression::Zstd));
+        for c in [FRAG_SETTLED, 9 | FRAG_SETTLED] {
+            b[6] = c;
+            assert!(MapEntry::decode(&b).is_err(), "codec byte {c:#x}");
+        }
         b[6] = 2;
         b[7] = 0x21;
         assert!(MapEntry::decode(&b).is_err(), "block 2 of a unit of 2");

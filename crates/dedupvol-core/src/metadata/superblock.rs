@@ -15,6 +15,11 @@
 //!   version `FORMAT_VERSION` and no record, so it reads exactly as before, and a build
 //!   that knows only version 2 refuses a striped volume instead of reading its first
 //!   device as the whole data region.
+//! - A volume with a rest level (data at rest recompressed harder while idle, marked
+//!   `block_map::FRAG_SETTLED` in its fragments) has version `FORMAT_VERSION_REST`, or
+//!   `FORMAT_VERSION_REST_STRIPED` when striped, and its level in byte 211: a build that
+//!   does not know the mark refuses the volume by its version instead of failing on the
+//!   first marked entry. A volume without one keeps version 2 or 3 and byte 211 zero.
 
 use crate::config::{Compression, DedupVerify, IndexMode, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Corruption, Error, Result};
@@ -32,6 +37,10 @@ pub const FORMAT_VERSION: u32 = 2;
 /// The version of a volume striped over several data devices: version 2 plus the stripe
 /// record.
 pub const FORMAT_VERSION_STRIPED: u32 = 3;
+/// Version 2 plus a rest level (byte 211) and fragments marked settled.
+pub const FORMAT_VERSION_REST: u32 = 4;
+/// Version 3 (striped) plus a rest level and fragments marked settled.
+pub const FORMAT_VERSION_REST_STRIPED: u32 = 5;
 /// Offset of the checksum field.
 pub const SUPERBLOCK_CRC_OFFSET: usize = 8;
 /// Longest metadata-device path remembered in the superblock.
@@ -113,8 +122,10 @@ pub struct SuperblockRaw {
     /// zstd level as an i8 (0: `ZSTD_LEVEL_DEFAULT`, what volumes formatted before the
     /// field existed compressed with); 0 for other codecs.
     pub compression_level: u8,
+    /// zstd level data at rest is recompressed to, as an i8 (versions 4 and 5; 0: off).
+    pub rest_level: u8,
     /// Reserved, zero.
-    pub reserved1: [u8; 5],
+    pub reserved1: [u8; 4],
     /// Path of the metadata device at format time (a hint for `open_path`).
     pub meta_path: [u8; META_PATH_BYTES_MAX],
 }
@@ -177,6 +188,8 @@ pub struct Superblock {
     pub compression: Compression,
     /// zstd level (0: the default); 0 for other codecs.
     pub compression_level: i8,
+    /// zstd level of data at rest (0: off; see `FormatOptions::rest_level`).
+    pub rest_level: i8,
     /// Dedup on/off.
     pub dedup: bool,
     /// Verification mode.
@@ -222,7 +235,12 @@ impl Superblock {
         let raw = SuperblockRaw {
             magic: SUPERBLOCK_MAGIC,
             checksum: U32::new(0),
-            version: U32::new(if self.stripe.is_some() { FORMAT_VERSION_STRIPED } else { FORMAT_VERSION }),
+            version: U32::new(match (self.stripe.is_some(), self.rest_level != 0) {
+                (false, false) => FORMAT_VERSION,
+                (true, false) => FORMAT_VERSION_STRIPED,
+                (false, true) => FORMAT_VERSION_REST,
+                (true, true) => FORMAT_VERSION_REST_STRIPED,
+            }),
             uuid: self.uuid,
             generation: U64::new(self.generation),
             role,
@@ -255,7 +273,8 @@ impl Superblock {
             index_saved_entries: U64::new(self.index_saved_entries),
             meta_path_len: U16::new(n as u16),
             compression_level: self.compression_level.to_le_bytes()[0],
-            reserved1: [0; 5],
+            rest_level: self.rest_level.to_le_bytes()[0],
+            reserved1: [0; 4],
             meta_path,
         };
         let mut buf = vec![0u8; BLOCK_SIZE];
@@ -298,12 +317,14 @@ impl Superblock {
                     .to_string(),
             ));
         }
-        if raw.version.get() != FORMAT_VERSION && raw.version.get() != FORMAT_VERSION_STRIPED {
+        let version = raw.version.get();
+        if !(FORMAT_VERSION..=FORMAT_VERSION_REST_STRIPED).contains(&version) {
             return Err(Error::NotAVolume(format!(
-                "unsupported format version {} (this build reads versions {FORMAT_VERSION} and {FORMAT_VERSION_STRIPED})",
-                raw.version.get()
+                "unsupported format version {version} (this build reads versions {FORMAT_VERSION} to \
+                 {FORMAT_VERSION_REST_STRIPED})"
             )));
         }
+        let striped = version == FORMAT_VERSION_STRIPED || version == FORMAT_VERSION_REST_STRIPED;
         if raw.role == MEMBER_ROLE {
             // Block 0 of an extra data device: say which device it is.
             let what = match MemberHeader::decode(buf) {
@@ -355,6 +376,21 @@ impl Superblock {
                 format!("compression level {compression_level}"),
             ));
         }
+        // Byte 211 was reserved (zero) in versions 2 and 3.
+        let rest_level = i8::from_le_bytes([raw.rest_level]);
+        let rest_ok = if version >= FORMAT_VERSION_REST {
+            compression == Compression::Zstd && (1..=crate::config::ZSTD_LEVEL_MAX).contains(&rest_level)
+        } else {
+            rest_level == 0
+        };
+        if !rest_ok {
+            return Err(Error::corruption(
+                "superblock copy",
+                0,
+                format!("a rest level a version {version} {compression} volume can have"),
+                format!("rest level {rest_level}"),
+            ));
+        }
         let index_mode = IndexMode::from_code(raw.index_mode).ok_or_else(|| {
             Error::corruption("superblock copy", 0, "index mode 0 or 1", format!("index mode {}", raw.index_mode))
         })?;
@@ -375,7 +411,7 @@ impl Superblock {
             slab_blocks: raw.slab_blocks.get(),
         };
         geometry.validate()?;
-        let stripe = if raw.version.get() == FORMAT_VERSION_STRIPED {
+        let stripe = if striped {
             let s = StripeLayout::decode(buf)?;
             s.validate(&geometry)?;
             Some(s)
@@ -390,6 +426,7 @@ impl Superblock {
             generation: raw.generation.get(),
             compression,
             compression_level,
+            rest_level,
             dedup: raw.dedup != 0,
             verify: if raw.verify != 0 { DedupVerify::Hash } else { DedupVerify::Bytes },
             write_policy: if raw.write_policy != 0 { WritePolicy::Async } else { WritePolicy::Sync },
@@ -504,6 +541,7 @@ mod tests {
             generation: 3,
             compression: Compression::Zstd,
             compression_level: -3,
+            rest_level: 0,
             dedup: true,
             verify: DedupVerify::Bytes,
             write_policy: WritePolicy::Async,
@@ -534,6 +572,40 @@ mod tests {
             Err(Error::Corruption(Corruption { structure: "superblock copy", .. }))
         ));
         assert_eq!(Superblock::decode(&[0u8; 4096], 0).expect("blank"), None);
+    }
+
+    /// A rest level makes version 4 (a build that does not know settled fragments refuses
+    /// the volume by its version); byte 211 must agree with the version and the codec.
+    #[test]
+    fn a_rest_level_is_version_4_and_checked() {
+        let mut sb = sample();
+        sb.rest_level = 9;
+        let mut buf = sb.encode(0);
+        assert_eq!(buf[12..16], FORMAT_VERSION_REST.to_le_bytes());
+        assert_eq!(buf[211], 9);
+        assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
+        // A version 2 block with the byte set, and version 4 blocks with it out of range.
+        let mut cases: Vec<(u32, u8)> = vec![(FORMAT_VERSION, 9), (FORMAT_VERSION_REST, 0), (FORMAT_VERSION_REST, 20)];
+        cases.push((FORMAT_VERSION_REST, (-1i8).to_le_bytes()[0]));
+        for (version, level) in cases {
+            buf[12..16].copy_from_slice(&version.to_le_bytes());
+            buf[211] = level;
+            crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+            assert!(
+                matches!(Superblock::decode(&buf, 0), Err(Error::Corruption(_))),
+                "version {version} with rest level {level} accepted"
+            );
+        }
+        // A rest level on an LZ4 volume.
+        let mut lz4 = sample();
+        lz4.compression = Compression::Lz4;
+        lz4.compression_level = 0;
+        lz4.rest_level = 6;
+        assert!(Superblock::decode(&lz4.encode(0), 0).is_err());
+        // Unknown versions are refused by name.
+        buf[12..16].copy_from_slice(&6u32.to_le_bytes());
+        crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+        assert!(matches!(Superblock::decode(&buf, 0), Err(Error::NotAVolume(m)) if m.contains("version 6")));
     }
 
     /// Volumes formatted before the lifetime record existed hold zeros in the block's

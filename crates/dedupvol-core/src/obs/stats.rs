@@ -129,6 +129,9 @@ pub struct Stats {
     /// Its level (zstd; 0 for codecs without levels).
     #[serde(default)]
     pub compression_level: i8,
+    /// zstd level data at rest is recompressed to while idle (0: off).
+    #[serde(default)]
+    pub rest_level: i8,
     /// Dedup setting.
     pub dedup: bool,
     /// Verification mode.

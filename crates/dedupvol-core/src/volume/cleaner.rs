@@ -273,6 +273,8 @@ impl Volume {
             self.note_pressure(&st);
             let durable = st.journal.durable_seq();
             st.map.evict(durable)?;
+            drop(st);
+            self.commit_if_pressed()?;
         }
         {
             let mut st = self.state.lock();
@@ -341,25 +343,29 @@ impl Volume {
     fn store_blocks(&self, st: &mut super::state::State, blocks: &[u8]) -> Result<Option<(Vec<MapEntry>, u64)>> {
         let (codec, level) = self.volume_codec;
         let frag = packer::compress(codec, level, blocks);
-        self.store_unit(st, blocks, frag.as_deref())
+        self.store_unit(st, blocks, frag.as_deref(), false)
     }
 
-    /// Stores whole blocks already compressed with the volume's codec as `frag` (state
-    /// lock held), or raw when `frag` is None: see `store_blocks`.
+    /// Stores whole blocks already compressed as `frag` (state lock held), or raw when
+    /// `frag` is None: see `store_blocks`. The fragment is of the volume's codec, or, when
+    /// `settled`, of the recompressor's target codec and marked settled.
     pub(super) fn store_unit(
         &self,
         st: &mut super::state::State,
         blocks: &[u8],
         frag: Option<&[u8]>,
+        settled: bool,
     ) -> Result<Option<(Vec<MapEntry>, u64)>> {
         let n = blocks.len() / BLOCK_SIZE;
-        let codec = self.volume_codec.0;
+        let code = if settled {
+            self.rest_target().0.code() | crate::metadata::block_map::FRAG_SETTLED
+        } else {
+            self.volume_codec.0.code()
+        };
         if let Some(frag) = frag {
             let Some((pbn, off)) = self.pack(st, frag)? else { return Ok(None) };
             let entries = (0..n)
-                .map(|sub| {
-                    MapEntry::fragment(pbn, Frag::new(codec.code(), off, frag.len() as u16, n as u8, sub as u8), 0)
-                })
+                .map(|sub| MapEntry::fragment(pbn, Frag::new(code, off, frag.len() as u16, n as u8, sub as u8), 0))
                 .collect();
             return Ok(Some((entries, frag.len() as u64)));
         }
@@ -396,7 +402,7 @@ pub struct CleanerOptions {
     pub clean: CleanOptions,
     /// Recompression passes while the volume is idle (None: never).
     pub recompress: Option<super::recompress::RecompressOptions>,
-    /// No client write for this long makes the volume idle.
+    /// No client write or read for this long makes the volume idle.
     pub idle: Duration,
     /// Share of wall-clock time passes may take while clients write and space is not
     /// short (`Volume::space_short`); 1.0 or more: unpaced. An idle volume or one short of
@@ -405,8 +411,8 @@ pub struct CleanerOptions {
 }
 
 /// A cleaner thread for a shared volume: every `interval` it runs a pass when the
-/// dead-space hint reaches `trigger_bytes`, and, once no client has written for `idle`,
-/// recompression passes while data of another codec is left. Stops when dropped or when
+/// dead-space hint reaches `trigger_bytes`, and, once no client has written or read for
+/// `idle`, recompression passes while data not at rest is left. Stops when dropped or when
 /// the volume goes.
 pub struct Cleaner {
     stop: Arc<AtomicBool>,
@@ -437,9 +443,12 @@ impl Cleaner {
         let handle = std::thread::Builder::new()
             .name("dedupvol-cleaner".into())
             .spawn(move || {
-                // Client writes seen at the last look, and since when they stand still.
+                // Client writes seen at the last look (cleaning is paced while they come);
+                // writes and reads together, and since when they stand still (idle work
+                // waits for both).
                 let mut writes: Option<u64> = None;
-                let mut quiet_since = Instant::now();
+                let mut io: Option<(u64, u64)> = None;
+                let mut idle_since = Instant::now();
                 // Pacing: the next pass under client load waits until then.
                 let mut not_before = Instant::now();
                 while !flag.load(Ordering::Acquire) {
@@ -449,7 +458,12 @@ impl Cleaner {
                     let busy = writes != Some(now);
                     if busy {
                         writes = Some(now);
-                        quiet_since = Instant::now();
+                    }
+                    let now_io = (now, v.reads_served.load(Ordering::Relaxed));
+                    let any_io = io != Some(now_io);
+                    if any_io {
+                        io = Some(now_io);
+                        idle_since = Instant::now();
                     }
                     if v.dead_bytes_hint() >= opts.trigger_bytes
                         && (!busy || Instant::now() >= not_before || v.space_short())
@@ -461,8 +475,8 @@ impl Cleaner {
                         not_before = Instant::now() + pause_after(t0.elapsed(), opts.duty);
                     }
                     let Some(ro) = &opts.recompress else { continue };
-                    if !busy
-                        && quiet_since.elapsed() >= opts.idle
+                    if !any_io
+                        && idle_since.elapsed() >= opts.idle
                         && v.recompress_hint() > 0
                         && v.recompress(ro).is_err()
                     {

@@ -40,6 +40,20 @@ impl Volume {
         Ok((batch, ticket, pages))
     }
 
+    /// Commits what is pending once the journal's pending entries reached the commit point
+    /// (`journal_pressure`; no state lock held). Client writes do this after each request
+    /// (`after_write`); background passes (the cleaner, the recompressor) remap many blocks
+    /// with no client write to commit them, so they call this after each hold: without
+    /// it, a pass over gigabytes piles up more entries than the journal holds, and the
+    /// commit that finally comes fails the volume (journal overflow).
+    pub(crate) fn commit_if_pressed(&self) -> Result<()> {
+        if !self.journal_pressure.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let target = self.state.lock().journal.last_assigned_seq();
+        self.commit_to(target)
+    }
+
     /// Records whether pending journal entries call for a commit (state lock held).
     pub(crate) fn note_pressure(&self, st: &State) {
         let full = st.journal.pending_len() >= st.journal.pending_entries_max();

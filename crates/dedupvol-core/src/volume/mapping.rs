@@ -50,7 +50,7 @@ impl Volume {
         if let Some(f) = old.fragment_of() {
             st.red.dead_fragment_bytes_hint += u64::from(f.len);
         }
-        if let Some(f) = new.fragment_of().filter(|f| f.codec != self.volume_codec.0.code()) {
+        if let Some(f) = new.fragment_of().filter(|f| !self.at_rest(f)) {
             st.fast_codec_hint = st.fast_codec_hint.saturating_add(u64::from(f.len));
         }
         if old.is_data() {

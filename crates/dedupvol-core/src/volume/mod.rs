@@ -108,6 +108,12 @@ pub struct Volume {
     /// The volume's codec and level in effect (the superblock's): what the cleaner and the
     /// recompressor store with, and what a fragment of another codec is brought to.
     pub(crate) volume_codec: (Compression, i8),
+    /// zstd level data at rest is brought to (the superblock's; 0: off): with it on, the
+    /// recompressor's target is a zstd fragment marked settled, not the volume's codec.
+    pub(crate) rest_level: i8,
+    /// Client read calls served (`read`, `read_shared`): the cleaner thread spends idle
+    /// work only when neither reads nor writes came lately.
+    pub(crate) reads_served: std::sync::atomic::AtomicU64,
     /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
     pub(crate) cache_writes: bool,
     /// Largest extent formed, in blocks (`OpenOptions::extent_blocks_max`).
@@ -202,6 +208,7 @@ impl Volume {
     /// Reads `buf.len()` bytes at byte `offset`.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
+        self.reads_served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.read_range(offset, buf)
     }
 
@@ -213,6 +220,7 @@ impl Volume {
     /// blocks is read into `buf` with every part None.
     pub fn read_shared(&self, offset: u64, buf: &mut [u8], parts: &mut Vec<Option<Arc<[u8]>>>) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
+        self.reads_served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         parts.clear();
         // Block size is a power of two: a low bit set in either means a partial block.
         if (offset | buf.len() as u64) & (BLOCK_SIZE_U64 - 1) != 0 {

@@ -1,26 +1,34 @@
-//! The recompressor: brings data stored with another codec than the volume's (the fast
-//! codec, when compression could not keep up with a burst, or a session opened with
-//! `OpenOptions::store_codec`) to the volume's codec, so the volume ends at the ratio
-//! inline compression would have given. Built on the cleaner's machinery: the same bounded
-//! scan, the same checked reads, the same append to the open run and remap of mappings
-//! unchanged since the scan.
+//! The recompressor: brings data at rest to where the volume wants it, while the volume
+//! is idle. Two jobs, one pass:
+//! - data stored with another codec than the volume's (the fast codec, when compression
+//!   could not keep up with a burst, or a session opened with `OpenOptions::store_codec`)
+//!   is brought to the volume's codec, so the volume ends at the ratio inline compression
+//!   would have given;
+//! - in a volume with a rest level (`FormatOptions::rest_level`), every fragment not yet
+//!   settled is compressed again with zstd at that level and marked settled
+//!   (`block_map::FRAG_SETTLED`): writes pay for a fast level, data at rest gets a strong
+//!   one, once. Decoding costs the same at any zstd level, so reads lose nothing.
+//!
+//! Built on the cleaner's machinery: the same bounded scan, the same checked reads, the
+//! same append to the open run and remap of mappings unchanged since the scan.
 //!
 //! A pass: (1) scans the block map in holds of `SCAN_LBAS_PER_HOLD` entries, collecting
-//! every fragment whose codec is not the volume's (at most `FOUND_MAX`); (2) groups them:
+//! every fragment not at rest (`Volume::at_rest`; at most `FOUND_MAX`); (2) groups them:
 //! a unit whose blocks are each mapped once, by consecutive logical blocks in unit order,
 //! is *linear*, and linear units that follow each other logically are merged into one run
 //! and cut again into near-equal units of at most `extent_blocks_max` blocks, as the write
-//! path cuts a run of chunks (so data stored as single blocks becomes extents again); any
-//! other unit (shared by duplicates, or with dead blocks) is a group of its own, its live
-//! blocks; (3) reads and decodes each group's fragments and checks every block against
-//! its mappings' crcs, then compresses the group with the volume's codec (no lock);
-//! (4) under the state lock, appends the new unit to the open run (or stores its blocks
-//! raw when the codec cannot shrink it), remaps every logical block still mapped exactly
-//! as scanned, and records the new copies in the index.
+//! path cuts a run of chunks (so data stored as single blocks, such as random overwrites,
+//! becomes extents again); any other unit (shared by duplicates, or with dead blocks) is a
+//! group of its own, its live blocks; (3) reads and decodes each group's fragments and
+//! checks every block against its mappings' crcs, then compresses the group with the
+//! target codec and level (no lock; the groups of a hold side by side on the volume's
+//! pool); (4) under the state lock, appends the new unit to the open run (or stores its
+//! blocks raw when the codec cannot shrink it), remaps every logical block still mapped
+//! exactly as scanned, and records the new copies in the index.
 //!
 //! Decision, per fragment found by the scan:
 //!
-//! | codec is the volume's | its blocks in the open run or `Staging` | unit linear | group |
+//! | at rest | its blocks in the open run or `Staging` | unit linear | group |
 //! |---|---|---|---|
 //! | yes | – | – | not taken |
 //! | no | yes | – | not taken (next pass: it is written by then) |
@@ -37,9 +45,13 @@
 //!   every block of it that a mapping uses decoded to that mapping's crc.
 //! - A group's new unit holds exactly its blocks, in the order the remap assumes, and at
 //!   most `UNIT_BLOCKS_MAX` of them (asserted: blocks × 4 KiB = the bytes compressed).
+//! - Every mapping of one stored fragment carries the same entry bits (the mark
+//!   included): the mark is set only by storing a new fragment, never on a mapping alone,
+//!   so the scan sees all or none of a fragment's mappings.
+//! - A settled fragment is never taken again (with the rest level on, it is at rest).
 //! - The first idle pass after an open reads the whole block map once (what an earlier
-//!   session left in another codec is not known); later passes run only when new
-//!   mappings of another codec were made (`State::fast_codec_hint`).
+//!   session left is not known); later passes run only when new mappings not at rest
+//!   were made (`State::fast_codec_hint`).
 //! - A pass compresses at most `RecompressOptions::budget_bytes` logical bytes (at least
 //!   one group) and holds the state lock for at most `SCAN_LBAS_PER_HOLD` map entries or
 //!   `GROUPS_PER_HOLD` groups at a time.
@@ -47,10 +59,11 @@
 
 use super::cleaner::Found;
 use super::Volume;
+use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::data::packer;
 use crate::error::Result;
-use crate::metadata::block_map::MapEntry;
+use crate::metadata::block_map::{Frag, MapEntry};
 use std::collections::BTreeMap;
 
 /// Map entries read per state-lock hold while scanning.
@@ -69,8 +82,10 @@ pub struct RecompressOptions {
 
 impl Default for RecompressOptions {
     fn default() -> Self {
-        // 64 MiB: about a tenth of a second of zstd-1 on one core.
-        RecompressOptions { budget_bytes: 64 << 20 }
+        // 32 MiB: about a tenth of a second of zstd-1 on one core, and under half a second
+        // of zstd-6 (the default rest level) on two: a client that comes back waits for
+        // at most that before the idle work yields.
+        RecompressOptions { budget_bytes: 32 << 20 }
     }
 }
 
@@ -79,7 +94,7 @@ impl Default for RecompressOptions {
 pub struct RecompressReport {
     /// Logical blocks scanned.
     pub scanned_blocks: u64,
-    /// Fragments of another codec found.
+    /// Fragments not at rest found (another codec, or not settled).
     pub fragments_found: u64,
     /// Fragments replaced.
     pub fragments_recompressed: u64,
@@ -92,7 +107,7 @@ pub struct RecompressReport {
     /// Logical blocks remapped.
     pub blocks_remapped: u64,
     /// True when the pass stopped on its budget (or its collection bound) with fragments
-    /// of another codec left.
+    /// not at rest left.
     pub more: bool,
 }
 
@@ -199,8 +214,27 @@ fn group(found: Vec<Found>, extent_max: usize) -> Vec<Group> {
 }
 
 impl Volume {
-    /// Fragment bytes of another codec than the volume's mapped since the last pass that
-    /// found none (`u64::MAX`: not known since the open). Zero: a pass has nothing to do.
+    /// True when fragment `f` is where the recompressor brings data: zstd marked settled
+    /// in a volume with a rest level, else the volume's codec (marked or not).
+    pub(crate) fn at_rest(&self, f: &Frag) -> bool {
+        if self.rest_level != 0 {
+            f.settled() && f.compression() == Some(Compression::Zstd)
+        } else {
+            f.compression() == Some(self.volume_codec.0)
+        }
+    }
+
+    /// The codec, level and mark the recompressor stores with.
+    pub(super) fn rest_target(&self) -> (Compression, i8, bool) {
+        if self.rest_level != 0 {
+            (Compression::Zstd, self.rest_level, true)
+        } else {
+            (self.volume_codec.0, self.volume_codec.1, false)
+        }
+    }
+
+    /// Fragment bytes not at rest mapped since the last pass that found none (`u64::MAX`:
+    /// not known since the open). Zero: a pass has nothing to do.
     pub fn recompress_hint(&self) -> u64 {
         self.state.lock().fast_codec_hint
     }
@@ -209,7 +243,7 @@ impl Volume {
     /// without compression, do nothing.
     pub fn recompress(&self, opts: &RecompressOptions) -> Result<RecompressReport> {
         let mut report = RecompressReport::default();
-        let (codec, level) = self.volume_codec;
+        let (codec, level, settle) = self.rest_target();
         if self.read_only {
             return Ok(report);
         }
@@ -217,14 +251,13 @@ impl Volume {
             let mut st = self.state.lock();
             // Mappings made from here on count towards the next pass.
             st.fast_codec_hint = 0;
-            if codec == crate::config::Compression::None {
+            if codec == Compression::None {
                 // Nothing to bring anything to: fragments of any codec stay as they are.
                 return Ok(report);
             }
             st.red.recompress_passes += 1;
         }
         // (1) The map, in chunks.
-        let target = codec.code();
         let mut frags: BTreeMap<(u64, u16), Found> = BTreeMap::new();
         let mut lba = 0;
         while lba < self.logical_blocks() {
@@ -232,7 +265,7 @@ impl Volume {
             let mut st = self.state.lock();
             for l in lba..end {
                 let Ok(e) = st.map.get(l) else { continue };
-                let Some(f) = e.fragment_of().filter(|f| f.codec != target) else { continue };
+                let Some(f) = e.fragment_of().filter(|f| !self.at_rest(f)) else { continue };
                 if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
                     report.more = true;
                     continue;
@@ -271,7 +304,7 @@ impl Volume {
                 break;
             }
             let batch: Vec<Group> = groups.by_ref().take(GROUPS_PER_HOLD).collect();
-            let ready: Vec<Option<Ready>> = batch.iter().map(|g| self.read_group(g, codec, level)).collect();
+            let ready = self.read_groups(&batch, codec, level);
             let mut st = self.state.lock();
             for (g, ready) in batch.iter().zip(ready) {
                 let Some(Ready { blocks, frag, hashes }) = ready else { continue };
@@ -295,7 +328,9 @@ impl Volume {
                 if still.iter().all(Vec::is_empty) {
                     continue;
                 }
-                let Some((entries, stored)) = self.store_unit(&mut st, &blocks, frag.as_deref())? else { continue };
+                let Some((entries, stored)) = self.store_unit(&mut st, &blocks, frag.as_deref(), settle)? else {
+                    continue;
+                };
                 report.bytes_after += stored;
                 report.bytes_recompressed += blocks.len() as u64;
                 // Block `at + k` of the new unit is block `subs[k]` of member `m`.
@@ -319,6 +354,8 @@ impl Volume {
             self.note_pressure(&st);
             let durable = st.journal.durable_seq();
             st.map.evict(durable)?;
+            drop(st);
+            self.commit_if_pressed()?;
         }
         let mut st = self.state.lock();
         st.red.recompress_fragments += report.fragments_recompressed;
@@ -331,10 +368,53 @@ impl Volume {
         Ok(report)
     }
 
-    /// A group's blocks, decoded and checked, compressed with the volume's codec (no
+    /// Recompression passes until one finds nothing left to take, each followed by a
+    /// flush (which also writes the open run, so fragments waiting in it are taken by the
+    /// next pass): brings a whole volume to rest, as `import --settle` and the benchmarks
+    /// do. `stop` is asked between passes. Returns the passes' reports summed; `more` says
+    /// work was left (stopped, or two passes in a row took nothing: fragments that fail
+    /// their checks stay where they are, for scrub to report).
+    pub fn settle(&self, opts: &RecompressOptions, stop: &dyn Fn() -> bool) -> Result<RecompressReport> {
+        let mut total = RecompressReport::default();
+        let mut idle_passes = 0;
+        loop {
+            let r = self.recompress(opts)?;
+            total.scanned_blocks += r.scanned_blocks;
+            total.fragments_found += r.fragments_found;
+            total.fragments_recompressed += r.fragments_recompressed;
+            total.bytes_recompressed += r.bytes_recompressed;
+            total.bytes_before += r.bytes_before;
+            total.bytes_after += r.bytes_after;
+            total.blocks_remapped += r.blocks_remapped;
+            self.flush()?;
+            idle_passes = if r.fragments_recompressed == 0 { idle_passes + 1 } else { 0 };
+            total.more = r.fragments_found > 0;
+            if r.fragments_found == 0 || idle_passes >= 2 || stop() {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// `read_group` of each group, side by side on the volume's pool (no lock).
+    fn read_groups(&self, batch: &[Group], codec: Compression, level: i8) -> Vec<Option<Ready>> {
+        let mut out: Vec<Option<Ready>> = batch.iter().map(|_| None).collect();
+        {
+            let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = batch
+                .iter()
+                .zip(out.iter_mut())
+                .map(|(g, slot)| {
+                    Box::new(move || *slot = self.read_group(g, codec, level)) as Box<dyn FnOnce() + Send + '_>
+                })
+                .collect();
+            crate::pipeline::executor::Executor::run_all(&*self.exec, jobs);
+        }
+        out
+    }
+
+    /// A group's blocks, decoded and checked, compressed with the target codec (no
     /// lock); None when a member cannot be read or fails its check (the group then stays
     /// where it is, for the next pass or for scrub to report).
-    fn read_group(&self, g: &Group, codec: crate::config::Compression, level: i8) -> Option<Ready> {
+    fn read_group(&self, g: &Group, codec: Compression, level: i8) -> Option<Ready> {
         let mut blocks = Vec::with_capacity(g.blocks() * BLOCK_SIZE);
         for (f, subs) in &g.members {
             let (_, unit) = self.decode_found(f)?;

@@ -158,6 +158,7 @@ impl Volume {
             block_map_cached_pages: st.map.cached_pages() as u64,
             compression: sb.compression,
             compression_level: crate::config::effective_level(sb.compression, sb.compression_level),
+            rest_level: sb.rest_level,
             dedup: sb.dedup,
             verify: sb.verify,
             write_policy: self.policy,

@@ -29,8 +29,7 @@ impl Volume {
             let target = self.state.lock().journal.last_assigned_seq().max(last_seq);
             self.commit_to(target)
         } else if pressure {
-            let target = self.state.lock().journal.last_assigned_seq();
-            self.commit_to(target)
+            self.commit_if_pressed()
         } else {
             Ok(())
         }
