@@ -23,9 +23,11 @@ echo "   $((size >> 20)) MiB"
 echo "== formatting $work/vol.img: 8 GiB logical on a 2 GiB file"
 $bin format "$work/vol.img" --logical-size 8G --physical-size 2G --force
 
-echo "== importing the tar twice (second copy at 4 GiB)"
+echo "== importing the tar twice (second copy at 4 GiB: all duplicates), then settling"
+echo "   (writes compress with zstd 1; the volume then compresses its data at rest once more"
+echo "   with zstd 6, as a served volume does by itself while idle)"
 $bin import "$work/vol.img" "$work/usr.tar"
-$bin import "$work/vol.img" "$work/usr.tar" --offset 4G
+$bin import "$work/vol.img" "$work/usr.tar" --offset 4G --settle
 
 echo "== stats"
 $bin stats "$work/vol.img"

@@ -373,3 +373,45 @@ fn a_pass_larger_than_the_journal_commits_as_it_goes() {
     read_back(&vol, &d);
     close_and_check(dev, vol);
 }
+
+/// Idle work waits for reads too: while a client keeps reading, the cleaner thread does
+/// not settle (it would take the CPU from a read-only load); once reads stop it does.
+#[test]
+fn reads_hold_off_settling_until_they_stop() {
+    let d = data(1024, 31);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format_rest(&dev, 64 << 20, 6);
+    let vol = Arc::new(open(&dev, None));
+    write_all(&vol, &d, 128 << 10);
+    let cleaner = Cleaner::spawn_with(
+        &vol,
+        CleanerOptions {
+            interval: Duration::from_millis(20),
+            trigger_bytes: u64::MAX,
+            clean: CleanOptions::default(),
+            recompress: Some(RecompressOptions { budget_bytes: 1 << 20 }),
+            // Long beside the reads' pace: a reader would have to stall a whole second.
+            idle: Duration::from_secs(1),
+            duty: dedupvol_core::CLEANER_DUTY_DEFAULT,
+        },
+    )
+    .expect("spawn");
+    let reading_until = Instant::now() + Duration::from_secs(3);
+    let mut buf = vec![0u8; B];
+    let mut k = 0usize;
+    while Instant::now() < reading_until {
+        vol.read(((k % 1024) * B) as u64, &mut buf).expect("read");
+        k += 1;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(vol.stats().counters.recompress_bytes, 0, "settled while a client was reading");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while vol.recompress_hint() > 0 || vol.stats().counters.recompress_bytes == 0 {
+        assert!(Instant::now() < deadline, "not settled in 60 s after reads stopped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(cleaner);
+    read_back(&vol, &d);
+    let vol = Arc::into_inner(vol).expect("the thread let the volume go");
+    close_and_check(dev, vol);
+}
