@@ -415,3 +415,35 @@ fn reads_hold_off_settling_until_they_stop() {
     let vol = Arc::into_inner(vol).expect("the thread let the volume go");
     close_and_check(dev, vol);
 }
+
+/// A fragment the rest level cannot shrink enough is settled where it is: with the rest
+/// level equal to the write level nothing is written again, only marked; no block more is
+/// used, every byte reads back, and a duplicate written afterwards shares the marked
+/// fragment (the index records name the marked entries: else the next pass would find
+/// the duplicate's mapping unmarked and store its block again).
+#[test]
+fn fragments_that_do_not_shrink_are_settled_in_place() {
+    let d = data(2048, 37);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format_rest(&dev, 64 << 20, 1);
+    let vol = open(&dev, None);
+    write_all(&vol, &d, 64 << 10);
+    let before = used(&vol);
+    let r = vol.settle(&RecompressOptions::default(), &|| false).expect("settle");
+    assert!(r.fragments_marked > 0 && r.blocks_marked > 0, "{r:?}");
+    assert_eq!(r.bytes_after, 0, "nothing worth writing again: {r:?}");
+    assert!(!r.more, "{r:?}");
+    assert_eq!(used(&vol), before);
+    read_back(&vol, &d);
+    // A duplicate of an extent, written after the marking.
+    let at = 1800 * B;
+    vol.write(at as u64, &d[..64 << 10], false).expect("duplicate");
+    vol.flush().expect("flush");
+    assert_eq!(used(&vol), before, "the duplicate is shared");
+    let again = vol.recompress(&RecompressOptions::default()).expect("pass");
+    assert_eq!(again.fragments_found, 0, "the duplicate's mappings carry the mark: {again:?}");
+    let mut want = d.clone();
+    want.copy_within(..64 << 10, at);
+    read_back(&vol, &want);
+    close_and_check(dev, vol);
+}

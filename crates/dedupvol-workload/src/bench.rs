@@ -60,6 +60,8 @@ pub struct FinalRecompress {
     pub bytes_recompressed: u64,
     /// Bytes the passes stored (their device writes of data).
     pub bytes_written: u64,
+    /// Fragments settled where they were (too little gain to write them again).
+    pub fragments_marked: u64,
     /// Seconds the passes took.
     pub seconds: f64,
 }
@@ -722,6 +724,7 @@ pub fn run_scenario(
                 reduction_after: vol.stats().reduction_ratio,
                 bytes_recompressed: r.bytes_recompressed,
                 bytes_written: r.bytes_after,
+                fragments_marked: r.fragments_marked,
                 seconds: t.elapsed().as_secs_f64(),
             });
         }

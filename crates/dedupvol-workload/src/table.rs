@@ -297,11 +297,12 @@ pub fn render_bench(r: &BenchReport) -> String {
             if let Some(fr) = &s.final_recompress {
                 out.push_str(&format!(
                     "  after the timed phase, recompression at rest: reduction {:.3}x -> {:.3}x \
-                     ({:.1} MiB recompressed, {:.1} MiB stored, in {:.2} s)\n",
+                     ({:.1} MiB recompressed, {:.1} MiB stored, {} fragments settled in place, in {:.2} s)\n",
                     fr.reduction_before,
                     fr.reduction_after,
                     fr.bytes_recompressed as f64 / 1048576.0,
                     fr.bytes_written as f64 / 1048576.0,
+                    fr.fragments_marked,
                     fr.seconds
                 ));
             }

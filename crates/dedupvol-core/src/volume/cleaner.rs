@@ -46,7 +46,7 @@ const SCAN_LBAS_PER_HOLD: u64 = 8192;
 /// Fragments moved per state-lock hold.
 const MOVES_PER_HOLD: usize = 64;
 /// Data blocks one pass considers at most (4 GiB of data): bounds its memory.
-const WINDOW_BLOCKS: u64 = 1 << 20;
+pub(super) const WINDOW_BLOCKS: u64 = 1 << 20;
 /// Mappings one pass collects at most; past it, the rest keep their fragments alive.
 const SCANNED_MAX: usize = 4 << 20;
 

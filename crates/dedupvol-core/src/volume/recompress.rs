@@ -24,7 +24,8 @@
 //! target codec and level (no lock; the groups of a hold side by side on the volume's
 //! pool); (4) under the state lock, appends the new unit to the open run (or stores its
 //! blocks raw when the codec cannot shrink it), remaps every logical block still mapped
-//! exactly as scanned, and records the new copies in the index.
+//! exactly as scanned, and records the new copies in the index; when settling, a group
+//! whose move would not pay (`MOVE_GAIN_DIVISOR`) is instead marked settled in place.
 //!
 //! Decision, per fragment found by the scan:
 //!
@@ -45,9 +46,12 @@
 //!   every block of it that a mapping uses decoded to that mapping's crc.
 //! - A group's new unit holds exactly its blocks, in the order the remap assumes, and at
 //!   most `UNIT_BLOCKS_MAX` of them (asserted: blocks × 4 KiB = the bytes compressed).
-//! - Every mapping of one stored fragment carries the same entry bits (the mark
-//!   included): the mark is set only by storing a new fragment, never on a mapping alone,
-//!   so the scan sees all or none of a fragment's mappings.
+//! - The mappings of one stored fragment carry the same entry bits, except that some may
+//!   carry the mark and others not yet: marks set in place (`mark_settled`) are separate
+//!   journal entries, so a crash between them, or a duplicate shared between a scan and
+//!   its marks, leaves a fragment partly marked. The scan then finds only the unmarked
+//!   mappings and a later pass marks them too; the mark never changes what a mapping
+//!   decodes to.
 //! - A settled fragment is never taken again (with the rest level on, it is at rest).
 //! - The first idle pass after an open reads the whole block map once (what an earlier
 //!   session left is not known); later passes run only when new mappings not at rest
@@ -63,7 +67,7 @@ use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::data::packer;
 use crate::error::Result;
-use crate::metadata::block_map::{Frag, MapEntry};
+use crate::metadata::block_map::{Frag, MapEntry, FRAG_SETTLED};
 use std::collections::BTreeMap;
 
 /// Map entries read per state-lock hold while scanning.
@@ -106,6 +110,11 @@ pub struct RecompressReport {
     pub bytes_after: u64,
     /// Logical blocks remapped.
     pub blocks_remapped: u64,
+    /// Fragments settled where they were (the rest level did not shrink them enough to be
+    /// worth writing again): their mappings only gained the mark.
+    pub fragments_marked: u64,
+    /// Mappings that gained the mark in place.
+    pub blocks_marked: u64,
     /// True when the pass stopped on its budget (or its collection bound) with fragments
     /// not at rest left.
     pub more: bool,
@@ -157,6 +166,66 @@ fn cut(run: usize, max: usize) -> Vec<usize> {
         left -= n;
     }
     out
+}
+
+/// Settling stores fragments again only where that pays, in one of two regimes chosen
+/// per pass from every fragment the scan found:
+/// - *compaction*, when the physical blocks those fragments touch hold at least
+///   1/`HOLEY_DIVISOR` more than their bytes (random overwrites left them scattered among
+///   dead ones, in blocks the cleaner leaves because they are more than half live): every
+///   group is stored again, so that once all have moved those blocks are free;
+/// - otherwise the groups of one hold (16 consecutive groups, for data written in
+///   sequence one stretch of the device) are stored again together when their new
+///   fragments save at least 1/`MOVE_GAIN_DIVISOR` of their bytes, and are marked settled
+///   where they are when not. Deciding per stretch, not per fragment, matters: a fragment
+///   moved out of blocks its neighbours keep alive frees nothing until they move too, so
+///   moving the few that gain among many that do not (generated or already dense data)
+///   would leave holes, and moving all of a stretch that gains nothing would write it
+///   again for nothing.
+const MOVE_GAIN_DIVISOR: u64 = 32;
+/// See `MOVE_GAIN_DIVISOR`.
+const HOLEY_DIVISOR: u64 = 8;
+
+/// True when the fragments found touch at least 1/`HOLEY_DIVISOR` more block bytes than
+/// they hold: the compaction regime of `MOVE_GAIN_DIVISOR`.
+fn holey(found: &[Found]) -> bool {
+    let bytes: u64 = found.iter().map(|f| u64::from(f.frag.len)).sum();
+    let mut touched: Vec<u64> = Vec::with_capacity(found.len() * 2);
+    for f in found {
+        let first = f.uses.first().map_or(0, |(_, e)| e.pbn);
+        touched.extend(first..first + f.frag.span());
+    }
+    touched.sort_unstable();
+    touched.dedup();
+    touched.len() as u64 * BLOCK_SIZE as u64 >= bytes + bytes / HOLEY_DIVISOR
+}
+
+/// True when group `g` may be marked settled in place: zstd units (another codec would
+/// not be at rest with the mark). Several units that a move would regroup into one are
+/// markable too (the regrouping is worth what it saves, like any move), and so is a unit
+/// only some of whose mappings were found: the others may carry the mark already (a
+/// crash between the marks of one fragment, or a duplicate shared between a scan and its
+/// marks), and marking the rest makes the fragment whole again.
+fn markable(g: &Group) -> bool {
+    g.members.iter().all(|(f, _)| f.frag.compression() == Some(Compression::Zstd))
+}
+
+/// Which groups of one hold a settling pass stores again (true) rather than marks in
+/// place (`MOVE_GAIN_DIVISOR`): every group that is not `markable`; the markable ones in
+/// the compaction regime, or when together they save at least 1/`MOVE_GAIN_DIVISOR` of
+/// their bytes; never one that would be stored raw (it keeps its smaller fragment).
+fn moves(batch: &[Group], ready: &[Option<Ready>], compaction: bool) -> Vec<bool> {
+    let new_len = |r: &Option<Ready>| r.as_ref().and_then(|r| r.frag.as_ref()).map(|f| f.len() as u64);
+    let old_len = |g: &Group| g.members.iter().map(|(f, _)| u64::from(f.frag.len)).sum::<u64>();
+    let (mut old, mut new) = (0u64, 0u64);
+    for (g, r) in batch.iter().zip(ready) {
+        if markable(g) {
+            old += old_len(g);
+            new += new_len(r).unwrap_or_else(|| old_len(g));
+        }
+    }
+    let pays = compaction || new + old / MOVE_GAIN_DIVISOR <= old;
+    batch.iter().zip(ready).map(|(g, r)| !markable(g) || (pays && new_len(r).is_some())).collect()
 }
 
 /// Groups the fragments found (see the module docs), in logical order.
@@ -295,6 +364,7 @@ impl Volume {
                 .collect()
         };
         // (2) Groups.
+        let compaction = settle && holey(&found);
         let groups = group(found, usize::from(self.extent_blocks_max));
         // (3) and (4), a few groups at a time.
         let mut groups = groups.into_iter().peekable();
@@ -305,8 +375,9 @@ impl Volume {
             }
             let batch: Vec<Group> = groups.by_ref().take(GROUPS_PER_HOLD).collect();
             let ready = self.read_groups(&batch, codec, level);
+            let moving = if settle { moves(&batch, &ready, compaction) } else { vec![true; batch.len()] };
             let mut st = self.state.lock();
-            for (g, ready) in batch.iter().zip(ready) {
+            for ((g, ready), moving) in batch.iter().zip(ready).zip(moving) {
                 let Some(Ready { blocks, frag, hashes }) = ready else { continue };
                 let n = blocks.len() / BLOCK_SIZE;
                 assert_eq!(n, g.blocks(), "a group's new unit holds exactly its blocks");
@@ -326,6 +397,13 @@ impl Volume {
                     still.push(s);
                 }
                 if still.iter().all(Vec::is_empty) {
+                    continue;
+                }
+                if !moving {
+                    // Settled where it is: the mark on its entries, no data written.
+                    report.blocks_marked += self.mark_settled(&mut st, g, &still, &hashes)?;
+                    report.fragments_marked += g.members.len() as u64;
+                    report.bytes_recompressed += blocks.len() as u64;
                     continue;
                 }
                 let Some((entries, stored)) = self.store_unit(&mut st, &blocks, frag.as_deref(), settle)? else {
@@ -370,8 +448,8 @@ impl Volume {
 
     /// Recompression passes until one finds nothing left to take, each followed by a
     /// flush (which also writes the open run, so fragments waiting in it are taken by the
-    /// next pass): brings a whole volume to rest, as `import --settle` and the benchmarks
-    /// do. `stop` is asked between passes. Returns the passes' reports summed; `more` says
+    /// next pass), then cleaner passes over the holes the moves left: brings a whole
+    /// volume to rest, as `import --settle` and the benchmarks do. `stop` is asked between passes. Returns the passes' reports summed; `more` says
     /// work was left (stopped, or two passes in a row took nothing: fragments that fail
     /// their checks stay where they are, for scrub to report).
     pub fn settle(&self, opts: &RecompressOptions, stop: &dyn Fn() -> bool) -> Result<RecompressReport> {
@@ -386,13 +464,61 @@ impl Volume {
             total.bytes_before += r.bytes_before;
             total.bytes_after += r.bytes_after;
             total.blocks_remapped += r.blocks_remapped;
+            total.fragments_marked += r.fragments_marked;
+            total.blocks_marked += r.blocks_marked;
             self.flush()?;
-            idle_passes = if r.fragments_recompressed == 0 { idle_passes + 1 } else { 0 };
+            idle_passes = if r.fragments_recompressed + r.fragments_marked == 0 { idle_passes + 1 } else { 0 };
             total.more = r.fragments_found > 0;
             if r.fragments_found == 0 || idle_passes >= 2 || stop() {
-                return Ok(total);
+                break;
             }
         }
+        if total.fragments_recompressed > 0 {
+            // Fragments moved out of blocks that others keep alive left holes there: the
+            // cleaner's passes (one per window of the data region) compact the blocks
+            // left at most half live, as the serving thread's cleaner would.
+            let windows = self.geo.data_blocks.div_ceil(super::cleaner::WINDOW_BLOCKS);
+            for _ in 0..windows {
+                if stop() {
+                    break;
+                }
+                self.clean(&super::cleaner::CleanOptions::default())?;
+                self.flush()?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Marks a group's fragments settled where they are (state lock held): every mapping
+    /// still as scanned gets the same entry with `FRAG_SETTLED` set, and the index records
+    /// of the group's blocks name the marked entries, so later duplicates share the marked
+    /// fragment. Only for zstd groups (`markable`). Returns the mappings marked.
+    fn mark_settled(
+        &self,
+        st: &mut super::state::State,
+        g: &Group,
+        still: &[Vec<(u64, MapEntry)>],
+        hashes: &[[u8; 32]],
+    ) -> Result<u64> {
+        let mut marked = 0;
+        for still in still {
+            for &(l, e) in still {
+                let to = MapEntry { frag: Frag { codec: e.frag.codec | FRAG_SETTLED, ..e.frag }, ..e };
+                self.apply_entry(st, l, to)?;
+                marked += 1;
+            }
+        }
+        // Block k of the group is block k - at of its member's unit (whole units, in order).
+        let mut hashes = hashes.iter();
+        for (f, subs) in &g.members {
+            let Some(&(_, e0)) = f.uses.first() else { continue };
+            for &sub in subs {
+                let Some(hash) = hashes.next() else { break };
+                let frag = Frag { codec: f.frag.codec | FRAG_SETTLED, ..f.frag.with_sub(sub) };
+                st.dedup.record(hash, &MapEntry::fragment(e0.pbn, frag, 0));
+            }
+        }
+        Ok(marked)
     }
 
     /// `read_group` of each group, side by side on the volume's pool (no lock).
