@@ -252,11 +252,12 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
         c.cleaner_blocks_remapped
     )?;
     outln!(
-        "recompression       {} passes, {} fragments, {} recompressed, {} saved",
+        "recompression       {} passes, {} fragments moved, {} recompressed, {} saved{}",
         c.recompress_passes,
         c.recompress_fragments,
         human(c.recompress_bytes),
-        human(c.recompress_bytes_saved)
+        human(c.recompress_bytes_saved),
+        if s.rest_level != 0 { format!(" (data at rest: zstd:{})", s.rest_level) } else { String::new() }
     )?;
     if let Some(sc) = &s.scrub {
         outln!(

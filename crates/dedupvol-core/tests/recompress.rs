@@ -138,6 +138,32 @@ fn recompress_all(vol: &Volume, budget: u64) -> (u64, u64, u64, u64) {
     }
 }
 
+/// A cleaner thread that looks every 20 ms, never cleans, and runs recompression passes
+/// of 1 MiB once no client has written or read for `idle`.
+fn recompressing_thread(vol: &Arc<Volume>, idle: Duration) -> Cleaner {
+    Cleaner::spawn_with(
+        vol,
+        CleanerOptions {
+            interval: Duration::from_millis(20),
+            trigger_bytes: u64::MAX,
+            clean: CleanOptions::default(),
+            recompress: Some(RecompressOptions { budget_bytes: 1 << 20 }),
+            idle,
+            duty: dedupvol_core::CLEANER_DUTY_DEFAULT,
+        },
+    )
+    .expect("spawn")
+}
+
+/// Reads `want` back, closes the volume, checks it is clean, and opens it again.
+fn reopened_clean(dev: &Arc<MemStorage>, vol: Volume, want: &[u8]) -> Volume {
+    read_back(&vol, want);
+    vol.close().expect("close");
+    let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
+    assert!(rep.is_clean(), "{:?}", rep.problems);
+    open(dev, None)
+}
+
 fn read_back(vol: &Volume, want: &[u8]) {
     let mut back = vec![0u8; want.len()];
     vol.read(0, &mut back).expect("read");
@@ -178,11 +204,7 @@ fn lz4_data_on_a_zstd_volume_ends_within_one_percent_of_inline_zstd() {
     assert_eq!(s.counters.recompress_bytes_saved, before - after);
     assert!(s.counters.recompress_passes >= passes);
     assert_eq!(vol.recompress_hint(), 0);
-    read_back(&vol, &d);
-    vol.close().expect("close");
-    let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
-    assert!(rep.is_clean(), "{:?}", rep.problems);
-    let vol = open(&dev, None);
+    let vol = reopened_clean(&dev, vol, &d);
     read_back(&vol, &d);
     vol.close().expect("close");
 }
@@ -263,18 +285,7 @@ fn the_cleaner_thread_recompresses_once_writes_stop() {
     format(&dev, 64 << 20);
     // The same session stores with LZ4 and runs the thread: the volume's codec is zstd.
     let vol = Arc::new(open(&dev, Some(Compression::Lz4)));
-    let cleaner = Cleaner::spawn_with(
-        &vol,
-        CleanerOptions {
-            interval: Duration::from_millis(20),
-            trigger_bytes: u64::MAX,
-            clean: CleanOptions::default(),
-            recompress: Some(RecompressOptions { budget_bytes: 1 << 20 }),
-            idle: Duration::from_millis(100),
-            duty: dedupvol_core::CLEANER_DUTY_DEFAULT,
-        },
-    )
-    .expect("spawn");
+    let cleaner = recompressing_thread(&vol, Duration::from_millis(100));
     write_all(&vol, &d, 128 << 10);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -291,6 +302,17 @@ fn the_cleaner_thread_recompresses_once_writes_stop() {
     read_back(&vol, &d);
     let vol = Arc::into_inner(vol).expect("the thread let the volume go");
     close_and_check(dev, vol);
+}
+
+/// A fresh 64 MiB volume with rest level `rest`, opened with its codec, holding
+/// `data(blocks, seed)` written in `request`-byte writes: the data, the device, the volume.
+fn rest_volume_with(blocks: usize, seed: u64, rest: i8, request: usize) -> (Vec<u8>, Arc<MemStorage>, Volume) {
+    let d = data(blocks, seed);
+    let dev = Arc::new(MemStorage::new(64 << 20));
+    format_rest(&dev, 64 << 20, rest);
+    let vol = open(&dev, None);
+    write_all(&vol, &d, request);
+    (d, dev, vol)
 }
 
 /// The volume's format version, from the superblock's first copy.
@@ -326,11 +348,7 @@ fn a_rest_level_settles_every_fragment_once() {
     assert!(bytes >= d.len() as u64 * 63 / 64 - (d.len() / 64) as u64, "nearly every block recompressed: {bytes}");
     assert!((end as f64) < inline as f64 * 0.98, "level 6 at rest: {end} blocks against {inline} at level 1");
     assert_eq!(vol.recompress_hint(), 0);
-    read_back(&vol, &d);
-    vol.close().expect("close");
-    let rep = check_volume(dev.clone() as Arc<dyn Storage>, None, false).expect("check");
-    assert!(rep.is_clean(), "{:?}", rep.problems);
-    let vol = open(&dev, None);
+    let vol = reopened_clean(&dev, vol, &d);
     let first = vol.recompress(&RecompressOptions::default()).expect("pass");
     assert_eq!(first.fragments_found, 0, "settled fragments are taken again: {first:?}");
     assert!(first.scanned_blocks > 0, "the first pass after an open reads the map");
@@ -378,24 +396,11 @@ fn a_pass_larger_than_the_journal_commits_as_it_goes() {
 /// not settle (it would take the CPU from a read-only load); once reads stop it does.
 #[test]
 fn reads_hold_off_settling_until_they_stop() {
-    let d = data(1024, 31);
-    let dev = Arc::new(MemStorage::new(64 << 20));
-    format_rest(&dev, 64 << 20, 6);
-    let vol = Arc::new(open(&dev, None));
-    write_all(&vol, &d, 128 << 10);
-    let cleaner = Cleaner::spawn_with(
-        &vol,
-        CleanerOptions {
-            interval: Duration::from_millis(20),
-            trigger_bytes: u64::MAX,
-            clean: CleanOptions::default(),
-            recompress: Some(RecompressOptions { budget_bytes: 1 << 20 }),
-            // Long beside the reads' pace: a reader would have to stall a whole second.
-            idle: Duration::from_secs(1),
-            duty: dedupvol_core::CLEANER_DUTY_DEFAULT,
-        },
-    )
-    .expect("spawn");
+    let (d, dev, vol) = rest_volume_with(1024, 31, 6, 128 << 10);
+    let vol = Arc::new(vol);
+    // Idle after a second: long beside the reads' pace (a reader would have to stall that
+    // long).
+    let cleaner = recompressing_thread(&vol, Duration::from_secs(1));
     let reading_until = Instant::now() + Duration::from_secs(3);
     let mut buf = vec![0u8; B];
     let mut k = 0usize;
@@ -423,11 +428,7 @@ fn reads_hold_off_settling_until_they_stop() {
 /// the duplicate's mapping unmarked and store its block again).
 #[test]
 fn fragments_that_do_not_shrink_are_settled_in_place() {
-    let d = data(2048, 37);
-    let dev = Arc::new(MemStorage::new(64 << 20));
-    format_rest(&dev, 64 << 20, 1);
-    let vol = open(&dev, None);
-    write_all(&vol, &d, 64 << 10);
+    let (d, dev, vol) = rest_volume_with(2048, 37, 1, 64 << 10);
     let before = used(&vol);
     let r = vol.settle(&RecompressOptions::default(), &|| false).expect("settle");
     assert!(r.fragments_marked > 0 && r.blocks_marked > 0, "{r:?}");
