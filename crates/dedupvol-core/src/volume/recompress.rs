@@ -521,15 +521,19 @@ impl Volume {
         Ok(marked)
     }
 
-    /// `read_group` of each group, side by side on the volume's pool (no lock).
+    /// Each group read, decoded and checked one after the other (its device reads in a
+    /// fixed order: the simulator replays a seed's I/O calls exactly), then compressed
+    /// side by side on the volume's pool (no lock).
     fn read_groups(&self, batch: &[Group], codec: Compression, level: i8) -> Vec<Option<Ready>> {
+        let gathered: Vec<Option<Vec<u8>>> = batch.iter().map(|g| self.gather_group(g)).collect();
         let mut out: Vec<Option<Ready>> = batch.iter().map(|_| None).collect();
         {
-            let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = batch
-                .iter()
+            let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = gathered
+                .into_iter()
                 .zip(out.iter_mut())
-                .map(|(g, slot)| {
-                    Box::new(move || *slot = self.read_group(g, codec, level)) as Box<dyn FnOnce() + Send + '_>
+                .map(|(blocks, slot)| {
+                    Box::new(move || *slot = blocks.map(|b| self.compress_group(b, codec, level)))
+                        as Box<dyn FnOnce() + Send + '_>
                 })
                 .collect();
             crate::pipeline::executor::Executor::run_all(&*self.exec, jobs);
@@ -537,10 +541,10 @@ impl Volume {
         out
     }
 
-    /// A group's blocks, decoded and checked, compressed with the target codec (no
-    /// lock); None when a member cannot be read or fails its check (the group then stays
-    /// where it is, for the next pass or for scrub to report).
-    fn read_group(&self, g: &Group, codec: Compression, level: i8) -> Option<Ready> {
+    /// A group's blocks, decoded and checked (no lock); None when a member cannot be read
+    /// or fails its check (the group then stays where it is, for the next pass or for
+    /// scrub to report).
+    fn gather_group(&self, g: &Group) -> Option<Vec<u8>> {
         let mut blocks = Vec::with_capacity(g.blocks() * BLOCK_SIZE);
         for (f, subs) in &g.members {
             let (_, unit) = self.decode_found(f)?;
@@ -548,13 +552,19 @@ impl Volume {
                 blocks.extend_from_slice(unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)?);
             }
         }
+        Some(blocks)
+    }
+
+    /// A group's blocks compressed with the target codec, and their fingerprints when
+    /// dedup is on (no lock, no I/O).
+    fn compress_group(&self, blocks: Vec<u8>, codec: Compression, level: i8) -> Ready {
         let frag = packer::compress(codec, level, &blocks);
         let hashes = if self.dedup {
             blocks.chunks_exact(BLOCK_SIZE).map(|b| *blake3::hash(b).as_bytes()).collect()
         } else {
             Vec::new()
         };
-        Some(Ready { blocks, frag, hashes })
+        Ready { blocks, frag, hashes }
     }
 }
 
