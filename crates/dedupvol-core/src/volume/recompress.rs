@@ -140,17 +140,20 @@ struct Ready {
     hashes: Vec<[u8; 32]>,
 }
 
-/// The logical block of a linear unit's first block: every block mapped once, by
-/// consecutive logical blocks in unit order.
+/// The logical block of a linear unit's first block: the lowest `l0` at which the unit's
+/// blocks are mapped in order (block k at `l0 + k`, for every block). Other mappings of
+/// it, duplicates elsewhere, do not stop that: they follow the unit when it moves, so a
+/// block random overwrites left shared between two places still joins the extent of its
+/// first place. None for a unit with a block not mapped there (dead, or mapped only out
+/// of order).
 fn linear_start(f: &Found) -> Option<u64> {
     let n = f.frag.unit_blocks();
-    if f.uses.len() != n {
-        return None;
-    }
-    let mut uses: Vec<(usize, u64)> = f.uses.iter().map(|(l, e)| (e.frag.sub(), *l)).collect();
-    uses.sort_unstable();
-    let (_, l0) = *uses.first()?;
-    uses.iter().enumerate().all(|(k, &(sub, l))| sub == k && l == l0 + k as u64).then_some(l0)
+    let mut at: Vec<(usize, u64)> = f.uses.iter().map(|(l, e)| (e.frag.sub(), *l)).collect();
+    at.sort_unstable();
+    at.iter()
+        .take_while(|&&(sub, _)| sub == 0)
+        .map(|&(_, l0)| l0)
+        .find(|&l0| (1..n).all(|k| at.binary_search(&(k, l0 + k as u64)).is_ok()))
 }
 
 /// Near-equal cut of a run of `run` blocks into units of at most `max`: a run of 20 makes
@@ -596,13 +599,23 @@ mod tests {
     }
 
     #[test]
-    fn a_gap_or_a_shared_unit_ends_a_run() {
+    fn a_gap_ends_a_run_and_a_duplicate_elsewhere_does_not() {
         let mut found = vec![unit(0, 4), unit(4, 4), unit(10, 4)];
-        let mut shared = unit(20, 2);
+        // Mapped in order at 14..16 and once more at 30: it joins the run at 10.
+        let mut shared = unit(14, 2);
         shared.uses.push((30, MapEntry::fragment(100, Frag::new(1, 0, 10, 2, 1), 0)));
         found.push(shared);
+        // Mapped only out of order: alone.
+        let mut swapped = unit(40, 2);
+        for (k, (l, _)) in swapped.uses.iter_mut().enumerate() {
+            *l = 41 - k as u64;
+        }
+        found.push(swapped);
         let g = group(found, 16);
-        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![8, 4, 2]);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![8, 6, 2]);
+        let joined = &g[1];
+        assert_eq!(joined.members.len(), 2);
+        assert_eq!(joined.members[1].0.uses.len(), 3, "the duplicate's mapping goes with the unit");
     }
 
     #[test]
