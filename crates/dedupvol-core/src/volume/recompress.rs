@@ -14,12 +14,12 @@
 //!
 //! A pass: (1) scans the block map in holds of `SCAN_LBAS_PER_HOLD` entries, collecting
 //! every fragment not at rest (`Volume::at_rest`; at most `FOUND_MAX`); (2) groups them:
-//! a unit whose blocks are each mapped once, by consecutive logical blocks in unit order,
-//! is *linear*, and linear units that follow each other logically are merged into one run
-//! and cut again into near-equal units of at most `extent_blocks_max` blocks, as the write
-//! path cuts a run of chunks (so data stored as single blocks, such as random overwrites,
-//! becomes extents again); any other unit (shared by duplicates, or with dead blocks) is a
-//! group of its own, its live blocks; (3) reads and decodes each group's fragments and
+//! a unit mapped in unit order at consecutive logical blocks (`linear_start`; duplicates
+//! elsewhere go with it) is *linear*, and linear units that follow each other logically
+//! are merged into one run and cut again into near-equal units of at most
+//! `extent_blocks_max` blocks, as the write path cuts a run of chunks (so data stored as
+//! single blocks, such as random overwrites, becomes extents again); any other unit
+//! (mapped only out of order, or with dead blocks) is a group of its own, its live blocks; (3) reads and decodes each group's fragments and
 //! checks every block against its mappings' crcs, then compresses the group with the
 //! target codec and level (no lock; the groups of a hold side by side on the volume's
 //! pool); (4) under the state lock, appends the new unit to the open run (or stores its
