@@ -252,9 +252,10 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
         c.cleaner_blocks_remapped
     )?;
     outln!(
-        "recompression       {} passes, {} fragments moved, {} recompressed, {} saved{}",
+        "recompression       {} passes, {} fragments moved, {} settled in place, {} recompressed, {} saved{}",
         c.recompress_passes,
         c.recompress_fragments,
+        c.recompress_fragments_marked,
         human(c.recompress_bytes),
         human(c.recompress_bytes_saved),
         if s.rest_level != 0 { format!(" (data at rest: zstd:{})", s.rest_level) } else { String::new() }

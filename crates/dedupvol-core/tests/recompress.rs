@@ -432,6 +432,7 @@ fn fragments_that_do_not_shrink_are_settled_in_place() {
     let before = used(&vol);
     let r = vol.settle(&RecompressOptions::default(), &|| false).expect("settle");
     assert!(r.fragments_marked > 0 && r.blocks_marked > 0, "{r:?}");
+    assert_eq!(vol.stats().counters.recompress_fragments_marked, r.fragments_marked);
     assert_eq!(r.bytes_after, 0, "nothing worth writing again: {r:?}");
     assert!(!r.more, "{r:?}");
     assert_eq!(used(&vol), before);

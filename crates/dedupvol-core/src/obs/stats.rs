@@ -73,10 +73,15 @@ pub struct ReductionCounters {
     /// Compressed bytes of fragments dropped from the map since the last cleaner pass
     /// (a hint of dead space: a fragment shared by several blocks counts once per block).
     pub dead_fragment_bytes_hint: u64,
-    /// Recompression passes (fragments of another codec brought to the volume's).
+    /// Recompression passes (fragments not at rest brought there: another codec than the
+    /// volume's, or not yet settled at its rest level).
     pub recompress_passes: u64,
-    /// Fragments of another codec the recompressor replaced.
+    /// Fragments the recompressor replaced (stored again).
     pub recompress_fragments: u64,
+    /// Fragments it settled where they were (marked, no data written: storing them again
+    /// would not have paid).
+    #[serde(default)]
+    pub recompress_fragments_marked: u64,
     /// Logical bytes the recompressor compressed again.
     pub recompress_bytes: u64,
     /// Compressed bytes it saved: the old fragments' bytes less the new ones'.

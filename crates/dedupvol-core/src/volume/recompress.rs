@@ -440,6 +440,7 @@ impl Volume {
         }
         let mut st = self.state.lock();
         st.red.recompress_fragments += report.fragments_recompressed;
+        st.red.recompress_fragments_marked += report.fragments_marked;
         st.red.recompress_bytes += report.bytes_recompressed;
         st.red.recompress_bytes_saved += report.bytes_before.saturating_sub(report.bytes_after);
         if report.more {
