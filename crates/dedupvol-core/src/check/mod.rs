@@ -13,7 +13,7 @@ use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
 use crate::error::Result;
 use crate::io::{IoKind, Storage};
-use crate::metadata::block_map::{Frag, MapEntry, FRAG_SETTLED};
+use crate::metadata::block_map::MapEntry;
 use crate::metadata::journal::Counters;
 use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::volume::{OpenNote, Volume};
@@ -396,8 +396,7 @@ impl Volume {
                         .or_insert_with(|| FragUse { frag: f, crcs: vec![None; f.unit_blocks()] });
                     // The settled mark may differ between mappings of one fragment (a crash
                     // between marks set in place); it changes nothing about the fragment.
-                    let unmarked = |x: Frag| Frag { codec: x.codec & !FRAG_SETTLED, ..x.with_sub(0) };
-                    let same_shape = unmarked(u.frag) == unmarked(f);
+                    let same_shape = u.frag.with_sub(0).unmarked() == f.with_sub(0).unmarked();
                     match u.crcs.get_mut(f.sub()) {
                         Some(Some(c)) if *c != e.crc || !same_shape => {
                             report.problem(Problem::UsedTwice { pbn: e.pbn, slot: Some(f.key()) })

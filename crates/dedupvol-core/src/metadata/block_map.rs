@@ -89,6 +89,15 @@ impl Frag {
     pub fn settled(&self) -> bool {
         self.codec & FRAG_SETTLED != 0
     }
+    /// The same fragment marked settled.
+    pub fn marked(&self) -> Self {
+        Frag { codec: self.codec | FRAG_SETTLED, ..*self }
+    }
+    /// The same fragment without the settled mark: mappings of one fragment may differ in
+    /// the mark alone, so this is what says whether two name the same fragment.
+    pub fn unmarked(&self) -> Self {
+        Frag { codec: self.codec & !FRAG_SETTLED, ..*self }
+    }
     /// Logical blocks the unit decodes to.
     pub fn unit_blocks(&self) -> usize {
         usize::from(self.unit & 0x0f) + 1

@@ -357,15 +357,14 @@ impl Volume {
         settled: bool,
     ) -> Result<Option<(Vec<MapEntry>, u64)>> {
         let n = blocks.len() / BLOCK_SIZE;
-        let code = if settled {
-            self.rest_target().0.code() | crate::metadata::block_map::FRAG_SETTLED
-        } else {
-            self.volume_codec.0.code()
-        };
+        let codec = if settled { self.rest_target().0 } else { self.volume_codec.0 };
         if let Some(frag) = frag {
             let Some((pbn, off)) = self.pack(st, frag)? else { return Ok(None) };
             let entries = (0..n)
-                .map(|sub| MapEntry::fragment(pbn, Frag::new(code, off, frag.len() as u16, n as u8, sub as u8), 0))
+                .map(|sub| {
+                    let f = Frag::new(codec.code(), off, frag.len() as u16, n as u8, sub as u8);
+                    MapEntry::fragment(pbn, if settled { f.marked() } else { f }, 0)
+                })
                 .collect();
             return Ok(Some((entries, frag.len() as u64)));
         }

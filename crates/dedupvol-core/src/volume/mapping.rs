@@ -48,12 +48,8 @@ impl Volume {
             self.tier_note_refs(st, &new);
         }
         // A mark set in place (`recompress`) keeps the same fragment in use: nothing died.
-        let unmarked = |f: crate::metadata::block_map::Frag| crate::metadata::block_map::Frag {
-            codec: f.codec & !crate::metadata::block_map::FRAG_SETTLED,
-            ..f
-        };
         let same_fragment = old.pbn == new.pbn
-            && old.fragment_of().zip(new.fragment_of()).is_some_and(|(o, n)| unmarked(o) == unmarked(n));
+            && old.fragment_of().zip(new.fragment_of()).is_some_and(|(o, n)| o.unmarked() == n.unmarked());
         if let Some(f) = old.fragment_of().filter(|_| !same_fragment) {
             st.red.dead_fragment_bytes_hint += u64::from(f.len);
         }

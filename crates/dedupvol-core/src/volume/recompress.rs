@@ -67,7 +67,7 @@ use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::data::packer;
 use crate::error::Result;
-use crate::metadata::block_map::{Frag, MapEntry, FRAG_SETTLED};
+use crate::metadata::block_map::{Frag, MapEntry};
 use std::collections::BTreeMap;
 
 /// Map entries read per state-lock hold while scanning.
@@ -118,6 +118,21 @@ pub struct RecompressReport {
     /// True when the pass stopped on its budget (or its collection bound) with fragments
     /// not at rest left.
     pub more: bool,
+}
+
+impl RecompressReport {
+    /// Adds another pass's figures (`more` is the caller's to set).
+    fn add(&mut self, r: &RecompressReport) {
+        self.scanned_blocks += r.scanned_blocks;
+        self.fragments_found += r.fragments_found;
+        self.fragments_recompressed += r.fragments_recompressed;
+        self.bytes_recompressed += r.bytes_recompressed;
+        self.bytes_before += r.bytes_before;
+        self.bytes_after += r.bytes_after;
+        self.blocks_remapped += r.blocks_remapped;
+        self.fragments_marked += r.fragments_marked;
+        self.blocks_marked += r.blocks_marked;
+    }
 }
 
 /// The fragments one new unit replaces: each with the blocks of its unit that go into it
@@ -453,23 +468,16 @@ impl Volume {
     /// Recompression passes until one finds nothing left to take, each followed by a
     /// flush (which also writes the open run, so fragments waiting in it are taken by the
     /// next pass), then cleaner passes over the holes the moves left: brings a whole
-    /// volume to rest, as `import --settle` and the benchmarks do. `stop` is asked between passes. Returns the passes' reports summed; `more` says
-    /// work was left (stopped, or two passes in a row took nothing: fragments that fail
-    /// their checks stay where they are, for scrub to report).
+    /// volume to rest, as `import --settle` and the benchmarks do. `stop` is asked between
+    /// passes. Returns the passes' reports summed; `more` says work was left (stopped, or
+    /// two passes in a row took nothing: fragments that fail their checks stay where they
+    /// are, for scrub to report).
     pub fn settle(&self, opts: &RecompressOptions, stop: &dyn Fn() -> bool) -> Result<RecompressReport> {
         let mut total = RecompressReport::default();
         let mut idle_passes = 0;
         loop {
             let r = self.recompress(opts)?;
-            total.scanned_blocks += r.scanned_blocks;
-            total.fragments_found += r.fragments_found;
-            total.fragments_recompressed += r.fragments_recompressed;
-            total.bytes_recompressed += r.bytes_recompressed;
-            total.bytes_before += r.bytes_before;
-            total.bytes_after += r.bytes_after;
-            total.blocks_remapped += r.blocks_remapped;
-            total.fragments_marked += r.fragments_marked;
-            total.blocks_marked += r.blocks_marked;
+            total.add(&r);
             self.flush()?;
             idle_passes = if r.fragments_recompressed + r.fragments_marked == 0 { idle_passes + 1 } else { 0 };
             total.more = r.fragments_found > 0;
@@ -507,19 +515,18 @@ impl Volume {
         let mut marked = 0;
         for still in still {
             for &(l, e) in still {
-                let to = MapEntry { frag: Frag { codec: e.frag.codec | FRAG_SETTLED, ..e.frag }, ..e };
+                let to = MapEntry { frag: e.frag.marked(), ..e };
                 self.apply_entry(st, l, to)?;
                 marked += 1;
             }
         }
-        // Block k of the group is block k - at of its member's unit (whole units, in order).
+        // The group's blocks, hence its hashes, are its members' `subs` in order.
         let mut hashes = hashes.iter();
         for (f, subs) in &g.members {
             let Some(&(_, e0)) = f.uses.first() else { continue };
             for &sub in subs {
                 let Some(hash) = hashes.next() else { break };
-                let frag = Frag { codec: f.frag.codec | FRAG_SETTLED, ..f.frag.with_sub(sub) };
-                st.dedup.record(hash, &MapEntry::fragment(e0.pbn, frag, 0));
+                st.dedup.record(hash, &MapEntry::fragment(e0.pbn, f.frag.with_sub(sub).marked(), 0));
             }
         }
         Ok(marked)
@@ -564,7 +571,11 @@ impl Volume {
     fn compress_group(&self, blocks: Vec<u8>, codec: Compression, level: i8) -> Ready {
         let frag = packer::compress(codec, level, &blocks);
         let hashes = if self.dedup {
-            blocks.chunks_exact(BLOCK_SIZE).map(|b| *blake3::hash(b).as_bytes()).collect()
+            // Side by side, as stage 1 hashes (`blake3_many`): the same digests.
+            let inputs: Vec<&[u8]> = blocks.chunks_exact(BLOCK_SIZE).collect();
+            let mut out = vec![[0u8; 32]; inputs.len()];
+            crate::pipeline::blake3_many::hash_chunks(&inputs, &mut out);
+            out
         } else {
             Vec::new()
         };
