@@ -93,6 +93,7 @@ mod metrics;
 mod model_cmd;
 mod probe;
 mod replay;
+mod scale_bench;
 mod scrub_cmd;
 mod serve;
 mod serve_config;

@@ -51,6 +51,10 @@ pub enum BenchMode {
     /// every Nth 1 MiB piece (dedup per device), and into one volume on one file: ratio,
     /// physical and per-device bytes, MB/s.
     Stripe,
+    /// How the write pipeline scales with its stage threads: the --dup/--compress data
+    /// (or --file) written with exactly 1, 2, … --workers stage threads (default: one per
+    /// core), --rounds rounds interleaved, beside the machine's own limit for the same work.
+    Scaling,
 }
 
 #[derive(Args)]
@@ -146,9 +150,13 @@ pub struct BenchArgs {
     /// --defer-compression-us`).
     #[arg(long, default_value_t = 0)]
     defer_us: u64,
-    /// Threads of the engine volume's parallel stages (default: one per core).
+    /// Threads of the engine volume's parallel stages, exactly (default: the process's
+    /// pool, one per core); --mode scaling: the most it tries (default: one per core).
     #[arg(long)]
     workers: Option<usize>,
+    /// --mode scaling: rounds, each running every worker count once.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Batches in the pipeline's stages at once.
     #[arg(long, default_value_t = dedupvol_core::BatchOptions::default().leaders_max)]
     batch_leaders: usize,
@@ -304,7 +312,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         BenchMode::Seq => size,
         BenchMode::Targets => size.max(a.writes.saturating_mul(4096)),
         BenchMode::Overwrite => a.writes.saturating_mul(4096),
-        BenchMode::Ingest | BenchMode::Primitives | BenchMode::Woj | BenchMode::Stripe => 0,
+        BenchMode::Scaling if a.file.is_empty() => size,
+        BenchMode::Ingest | BenchMode::Primitives | BenchMode::Woj | BenchMode::Stripe | BenchMode::Scaling => 0,
     };
     if let Some(avail) = crate::memory::mem_available_bytes() {
         if held_bytes > avail {
@@ -368,6 +377,26 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
             None,
         )),
         BenchMode::Primitives | BenchMode::Woj | BenchMode::Stripe => {}
+        BenchMode::Scaling => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let max = a.workers.unwrap_or(cores);
+            if a.json {
+                usage_bail!("--mode scaling prints tables only (no --json)");
+            }
+            if !(2..=8).contains(&max) || !(1..=20).contains(&a.rounds) {
+                usage_bail!(
+                    "--mode scaling needs --workers 2..8 (default: the cores, here {cores}) and --rounds 1..20"
+                );
+            }
+            let (name, sc) = if a.file.is_empty() {
+                (format!("seq-dup{}-comp{}", a.dup, a.compress), Scenario::Seq { data: spec.clone(), size_bytes: size })
+            } else {
+                ("ingest".to_string(), Scenario::Ingest { paths: a.file.clone() })
+            };
+            let sample = bench::scenario_sample(&sc).map_err(anyhow::Error::msg)?;
+            crate::scale_bench::run(&name, &sc, &opts, max, a.rounds, &sample)?;
+            return Ok(ExitCode::SUCCESS);
+        }
         BenchMode::Overwrite => scenarios.push(("overwrite-4k".into(), overwrite(spec.clone()), None)),
         BenchMode::Ingest => {
             if a.file.is_empty() {

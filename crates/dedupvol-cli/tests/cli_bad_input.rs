@@ -316,6 +316,9 @@ fn bench_bad_input() {
     b(&["--mode", "ingest"]).expect(USAGE, "--file");
     b(&["--mode", "sideways"]).expect(USAGE, "sideways");
     b(&["--compression", "lz5"]).expect(USAGE, "--compression");
+    b(&["--mode", "scaling", "--workers", "1"]).expect(USAGE, "--workers 2..8");
+    b(&["--mode", "scaling", "--rounds", "0"]).expect(USAGE, "--rounds 1..20");
+    b(&["--mode", "scaling", "--json"]).expect(USAGE, "no --json");
     b(&["--bogus"]).expect(USAGE, "--bogus");
     s.run(&["bench", "--dir", "missing-dir"]).expect(FAIL, "not a directory");
     b(&["--mode", "ingest", "--file", "missing.bin", "--size", "4M"]).expect(FAIL, "missing.bin");
@@ -329,6 +332,13 @@ fn bench_bad_input() {
     assert!(!r.stderr.contains("measuring the disk"), "{}", r.stderr);
     assert!(!r.stdout.contains("disk seq MB/s"), "{}", r.stdout);
     r.no_debug_names();
+    // The scaling table: a row per worker count, each beside the machine's limit.
+    let r = b(&["--mode", "scaling", "--size", "8M", "--request-size", "1M", "--workers", "2", "--rounds", "1"]);
+    r.expect_ok("vs 1 worker");
+    assert!(r.stdout.contains("machine limit per round"), "{}", r.stdout);
+    let rows: Vec<&str> = r.stdout.lines().filter(|l| l.starts_with("1 ") || l.starts_with("2 ")).collect();
+    assert_eq!(rows.len(), 2, "{}", r.stdout);
+    assert!(rows[0].contains("1.00x"), "{}", r.stdout);
 }
 
 #[test]

@@ -460,8 +460,11 @@ pub struct OpenOptions {
     /// (None, the default: measured as the volume writes), so that which chunks are
     /// deferred is reproducible: for tests and the simulator.
     pub defer_fixed_cost_ns: Option<u64>,
-    /// Threads of the pipeline's parallel stages for this volume alone (None, the default:
-    /// the process's pool, as wide as its cores and shared by every volume it opens).
+    /// Threads of the pipeline's parallel stages for this volume alone, exactly (None, the
+    /// default: the process's pool, as wide as its cores and shared by every volume it
+    /// opens). With `Some(1)` a batch of 64 chunks or more is hashed and compressed on
+    /// the one worker, not on the writer's thread, so that many writers share one thread
+    /// of stage work.
     pub workers: Option<usize>,
     /// Reference count at which a duplicate gets a copy of its own (at most, and by
     /// default, `REFCOUNT_MAX`). Lower values make the cap reachable by tests of what

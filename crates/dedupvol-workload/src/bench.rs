@@ -782,6 +782,26 @@ pub fn run_scenario(
     Ok(result)
 }
 
+/// The first `PRIMITIVE_SAMPLE_BYTES` of a scenario's data (generated, or read from its
+/// first file): what the primitives are measured on.
+pub fn scenario_sample(scenario: &Scenario) -> Result<Vec<u8>, String> {
+    match scenario {
+        Scenario::Seq { data, .. } | Scenario::Overwrite { data, .. } => {
+            let model = ContentModel::new(data.clone())?;
+            Ok(generate(&model, 0, PRIMITIVE_SAMPLE_BYTES as u64, 1))
+        }
+        Scenario::Ingest { paths } => {
+            let path = paths.first().ok_or("no input file")?;
+            let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let mut buf = Vec::with_capacity(PRIMITIVE_SAMPLE_BYTES);
+            std::io::Read::read_to_end(&mut std::io::Read::take(f, PRIMITIVE_SAMPLE_BYTES as u64), &mut buf)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            buf.truncate(buf.len() / BLOCK_BYTES * BLOCK_BYTES);
+            Ok(buf)
+        }
+    }
+}
+
 /// Only the one-core CPU primitives on `PRIMITIVE_SAMPLE_BYTES` of `data` (no engine run).
 pub fn primitives_only(name: &str, data: &DataSpec) -> Result<ScenarioResult, String> {
     let model = ContentModel::new(data.clone())?;

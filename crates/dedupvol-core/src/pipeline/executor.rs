@@ -8,6 +8,9 @@
 //! - The pool is made once per volume (persistent threads); a request never spawns one.
 //! - Small requests stay on the caller's thread: handing 4 KiB to another core costs more
 //!   than hashing it; so does work handed out from a job already on the pool.
+//! - A pool made for an explicit worker count (`CpuPool::with_workers`) runs every large
+//!   stage on its own threads, even when it has one: the stages' work then never exceeds
+//!   that many threads, whatever number of writers call in.
 
 /// Runs a stage's jobs.
 pub(crate) trait Executor: Send + Sync {
@@ -15,6 +18,12 @@ pub(crate) trait Executor: Send + Sync {
     fn run_all(&self, jobs: Vec<Box<dyn FnOnce() + Send + '_>>);
     /// Jobs worth splitting a stage into (1: run on the caller's thread).
     fn width(&self) -> usize;
+    /// True when a large stage goes to the executor's own threads even when it has only
+    /// one (`width` 1): a volume given an explicit worker count runs its stages on exactly
+    /// that many threads, whatever number of writers feed them.
+    fn dedicated(&self) -> bool {
+        false
+    }
 }
 
 /// Chunks per request below which a stage stays on the calling thread.
@@ -45,10 +54,21 @@ pub(crate) fn for_each_group<T: Send>(
 ) {
     let group = group.max(1);
     let width = exec.width();
-    if items.len() < PARALLEL_CHUNKS_MIN || width < 2 {
+    if items.len() < PARALLEL_CHUNKS_MIN || (width < 2 && !exec.dedicated()) {
         for (k, run) in items.chunks_mut(group).enumerate() {
             f(k * group, run);
         }
+        return;
+    }
+    if width < 2 {
+        // One dedicated worker: the whole stage is its one job.
+        let f = &f;
+        let job: Box<dyn FnOnce() + Send + '_> = Box::new(move || {
+            for (k, run) in items.chunks_mut(group).enumerate() {
+                f(k * group, run);
+            }
+        });
+        exec.run_all(vec![job]);
         return;
     }
     // Several jobs per worker, taken in turn: items cost unequal work (a piece of unique
@@ -78,6 +98,9 @@ pub(crate) struct CpuPool {
     /// on the caller's thread.
     pool: Option<rayon::ThreadPool>,
     width: usize,
+    /// Made for an explicit worker count (`with_workers`): stages always run on its
+    /// threads, even a single one.
+    dedicated: bool,
 }
 
 impl CpuPool {
@@ -107,7 +130,20 @@ impl CpuPool {
             })
             .flatten();
         let width = if pool.is_some() { width } else { 1 };
-        CpuPool { pool, width }
+        CpuPool { pool, width, dedicated: false }
+    }
+
+    /// A volume's own pool of exactly `workers` threads (at most `POOL_THREADS_MAX`), one
+    /// included: its large stages never run on the writers' threads, so the stages' work
+    /// is bounded by the workers however many writers feed them (`OpenOptions::workers`;
+    /// the benchmark of how the stages scale from one worker to two). Falls back to the
+    /// caller's thread if the threads cannot be made.
+    pub(crate) fn with_workers(workers: usize) -> Self {
+        let width = workers.clamp(1, POOL_THREADS_MAX);
+        match rayon::ThreadPoolBuilder::new().num_threads(width).thread_name(|i| format!("dedupvol-cpu-{i}")).build() {
+            Ok(pool) => CpuPool { pool: Some(pool), width, dedicated: true },
+            Err(_) => CpuPool { pool: None, width: 1, dedicated: false },
+        }
     }
 }
 
@@ -131,6 +167,11 @@ impl Executor for CpuPool {
             _ => self.width,
         }
     }
+
+    fn dedicated(&self) -> bool {
+        // Not from one of its own jobs: that work stays where it is (see `width`).
+        self.dedicated && self.pool.as_ref().is_some_and(|p| p.current_thread_index().is_none())
+    }
 }
 
 #[cfg(test)]
@@ -145,5 +186,25 @@ mod tests {
             for_each(&pool, &mut v, |i, x| *x = i);
             assert!(v.iter().enumerate().all(|(i, &x)| i == x), "n = {n}");
         }
+    }
+
+    #[test]
+    fn one_dedicated_worker_takes_large_stages_off_the_callers_thread() {
+        let pool = CpuPool::with_workers(1);
+        assert_eq!(pool.width(), 1);
+        let caller = std::thread::current().id();
+        for (n, off_caller) in [(PARALLEL_CHUNKS_MIN - 1, false), (PARALLEL_CHUNKS_MIN, true), (1000, true)] {
+            let mut v: Vec<Option<(usize, std::thread::ThreadId)>> = vec![None; n];
+            for_each(&pool, &mut v, |i, x| *x = Some((i, std::thread::current().id())));
+            let threads: std::collections::HashSet<_> = v.iter().flatten().map(|&(_, t)| t).collect();
+            assert!(v.iter().enumerate().all(|(i, x)| x.is_some_and(|(j, _)| j == i)), "n = {n}");
+            assert_eq!(threads.len(), 1, "n = {n}: one worker, one thread");
+            assert_eq!(!threads.contains(&caller), off_caller, "n = {n}");
+        }
+        // The shared pool's semantics are unchanged: one core's worth runs on the caller.
+        let inline = CpuPool::with_width(1);
+        let mut v = vec![None; 1000];
+        for_each(&inline, &mut v, |_, x| *x = Some(std::thread::current().id()));
+        assert!(v.iter().all(|t| *t == Some(caller)));
     }
 }

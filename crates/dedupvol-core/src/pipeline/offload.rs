@@ -196,9 +196,9 @@ impl CpuOffload {
         CpuOffload { pool: CpuPool::shared() }
     }
 
-    /// On a pool of its own of `workers` threads.
+    /// On a pool of its own of exactly `workers` threads.
     pub fn with_workers(workers: usize) -> Self {
-        CpuOffload { pool: Arc::new(CpuPool::with_width(workers)) }
+        CpuOffload { pool: Arc::new(CpuPool::with_workers(workers)) }
     }
 
     pub(crate) fn on(pool: Arc<CpuPool>) -> Self {

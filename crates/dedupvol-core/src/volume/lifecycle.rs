@@ -471,7 +471,7 @@ impl Volume {
                 ))
             });
         let exec = match opts.workers {
-            Some(n) => Arc::new(CpuPool::with_width(n)),
+            Some(n) => Arc::new(CpuPool::with_workers(n)),
             None => CpuPool::shared(),
         };
         // A backend's fingerprints are not proof of equality: every candidate of the
