@@ -179,10 +179,11 @@ pub fn start(volume_path: &Path, source: Source) -> anyhow::Result<Option<Servic
     let service = Service::spawn("admin", listener, move |s| {
         let answer = match read_line(s, REQUEST_BYTES_MAX)? {
             Some(r) if r == "stats" => serde_json::to_string(&source.report()),
-            Some(r) if r.starts_with("grow") || r.starts_with("scrub") => {
+            Some(r) if r.starts_with("grow") || r.starts_with("scrub") || r.starts_with("tune") => {
                 let v = match &source.volume {
                     None => serde_json::json!({ "error": "this server serves no volume" }),
                     Some(vol) if r.starts_with("grow") => crate::grow_cmd::answer(vol, &r),
+                    Some(vol) if r.starts_with("tune") => crate::tune_cmd::answer(vol, &r),
                     Some(vol) => jobs.answer(vol, &r),
                 };
                 serde_json::to_string(&v)

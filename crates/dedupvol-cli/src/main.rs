@@ -101,6 +101,7 @@ mod service;
 mod stats_cmd;
 mod stripe_bench;
 mod trace_cmds;
+mod tune_cmd;
 mod volume_cmds;
 mod woj_bench;
 mod workload_cmds;

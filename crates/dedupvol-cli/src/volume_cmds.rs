@@ -30,6 +30,8 @@ pub enum VolumeCommand {
     /// Grow a volume's logical size (also while served) or its data device (closed), or
     /// shrink its logical size when nothing mapped is lost.
     Grow(crate::grow_cmd::GrowArgs),
+    /// Change a setting of an existing volume (also while served): its rest level.
+    Tune(crate::tune_cmd::TuneArgs),
     /// Read every stored block and metadata page and verify its checksum (a served volume
     /// is scrubbed by its server, throttled, while it serves); --repair rewrites damaged
     /// blocks from a good copy.
@@ -334,6 +336,7 @@ impl VolumeCommand {
             VolumeCommand::Check(a) => check(a),
             VolumeCommand::Grow(a) => crate::grow_cmd::run(a),
             VolumeCommand::Scrub(a) => crate::scrub_cmd::run(a),
+            VolumeCommand::Tune(a) => crate::tune_cmd::run(a),
         }
     }
 }

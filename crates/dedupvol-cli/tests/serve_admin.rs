@@ -235,3 +235,58 @@ fn metrics_endpoint_serves_openmetrics_that_moves_with_io() {
     assert!(srv.stop().success());
     assert!(std::net::TcpStream::connect(&addr).is_err(), "the endpoint goes with the server");
 }
+
+/// `tune --rest-level` on a closed volume, then on a served one (its server changes it:
+/// no second opener takes the lock), and its refusals: the level is kept, visible in
+/// `stats`, and survives the server's stop.
+#[test]
+fn tune_sets_the_rest_level_closed_or_served() {
+    if !require_engine("tune_sets_the_rest_level_closed_or_served", &[]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vol = dir.path().join("vol.img");
+    run(Command::new(dedupvol()).arg("format").arg(&vol).args([
+        "--logical-size",
+        "8M",
+        "--physical-size",
+        "32M",
+        "--rest-level",
+        "off",
+    ]));
+    let tune = |args: &[&str]| {
+        Command::new(dedupvol())
+            .arg("tune")
+            .arg(&vol)
+            .args(args)
+            .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir.path()))
+            .output()
+            .expect("run tune")
+    };
+    let json = |o: &std::process::Output| -> serde_json::Value {
+        assert!(o.status.success(), "tune failed: {}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("tune json")
+    };
+    assert_eq!(stats_json(&vol, dir.path())["rest_level"], 0);
+    let closed = json(&tune(&["--rest-level", "3", "--json"]));
+    assert_eq!((closed["rest_level_before"].as_i64(), closed["rest_level_after"].as_i64()), (Some(0), Some(3)));
+    assert_eq!(closed["online"], false);
+    let srv = ServerProc::start(&vol, dir.path(), false, &[]);
+    let served = json(&tune(&["--rest-level", "5", "--json"]));
+    assert_eq!((served["rest_level_before"].as_i64(), served["rest_level_after"].as_i64()), (Some(3), Some(5)));
+    assert_eq!(served["online"], true);
+    assert_eq!(stats_json(&vol, dir.path())["rest_level"], 5);
+    for (args, why) in [
+        (&["--rest-level", "off"][..], "cannot be taken away"),
+        (&["--rest-level", "20"][..], "from 1 to 19"),
+        (&["--rest-level", "fast"][..], "a zstd level"),
+    ] {
+        let o = tune(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
+    }
+    assert!(srv.stop().success());
+    assert_eq!(stats_json(&vol, dir.path())["rest_level"], 5, "kept after the server stopped");
+    let text = String::from_utf8_lossy(&tune(&["--rest-level", "5"]).stdout).to_string();
+    assert!(text.contains("zstd level 5 -> zstd level 5"), "{text}");
+}

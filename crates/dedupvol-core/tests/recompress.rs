@@ -449,3 +449,60 @@ fn fragments_that_do_not_shrink_are_settled_in_place() {
     read_back(&vol, &want);
     close_and_check(dev, vol);
 }
+
+/// A volume formatted without a rest level gets one later, on the open volume: the change
+/// is durable at once (superblock version 2 -> 4, the level kept across a reopen), the
+/// data written before it is settled by the next passes, and everything reads back. A
+/// level cannot be removed, a level out of range, an LZ4 volume and a read-only session
+/// are refused, and none of those refusals changes the volume.
+#[test]
+fn a_rest_level_added_to_an_existing_volume_settles_its_data() {
+    let (d, dev, vol) = rest_volume_with(2048, 41, 0, 128 << 10);
+    assert_eq!(version(&dev), dedupvol_core::format::FORMAT_VERSION);
+    let r = vol.recompress(&RecompressOptions::default()).expect("pass");
+    assert_eq!(r.fragments_found, 0, "no rest level: level-1 fragments are at rest: {r:?}");
+    let before = used(&vol);
+    for bad in [0i8, -1, 20] {
+        assert!(vol.set_rest_level(bad).is_err(), "rest level {bad} accepted");
+    }
+    assert_eq!(vol.rest_level(), 0);
+    assert_eq!(version(&dev), dedupvol_core::format::FORMAT_VERSION, "a refused change wrote the superblock");
+    assert_eq!(vol.set_rest_level(6).expect("set"), 0);
+    assert_eq!(vol.rest_level(), 6);
+    assert_eq!(version(&dev), dedupvol_core::format::FORMAT_VERSION_REST, "durable at once");
+    assert_eq!(vol.set_rest_level(6).expect("same level"), 6);
+    let (_, _, _, bytes) = recompress_all(&vol, 4 << 20);
+    assert!(bytes >= d.len() as u64 / 2, "the data written before is settled: {bytes} bytes");
+    let after = used(&vol);
+    assert!(after < before, "level 6 at rest stores less: {before} -> {after} blocks");
+    assert!(vol.set_rest_level(0).is_err(), "a rest level was taken away");
+    let vol = reopened_clean(&dev, vol, &d);
+    assert_eq!(vol.rest_level(), 6);
+    assert_eq!(vol.stats().rest_level, 6);
+    let r = vol.recompress(&RecompressOptions::default()).expect("pass");
+    assert_eq!(r.fragments_found, 0, "settled fragments are taken again after the reopen: {r:?}");
+    // A higher level later: only what is not settled yet gets it (here: nothing).
+    assert_eq!(vol.set_rest_level(9).expect("raise"), 6);
+    let r = vol.recompress(&RecompressOptions::default()).expect("pass");
+    assert_eq!(r.fragments_found, 0, "settled fragments keep their level: {r:?}");
+    vol.close().expect("close");
+    // Read-only sessions and LZ4 volumes are refused.
+    let ro = Volume::open(dev.clone() as Arc<dyn Storage>, None, &OpenOptions { read_only: true, ..small_open() })
+        .expect("open read-only");
+    assert!(ro.set_rest_level(3).is_err(), "a read-only session changed the rest level");
+    assert_eq!(ro.rest_level(), 9);
+    drop(ro);
+    let lz4 = Arc::new(MemStorage::new(16 << 20));
+    let opts = FormatOptions {
+        logical_size_bytes: 16 << 20,
+        index_memory_bytes: 1 << 20,
+        slab_size_bytes: 1 << 20,
+        compression: Compression::Lz4,
+        ..FormatOptions::default()
+    };
+    Volume::format(lz4.clone() as Arc<dyn Storage>, None, &opts, false).expect("format lz4");
+    let vol = open(&lz4, None);
+    assert!(vol.set_rest_level(6).is_err(), "an LZ4 volume took a rest level");
+    assert_eq!(version(&lz4), dedupvol_core::format::FORMAT_VERSION);
+    close_and_check(lz4, vol);
+}

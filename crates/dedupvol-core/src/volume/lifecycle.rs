@@ -495,7 +495,7 @@ impl Volume {
                 |(c, l)| crate::config::effective_level(c, l),
             ),
             volume_codec: (sb.compression, crate::config::effective_level(sb.compression, sb.compression_level)),
-            rest_level: sb.rest_level,
+            rest_level: std::sync::atomic::AtomicI8::new(sb.rest_level),
             reads_served: std::sync::atomic::AtomicU64::new(0),
             cache_writes: opts.writes_cached(sb.verify),
             extent_blocks_max: opts.extent_blocks_max.clamp(1, crate::metadata::block_map::UNIT_BLOCKS_MAX),

@@ -110,7 +110,8 @@ pub struct Volume {
     pub(crate) volume_codec: (Compression, i8),
     /// zstd level data at rest is brought to (the superblock's; 0: off): with it on, the
     /// recompressor's target is a zstd fragment marked settled, not the volume's codec.
-    pub(crate) rest_level: i8,
+    /// Changed only by `set_rest_level`, under the state lock.
+    pub(crate) rest_level: std::sync::atomic::AtomicI8,
     /// Client read calls served (`read`, `read_shared`): the cleaner thread spends idle
     /// work only when neither reads nor writes came lately.
     pub(crate) reads_served: std::sync::atomic::AtomicU64,

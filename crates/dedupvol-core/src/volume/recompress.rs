@@ -66,7 +66,7 @@ use super::Volume;
 use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::data::packer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::metadata::block_map::{Frag, MapEntry};
 use std::collections::BTreeMap;
 
@@ -304,7 +304,7 @@ impl Volume {
     /// True when fragment `f` is where the recompressor brings data: zstd marked settled
     /// in a volume with a rest level, else the volume's codec (marked or not).
     pub(crate) fn at_rest(&self, f: &Frag) -> bool {
-        if self.rest_level != 0 {
+        if self.rest_level() != 0 {
             f.settled() && f.compression() == Some(Compression::Zstd)
         } else {
             f.compression() == Some(self.volume_codec.0)
@@ -313,11 +313,67 @@ impl Volume {
 
     /// The codec, level and mark the recompressor stores with.
     pub(super) fn rest_target(&self) -> (Compression, i8, bool) {
-        if self.rest_level != 0 {
-            (Compression::Zstd, self.rest_level, true)
+        let rest = self.rest_level();
+        if rest != 0 {
+            (Compression::Zstd, rest, true)
         } else {
             (self.volume_codec.0, self.volume_codec.1, false)
         }
+    }
+
+    /// The zstd level data at rest is brought to (0: none).
+    pub fn rest_level(&self) -> i8 {
+        self.rest_level.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sets the volume's rest level (see `FormatOptions::rest_level`), on an open volume,
+    /// durably (a new superblock generation), and returns the one it replaces. A volume
+    /// without one gets format version 4 (5 when striped): builds that predate rest levels
+    /// refuse it from then on. A level cannot be taken away again (0): settled fragments
+    /// carry a mark those versions do not have. A new level applies to fragments not
+    /// settled yet; settled ones keep theirs. The cleaner thread's next idle passes settle
+    /// what is not at rest.
+    pub fn set_rest_level(&self, level: i8) -> Result<i8> {
+        self.check_writable()?;
+        if self.volume_codec.0 != Compression::Zstd {
+            return Err(Error::InvalidArgument(format!(
+                "a rest level is a zstd level: this volume compresses with {}",
+                self.volume_codec.0
+            )));
+        }
+        if level == 0 {
+            return Err(Error::InvalidArgument(
+                "a rest level cannot be taken away: settled fragments carry a mark that volumes without one \
+                 do not have (set level 1, the cheapest, instead)"
+                    .into(),
+            ));
+        }
+        if !(1..=crate::config::ZSTD_LEVEL_MAX).contains(&level) {
+            return Err(Error::InvalidArgument(format!(
+                "rest level {level}: a zstd level from 1 to {}",
+                crate::config::ZSTD_LEVEL_MAX
+            )));
+        }
+        // The order every superblock writer takes (`grow`): commit, state, superblock.
+        let _c = self.commit_lock.lock();
+        let mut st = self.state.lock();
+        let mut sb = self.sb.lock();
+        let old = sb.rest_level;
+        if old == level {
+            return Ok(old);
+        }
+        sb.rest_level = level;
+        if let Err(e) = super::lifecycle::write_superblock(self.data.dev(), self.separate_meta(), &mut sb) {
+            // What reached the device is unknown: the failed-volume rule. The next open
+            // finds the old level or the new one, each in a whole superblock.
+            sb.rest_level = old;
+            return self.fail(e);
+        }
+        self.rest_level.store(level, std::sync::atomic::Ordering::Release);
+        // Fragments at rest under the old rule may not be under the new one: the next
+        // pass looks at every fragment.
+        st.fast_codec_hint = u64::MAX;
+        Ok(old)
     }
 
     /// Fragment bytes not at rest mapped since the last pass that found none (`u64::MAX`:
