@@ -21,7 +21,7 @@ use std::time::Instant;
 pub enum WorkloadCommand {
     /// Benchmark the engine in-process: generated data (or a real file) into a fresh volume,
     /// printed beside BLAKE3/LZ4/zstd/disk speeds and a no-reduction baseline.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Write a generated data file with a target dedup and compression ratio.
     Gen(GenArgs),
     /// Estimate the zero/dedup/compression savings of files or devices, without writing.
@@ -235,7 +235,7 @@ pub struct EstimateArgs {
 impl WorkloadCommand {
     pub fn run(self) -> anyhow::Result<ExitCode> {
         match self {
-            WorkloadCommand::Bench(a) => run_bench(a),
+            WorkloadCommand::Bench(a) => run_bench(*a),
             WorkloadCommand::Gen(a) => run_gen(a),
             WorkloadCommand::Estimate(a) => run_estimate(a),
         }
