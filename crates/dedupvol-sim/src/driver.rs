@@ -73,6 +73,9 @@ const COMBINED_REQUEST_BLOCKS_MAX: u64 = 8;
 const RECOMPRESS_STEP_PCT: u32 = 5;
 /// See `RECOMPRESS_STEP_PCT`.
 const RECOMPRESS_CRASH_PCT: u32 = 25;
+/// Per mille of steps (zstd volumes formatted without a rest level, until they have 6)
+/// that give the volume a rest level (`op_tune`, its own stream `tune_rng`).
+const TUNE_STEP_PERMILLE: u32 = 4;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
 /// Percent of crash recoveries followed at once by a clean close and an audit.
@@ -526,6 +529,10 @@ pub struct RunStats {
     pub fragments_recompressed: u64,
     /// Crashes armed inside a recompression pass that struck.
     pub crashes_in_recompress: u64,
+    /// Rest levels given to open volumes (`set_rest_level` acknowledged).
+    pub rest_level_changes: u64,
+    /// Crashes armed inside a rest level change that struck.
+    pub crashes_in_tune: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
     /// Engine counters summed over every volume instance that was closed or crashed.
@@ -566,6 +573,8 @@ impl RunStats {
         self.combined_writes += o.combined_writes;
         self.fragments_recompressed += o.fragments_recompressed;
         self.crashes_in_recompress += o.crashes_in_recompress;
+        self.rest_level_changes += o.rest_level_changes;
+        self.crashes_in_tune += o.crashes_in_tune;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
         self.io_calls += o.io_calls;
@@ -692,6 +701,13 @@ struct Run<'a, E: SimEngine> {
     cleaner_rng: ChaCha8Rng,
     /// Draws of the recompression passes (`SimOptions::recompress` only).
     recompress_rng: ChaCha8Rng,
+    /// Draws of rest levels given to a zstd volume formatted without one (`op_tune`).
+    tune_rng: ChaCha8Rng,
+    /// The rest level the volume has durably (the format's, then each acknowledged
+    /// `set_rest_level`'s).
+    rest_now: i8,
+    /// A rest level whose change failed or crashed: a reopen finds it or `rest_now`.
+    rest_maybe: Option<i8>,
     model: Model,
     vol: Option<E>,
     stats: RunStats,
@@ -758,6 +774,9 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         rebuild_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x1DE8_B11D),
         cleaner_rng: ChaCha8Rng::seed_from_u64(seed ^ 0xC1EA_4E12),
         recompress_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x4EC0_3955),
+        tune_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x7E57_1E7E),
+        rest_now: cfg.format.effective_rest_level(),
+        rest_maybe: None,
         model: Model::new(),
         vol: None,
         stats: RunStats::default(),
@@ -873,9 +892,20 @@ impl<E: SimEngine> Run<'_, E> {
             if self.vol.is_some() && !self.machine.is_crashed() && self.cleaner_rng.gen_range(0..100) < CLEAN_STEP_PCT {
                 self.op_clean()?;
             }
+            // A zstd volume formatted without a rest level gets one (or a higher one) now
+            // and then, sometimes with a crash inside the superblock's write.
+            if self.cfg.format.compression == dedupvol_core::Compression::Zstd
+                && self.cfg.format.effective_rest_level() == 0
+                && self.rest_now < 6
+                && self.vol.is_some()
+                && !self.machine.is_crashed()
+                && self.tune_rng.gen_range(0..1000) < TUNE_STEP_PERMILLE
+            {
+                self.op_tune()?;
+            }
             // Passes run when sessions store with the other codec, or when the volume has
             // a rest level (every write then leaves data for them to settle).
-            if (self.opts.recompress || self.cfg.format.effective_rest_level() != 0)
+            if (self.opts.recompress || self.rest_now != 0)
                 && self.vol.is_some()
                 && !self.machine.is_crashed()
                 && self.recompress_rng.gen_range(0..100) < RECOMPRESS_STEP_PCT
@@ -1297,6 +1327,40 @@ impl<E: SimEngine> Run<'_, E> {
         r
     }
 
+    /// Gives the volume a rest level (1, or 6 once it has one), a crash sometimes armed
+    /// inside: an acknowledged level must be found by every later open; a failed one may
+    /// be found or not, never another (`recover` checks).
+    fn op_tune(&mut self) -> Result<(), String> {
+        let level = if self.rest_now == 0 { 1 } else { 6 };
+        let armed = self.cfg.crash_ppm > 0 && self.tune_rng.gen_range(0..100) < RECOMPRESS_CRASH_PCT;
+        if armed {
+            let after = self.tune_rng.gen_range(0..8);
+            self.note(format!("arm crash after {after} I/O calls in a rest level change"));
+            self.machine.arm_crash(after);
+        }
+        let before = self.machine.evidence();
+        let r = match self.vol().set_rest_level(level) {
+            Ok(old) if old == self.rest_now => {
+                self.note(format!("rest level {old} -> {level}"));
+                self.rest_now = level;
+                self.rest_maybe = None;
+                self.stats.rest_level_changes += 1;
+                Ok(())
+            }
+            Ok(old) => Err(format!("set_rest_level replaced level {old}, but the volume had {}", self.rest_now)),
+            Err(e) => {
+                self.rest_maybe = Some(level);
+                self.mutation_error("rest level change", &e, &before)
+            }
+        };
+        if self.machine.is_crashed() {
+            self.stats.crashes_in_tune += 1;
+        } else if armed {
+            self.machine.disarm_crash();
+        }
+        r
+    }
+
     fn op_flush(&mut self) -> Result<(), String> {
         let before = self.machine.evidence();
         self.stats.flushes += 1;
@@ -1632,6 +1696,16 @@ impl<E: SimEngine> Run<'_, E> {
                     self.ev_open = self.machine.evidence();
                     self.stats.recoveries += 1;
                     self.note("open ok; verifying".into());
+                    let rest = self.vol().rest_level();
+                    if rest != self.rest_now && Some(rest) != self.rest_maybe {
+                        return Err(format!(
+                            "the volume opened with rest level {rest}, but it had {}{}",
+                            self.rest_now,
+                            self.rest_maybe.map(|m| format!(" (or {m}, from a failed change)")).unwrap_or_default()
+                        ));
+                    }
+                    self.rest_now = rest;
+                    self.rest_maybe = None;
                     if self.verify_all()? {
                         return Ok(());
                     }

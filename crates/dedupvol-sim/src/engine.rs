@@ -64,6 +64,19 @@ pub trait SimEngine: Sized {
     fn recompress(&self, _budget_bytes: u64) -> Result<u64> {
         Ok(0)
     }
+    /// Gives the open volume a rest level (or another one); the level it replaces.
+    /// Engines without rest levels keep none (Ok(0) for level 0 only).
+    fn set_rest_level(&self, level: i8) -> Result<i8> {
+        if level == 0 {
+            Ok(0)
+        } else {
+            Err(Error::InvalidArgument("this engine has no rest levels".into()))
+        }
+    }
+    /// The open volume's rest level (0: none).
+    fn rest_level(&self) -> i8 {
+        0
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -168,6 +181,12 @@ impl SimEngine for Volume {
     }
     fn recompress(&self, budget_bytes: u64) -> Result<u64> {
         Volume::recompress(self, &dedupvol_core::RecompressOptions { budget_bytes }).map(|r| r.fragments_recompressed)
+    }
+    fn set_rest_level(&self, level: i8) -> Result<i8> {
+        Volume::set_rest_level(self, level)
+    }
+    fn rest_level(&self) -> i8 {
+        Volume::rest_level(self)
     }
     fn audit(&self) -> std::result::Result<(), String> {
         self.audit_memory()
