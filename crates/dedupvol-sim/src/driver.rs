@@ -894,7 +894,8 @@ impl<E: SimEngine> Run<'_, E> {
             }
             // A zstd volume formatted without a rest level gets one (or a higher one) now
             // and then, sometimes with a crash inside the superblock's write.
-            if self.cfg.format.compression == dedupvol_core::Compression::Zstd
+            if E::REST_LEVELS
+                && self.cfg.format.compression == dedupvol_core::Compression::Zstd
                 && self.cfg.format.effective_rest_level() == 0
                 && self.rest_now < 6
                 && self.vol.is_some()
@@ -1696,7 +1697,7 @@ impl<E: SimEngine> Run<'_, E> {
                     self.ev_open = self.machine.evidence();
                     self.stats.recoveries += 1;
                     self.note("open ok; verifying".into());
-                    let rest = self.vol().rest_level();
+                    let rest = if E::REST_LEVELS { self.vol().rest_level() } else { self.rest_now };
                     if rest != self.rest_now && Some(rest) != self.rest_maybe {
                         return Err(format!(
                             "the volume opened with rest level {rest}, but it had {}{}",

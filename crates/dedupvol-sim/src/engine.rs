@@ -64,6 +64,9 @@ pub trait SimEngine: Sized {
     fn recompress(&self, _budget_bytes: u64) -> Result<u64> {
         Ok(0)
     }
+    /// True when the engine has rest levels (`set_rest_level`): the driver gives them only
+    /// to such engines.
+    const REST_LEVELS: bool = false;
     /// Gives the open volume a rest level (or another one); the level it replaces.
     /// Engines without rest levels keep none (Ok(0) for level 0 only).
     fn set_rest_level(&self, level: i8) -> Result<i8> {
@@ -142,6 +145,7 @@ impl Coverage {
 
 /// The real engine.
 impl SimEngine for Volume {
+    const REST_LEVELS: bool = true;
     const NAME: &'static str = "dedupvol";
     fn format(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &FormatOptions) -> Result<()> {
         Volume::format(data, meta, opts, false)

@@ -131,6 +131,16 @@ impl SimEngine for StripedVolume {
     fn clean(&self, budget_bytes: u64, live_max: u32) -> Result<u64> {
         <Volume as SimEngine>::clean(&self.0, budget_bytes, live_max)
     }
+    fn recompress(&self, budget_bytes: u64) -> Result<u64> {
+        <Volume as SimEngine>::recompress(&self.0, budget_bytes)
+    }
+    const REST_LEVELS: bool = true;
+    fn set_rest_level(&self, level: i8) -> Result<i8> {
+        self.0.set_rest_level(level)
+    }
+    fn rest_level(&self) -> i8 {
+        self.0.rest_level()
+    }
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport> {
         dedupvol_core::check_volume(stripe(&data)?, meta, false)
     }
