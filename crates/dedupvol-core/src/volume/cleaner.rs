@@ -294,11 +294,13 @@ impl Volume {
         let (bytes, unit) = self.decode_found(f)?;
         let subs = f.live_subs();
         let hashes = if self.dedup {
-            subs.iter()
-                .filter_map(|&s| {
-                    unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE).map(|b| (s, *blake3::hash(b).as_bytes()))
-                })
-                .collect()
+            // Side by side, as stage 1 hashes (`blake3_many`): a unit's live blocks at once.
+            let blocks: Vec<(usize, &[u8])> =
+                subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE).map(|b| (s, b))).collect();
+            let inputs: Vec<&[u8]> = blocks.iter().map(|&(_, b)| b).collect();
+            let mut out = vec![[0u8; 32]; inputs.len()];
+            crate::pipeline::blake3_many::hash_chunks(&inputs, &mut out);
+            blocks.iter().map(|&(s, _)| s).zip(out).collect()
         } else {
             Vec::new()
         };
