@@ -15,7 +15,11 @@
 //! under the state lock appends it to the open run and remaps the logical blocks still
 //! mapped to it, as journalled mapping changes like any write. A fragment whose unit is
 //! whole is copied as it is; an extent with dead blocks is rewritten: its live blocks are
-//! compressed again as a smaller unit (or alone), so its dead blocks go.
+//! compressed again as a smaller unit (or alone), so its dead blocks go. In a volume with a
+//! rest level (and space not short), what moves is stored at rest at once: compressed at
+//! the rest level and marked settled (or, a zstd fragment that would not shrink, copied
+//! and marked), so that the recompressor does not move it a second time. Compression
+//! happens in step (3), without the lock.
 //!
 //! Invariants:
 //! - Correctness never rests on the scan being complete or current: a logical block is
@@ -112,10 +116,13 @@ struct Read {
 
 /// What the cleaner stores for a fragment it moves.
 enum Moved {
-    /// The fragment's bytes, unchanged.
-    Copy(Vec<u8>),
-    /// The live blocks of an extent (decoded, in unit order) and their old indexes.
-    Rewrite(Vec<u8>, Vec<usize>),
+    /// The fragment's bytes, unchanged; marked settled when true (a zstd fragment that
+    /// the rest level would not shrink).
+    Copy(Vec<u8>, bool),
+    /// Blocks of the unit stored again: the live blocks (decoded, in unit order), their
+    /// old indexes, their new fragment (compressed without the state lock; None: stored
+    /// raw), and whether it is a settled one (compressed at the rest level).
+    Rewrite { blocks: Vec<u8>, subs: Vec<usize>, frag: Option<Vec<u8>>, settled: bool },
 }
 
 impl Volume {
@@ -210,6 +217,9 @@ impl Volume {
                 .collect()
         };
         report.victims = victims.len() as u64;
+        // With a rest level, what moves is stored at rest at once (the recompressor would
+        // otherwise move it a second time), unless space is short: then the faster codec.
+        let settle = self.rest_level() != 0 && !self.space_short();
         // (3) and (4): the fragments touching a victim, in device order.
         let mut moving: Vec<Found> = frags
             .into_values()
@@ -228,7 +238,7 @@ impl Volume {
             if report.bytes_moved >= opts.budget_bytes {
                 break;
             }
-            let read: Vec<Option<Read>> = batch.iter().map(|f| self.read_fragment(f)).collect();
+            let read: Vec<Option<Read>> = batch.iter().map(|f| self.read_fragment(f, settle)).collect();
             let mut st = self.state.lock();
             for (f, read) in batch.iter().zip(read) {
                 let Some(Read { moved, hashes }) = read else { continue };
@@ -243,15 +253,20 @@ impl Volume {
                 }
                 // Where each old block of the unit goes now.
                 let placed: Vec<(usize, MapEntry)> = match moved {
-                    Moved::Copy(bytes) => {
+                    Moved::Copy(bytes, mark) => {
                         let Some((pbn, off)) = self.pack(&mut st, &bytes)? else { continue };
                         report.bytes_moved += bytes.len() as u64;
                         (0..f.frag.unit_blocks())
-                            .map(|sub| (sub, MapEntry::fragment(pbn, Frag { off, ..f.frag.with_sub(sub) }, 0)))
+                            .map(|sub| {
+                                let g = Frag { off, ..f.frag.with_sub(sub) };
+                                (sub, MapEntry::fragment(pbn, if mark { g.marked() } else { g }, 0))
+                            })
                             .collect()
                     }
-                    Moved::Rewrite(blocks, subs) => {
-                        let Some(stored) = self.store_blocks(&mut st, &blocks)? else { continue };
+                    Moved::Rewrite { blocks, subs, frag, settled } => {
+                        let Some(stored) = self.store_unit(&mut st, &blocks, frag.as_deref(), settled)? else {
+                            continue;
+                        };
                         report.bytes_moved += stored.1;
                         subs.into_iter().zip(stored.0).collect()
                     }
@@ -287,10 +302,14 @@ impl Volume {
     }
 
     /// A live fragment as the cleaner stores it again (its bytes when every block of its
-    /// unit is mapped, else its live blocks decoded), checked against the crc of every
-    /// mapping that names it (each names one block of its unit); None when it cannot be
-    /// read or does not decode to them (it is then left where it is).
-    fn read_fragment(&self, f: &Found) -> Option<Read> {
+    /// unit is mapped, else its live blocks decoded and compressed again), checked against
+    /// the crc of every mapping that names it (each names one block of its unit); None
+    /// when it cannot be read or does not decode to them (it is then left where it is).
+    /// With `settle` (a rest level, space not short), a fragment not at rest is stored at
+    /// the rest level and marked settled: a whole unit compressed again when that shrinks
+    /// it, else its bytes copied and marked (zstd only; other codecs are copied as they
+    /// are, for the recompressor).
+    fn read_fragment(&self, f: &Found, settle: bool) -> Option<Read> {
         let (bytes, unit) = self.decode_found(f)?;
         let subs = f.live_subs();
         let hashes = if self.dedup {
@@ -304,12 +323,28 @@ impl Volume {
         } else {
             Vec::new()
         };
+        let settle = settle && !self.at_rest(&f.frag);
+        let (rest_codec, rest_level, _) = self.rest_target();
         if subs.len() == f.frag.unit_blocks() {
-            return Some(Read { moved: Moved::Copy(bytes), hashes });
+            if settle {
+                match packer::compress(rest_codec, rest_level, &unit) {
+                    Some(z) if z.len() < bytes.len() => {
+                        let moved = Moved::Rewrite { blocks: unit, subs, frag: Some(z), settled: true };
+                        return Some(Read { moved, hashes });
+                    }
+                    _ if f.frag.compression() == Some(crate::config::Compression::Zstd) => {
+                        return Some(Read { moved: Moved::Copy(bytes, true), hashes });
+                    }
+                    _ => {}
+                }
+            }
+            return Some(Read { moved: Moved::Copy(bytes, false), hashes });
         }
         let live: Vec<u8> =
             subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
-        Some(Read { moved: Moved::Rewrite(live, subs), hashes })
+        let (codec, level) = if settle { (rest_codec, rest_level) } else { self.volume_codec };
+        let frag = packer::compress(codec, level, &live);
+        Some(Read { moved: Moved::Rewrite { blocks: live, subs, frag, settled: settle }, hashes })
     }
 
     /// A live fragment's bytes and its whole unit decoded (no lock), checked against the
@@ -339,18 +374,11 @@ impl Volume {
         ok.then_some((bytes, unit))
     }
 
-    /// Stores whole blocks again (state lock held): compressed with the volume's codec as
-    /// one unit (or alone, for one block), else raw; returns each block's new entry (crc
-    /// 0: the caller's) and the bytes written. None when no run can take the unit.
-    fn store_blocks(&self, st: &mut super::state::State, blocks: &[u8]) -> Result<Option<(Vec<MapEntry>, u64)>> {
-        let (codec, level) = self.volume_codec;
-        let frag = packer::compress(codec, level, blocks);
-        self.store_unit(st, blocks, frag.as_deref(), false)
-    }
-
-    /// Stores whole blocks already compressed as `frag` (state lock held), or raw when
-    /// `frag` is None: see `store_blocks`. The fragment is of the volume's codec, or, when
-    /// `settled`, of the recompressor's target codec and marked settled.
+    /// Stores whole blocks already compressed as `frag` (state lock held; compressed as one
+    /// unit, or alone for one block), or raw when `frag` is None; returns each block's new
+    /// entry (crc 0: the caller's) and the bytes written, None when no run can take the
+    /// unit. The fragment is of the volume's codec, or, when `settled`, of the
+    /// recompressor's target codec and marked settled.
     pub(super) fn store_unit(
         &self,
         st: &mut super::state::State,
