@@ -291,6 +291,13 @@ struct Unanswering {
     failed_reads: std::sync::atomic::AtomicU64,
 }
 
+impl Unanswering {
+    /// A 64 MiB device, answering.
+    fn new() -> Arc<Unanswering> {
+        Arc::new(Unanswering { inner: MemStorage::new(64 << 20), down: false.into(), failed_reads: 0.into() })
+    }
+}
+
 impl Storage for Unanswering {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         if self.down.load(std::sync::atomic::Ordering::Relaxed) {
@@ -320,7 +327,7 @@ impl Storage for Unanswering {
 #[test]
 fn a_background_scan_asks_an_unanswering_device_once() {
     use std::sync::atomic::Ordering;
-    let dev = Arc::new(Unanswering { inner: MemStorage::new(64 << 20), down: false.into(), failed_reads: 0.into() });
+    let dev = Unanswering::new();
     let storage: Arc<dyn Storage> = dev.clone();
     Volume::format(storage.clone(), None, &small_format(), false).expect("format");
     let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("open");
@@ -354,7 +361,7 @@ fn a_background_scan_asks_an_unanswering_device_once() {
 #[test]
 fn a_pass_ends_at_a_fragment_read_the_device_does_not_answer() {
     use std::sync::atomic::Ordering;
-    let dev = Arc::new(Unanswering { inner: MemStorage::new(64 << 20), down: false.into(), failed_reads: 0.into() });
+    let dev = Unanswering::new();
     let storage: Arc<dyn Storage> = dev.clone();
     let format = FormatOptions { compression: crate::config::Compression::Zstd, rest_level: Some(0), ..small_format() };
     Volume::format(storage.clone(), None, &format, false).expect("format");
@@ -385,4 +392,38 @@ fn a_pass_ends_at_a_fragment_read_the_device_does_not_answer() {
     vol.read(0, &mut back).expect("read");
     assert!(back == data, "data differs after the passes");
     vol.close().expect("close");
+}
+
+/// Duplicate lookups stop reading record pages for a while after one such read got no
+/// answer in time: each read would cost the write batch a device timeout, for dedup only.
+#[test]
+fn lookups_stop_asking_a_device_that_does_not_answer() {
+    use std::sync::atomic::Ordering;
+    let dev = Unanswering::new();
+    let storage: Arc<dyn Storage> = dev.clone();
+    let format = FormatOptions { compression: crate::config::Compression::None, ..small_format() };
+    Volume::format(storage.clone(), None, &format, false).expect("format");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("open");
+    let blocks = 1024;
+    let data = crate::codec::test_random_bytes(11, blocks * BLOCK_SIZE);
+    vol.write(0, &data, false).expect("write");
+    vol.close().expect("close");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
+    vol.wait_index_rebuilt();
+    let half = (vol.logical_blocks() / 2) as usize;
+    {
+        // Every map page cached: only record pages are left to read.
+        let mut st = vol.state.lock();
+        for l in 0..vol.logical_blocks() {
+            st.map.get(l).expect("map entry");
+        }
+    }
+    dev.down.store(true, Ordering::Relaxed);
+    // The same blocks again elsewhere, one request per block: duplicates to look up.
+    for (i, b) in data.chunks(BLOCK_SIZE).enumerate() {
+        vol.write(((half + i) * BLOCK_SIZE) as u64, b, false).expect("a write accepted into memory");
+    }
+    let asked = dev.failed_reads.load(Ordering::Relaxed);
+    assert!(asked > 0, "no record page was read: the test does not test anything");
+    assert!(asked <= 4, "record pages were asked for {asked} times from a device that does not answer");
 }
