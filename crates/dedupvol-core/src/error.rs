@@ -127,6 +127,13 @@ impl Error {
         Error::Io { context: context.into(), source }
     }
 
+    /// True for a device that gave no answer in time (`io::ErrorKind::TimedOut`, as a RADOS
+    /// device with an operation timeout reports): the same request again would most likely
+    /// wait as long and fail the same way.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Io { source, .. } if source.kind() == io::ErrorKind::TimedOut)
+    }
+
     /// The POSIX errno a block frontend should report for this error.
     pub fn errno(&self) -> i32 {
         match self {

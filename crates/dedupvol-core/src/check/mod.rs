@@ -11,7 +11,7 @@ pub(crate) mod scrub;
 
 use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::io::{IoKind, Storage};
 use crate::metadata::block_map::MapEntry;
 use crate::metadata::journal::Counters;
@@ -348,10 +348,20 @@ impl Volume {
         let mut counted = Counters::default();
         let mut referers: HashMap<u64, Vec<(u64, MapEntry)>> = HashMap::new();
         let mut st = self.state.lock();
+        // A page the device could not read, and why: the rest of its entries are reported
+        // unreadable without asking the device again (once per entry, under the state lock).
+        let mut unreadable: Option<(u64, String)> = None;
         for lba in 0..self.logical_blocks() {
+            if let Some((_, error)) = unreadable.as_ref().filter(|(until, _)| lba < *until) {
+                report.problem(Problem::MapUnreadable { lba, error: error.clone() });
+                continue;
+            }
             let e = match st.map.get(lba) {
                 Ok(e) => e,
                 Err(err) => {
+                    if matches!(err, Error::Io { .. }) {
+                        unreadable = Some((st.map.page_end(lba), err.to_string()));
+                    }
                     report.problem(Problem::MapUnreadable { lba, error: err.to_string() });
                     continue;
                 }
@@ -649,9 +659,21 @@ impl Volume {
         };
         let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
         let mut st = self.state.lock();
+        // Past the end of a page the device could not read (not asked again per entry).
+        let mut skip_until = 0;
         for lba in 0..self.logical_blocks() {
+            if lba < skip_until {
+                continue;
+            }
             // An unreadable map page was reported already; its blocks cannot be named.
-            let Ok(e) = st.map.get(lba) else { continue };
+            let e = match st.map.get(lba) {
+                Ok(e) => e,
+                Err(Error::Io { .. }) => {
+                    skip_until = st.map.page_end(lba);
+                    continue;
+                }
+                Err(_) => continue,
+            };
             if lba % 65536 == 65535 {
                 let d = st.journal.durable_seq();
                 st.map.evict(d)?;

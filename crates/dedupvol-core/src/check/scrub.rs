@@ -326,16 +326,27 @@ impl Run<'_> {
             }
             let end = (lba + SCRUB_LBAS_PER_LOCK).min(vol.logical_blocks());
             let mut by_pbn: BTreeMap<u64, Vec<Ref>> = BTreeMap::new();
-            let mut map_errors: Vec<(u64, String)> = Vec::new();
+            let mut map_error: Option<(u64, String)> = None;
+            let mut unreadable = 0u64;
             {
                 let mut st = vol.state.lock();
-                for l in lba..end {
+                let mut next = lba;
+                while next < end {
+                    let l = next;
+                    next += 1;
                     let e = match st.map.get(l) {
                         Ok(e) => e,
                         // An unreadable page (or an undecodable entry): the blocks it maps
-                        // cannot be checked; the finding names the first, and the walk goes on.
+                        // cannot be checked; the finding names the first, and the walk goes on,
+                        // past the rest of a page the device could not read (asked again for
+                        // each entry, a device that does not answer would hold the state lock
+                        // for one timeout per entry).
                         Err(err) => {
-                            map_errors.push((l, err.to_string()));
+                            if matches!(err, Error::Io { .. }) {
+                                next = st.map.page_end(l).min(end);
+                            }
+                            unreadable += next - l;
+                            map_error.get_or_insert((l, err.to_string()));
                             continue;
                         }
                     };
@@ -348,8 +359,8 @@ impl Run<'_> {
                 st.map.evict(d)?;
             }
             self.report.status.logical_blocks_scanned += end - lba;
-            if let Some((first, err)) = map_errors.first() {
-                let n = map_errors.len();
+            if let Some((first, err)) = &map_error {
+                let n = unreadable;
                 self.metadata_finding(format!(
                     "block map entries of {n} logical blocks from {first} unreadable: {err}"
                 ));

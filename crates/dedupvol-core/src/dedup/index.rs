@@ -213,6 +213,12 @@ pub struct Lookup {
     pub fetch: Option<Fetch>,
 }
 
+/// After a record-page read the device gave no answer to in time, lookups read no record
+/// pages for this long (`PageSource::fetch`). Why: a read that fails costs dedup only, but
+/// each would wait out the device's timeout again, for every page of every write batch (a
+/// RADOS volume with every OSD down kept a client's writes waiting for minutes).
+const UNANSWERED_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Reads record pages for lookups, holding no volume lock.
 #[derive(Clone)]
 pub struct PageSource {
@@ -222,12 +228,23 @@ pub struct PageSource {
     pages: Arc<Mutex<PageCache>>,
     chapters: Arc<Mutex<ChapterCache>>,
     counters: Arc<Counters>,
+    /// No record-page reads before then (`UNANSWERED_PAUSE`).
+    quiet_until: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl PageSource {
-    /// Reads what `f` names into the record cache (a failed read costs dedup only).
+    /// Reads what `f` names into the record cache (a failed read costs dedup only; none
+    /// while paused after a read that timed out, see `UNANSWERED_PAUSE`).
     pub fn fetch(&self, f: &Fetch) {
         let Some(meta) = self.meta.as_ref() else { return };
+        if self.quiet_until.lock().is_some_and(|t| std::time::Instant::now() < t) {
+            return;
+        }
+        let failed = |e: crate::error::Error| {
+            if e.is_timeout() {
+                *self.quiet_until.lock() = Some(std::time::Instant::now() + UNANSWERED_PAUSE);
+            }
+        };
         match f.page {
             Some(page) => {
                 if self.pages.lock().has(f.vcn, page) {
@@ -235,8 +252,8 @@ impl PageSource {
                 }
                 let mut buf = vec![0u8; BLOCK_SIZE];
                 self.counters.page_reads.fetch_add(1, Ordering::Relaxed);
-                if meta.read(IoKind::Index, &mut buf, self.ring.page_offset(f.vcn, page)).is_err() {
-                    return;
+                if let Err(e) = meta.read(IoKind::Index, &mut buf, self.ring.page_offset(f.vcn, page)) {
+                    return failed(e);
                 }
                 if let Some(recs) = decode_checked(&buf, self.uuid_lo, f, page) {
                     self.pages.lock().put_at(f.generation, f.vcn, page, recs);
@@ -250,8 +267,8 @@ impl PageSource {
                 let mut buf = vec![0u8; (ppc * BLOCK_SIZE_U64) as usize];
                 self.counters.page_reads.fetch_add(ppc, Ordering::Relaxed);
                 self.counters.chapter_loads.fetch_add(1, Ordering::Relaxed);
-                if meta.read(IoKind::Index, &mut buf, self.ring.page_offset(f.vcn, 0)).is_err() {
-                    return;
+                if let Err(e) = meta.read(IoKind::Index, &mut buf, self.ring.page_offset(f.vcn, 0)) {
+                    return failed(e);
                 }
                 let mut all = Vec::new();
                 for (i, b) in buf.chunks_exact(BLOCK_SIZE).enumerate() {
@@ -322,6 +339,8 @@ pub struct Index {
     pages: Arc<Mutex<PageCache>>,
     chapters: Arc<Mutex<ChapterCache>>,
     counters: Arc<Counters>,
+    /// Shared by every `PageSource` (`UNANSWERED_PAUSE`).
+    quiet_until: Arc<Mutex<Option<std::time::Instant>>>,
     /// A rebuild run step by step (`IndexRebuild::Manual`), or not started yet.
     rebuilder: Option<Rebuilder>,
     /// A rebuild running in the background.
@@ -387,6 +406,7 @@ impl Index {
             pages: Arc::new(Mutex::new(PageCache::new(RECORD_CACHE_PAGES as usize))),
             chapters: Arc::new(Mutex::new(ChapterCache::new(cache_chapters))),
             counters: Arc::new(Counters::default()),
+            quiet_until: Arc::new(Mutex::new(None)),
             rebuilder: None,
             rebuild_thread: None,
             open_probe: (0, 0),
@@ -468,6 +488,7 @@ impl Index {
             pages: self.pages.clone(),
             chapters: self.chapters.clone(),
             counters: self.counters.clone(),
+            quiet_until: self.quiet_until.clone(),
         }
     }
 

@@ -704,12 +704,13 @@ impl RadosStorage {
     }
 
     /// Reads `dst.len()` bytes at `within` of object `oid` as `rados_read` would (its
-    /// return value), but gives up after `deadline` with `TimedOut`. Why: a read whose
-    /// OSDs are all down was seen to wait for minutes in librados despite its operation
-    /// timeout, while the caller held the volume's state lock (every writer behind it). The
-    /// read goes into a buffer shared with the completion callback, so a read given up on
-    /// keeps its buffer until librados is done with it (memory bounded by the reads
-    /// outstanding).
+    /// return value), but gives up after `deadline` with `TimedOut`. Why: callers read
+    /// block-map pages under the volume's state lock (every writer behind it), so a read's
+    /// wait is bounded here whatever librados does. (With every OSD down, librados itself
+    /// ended each read at its operation timeout; the minutes once seen under the lock were
+    /// a map scan asking again for each entry of an unreadable page.) The read goes into a
+    /// buffer shared with the completion callback, so a read given up on keeps its buffer
+    /// until librados is done with it (memory bounded by the reads outstanding).
     fn read_with_deadline(
         &self,
         oid: &CStr,

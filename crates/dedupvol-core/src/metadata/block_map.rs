@@ -369,17 +369,24 @@ impl BlockMap {
     /// one device request, and caches them. Why: a sequential writer misses every page of a
     /// fresh region in turn, each miss a device round trip under the state lock; one larger
     /// read costs about the same as one page. If the larger read fails, `page` alone is
-    /// read, so a bad neighbour never fails a request.
+    /// read, so a bad neighbour never fails a request; unless it timed out: a device that
+    /// gave no answer in time is not asked again (a second timeout under the state lock).
     fn load_with_readahead(&mut self, page: u64, tick: u64) -> Result<()> {
         let mut n = 1u64;
         while n < READAHEAD_PAGES && page + n < self.geo.block_map_pages && !self.pages.contains_key(&(page + n)) {
             n += 1;
         }
         let mut all = vec![0u8; 2 * BLOCK_SIZE * n as usize];
-        if n == 1 || self.meta.read(IoKind::BlockMap, &mut all, self.slot_offset(page, 0)).is_err() {
-            let loaded = self.read_page(page)?;
-            self.insert_loaded(page, loaded, tick);
-            return Ok(());
+        let ahead =
+            if n == 1 { None } else { Some(self.meta.read(IoKind::BlockMap, &mut all, self.slot_offset(page, 0))) };
+        match ahead {
+            Some(Ok(())) => {}
+            Some(Err(e)) if e.is_timeout() => return Err(e),
+            None | Some(Err(_)) => {
+                let loaded = self.read_page(page)?;
+                self.insert_loaded(page, loaded, tick);
+                return Ok(());
+            }
         }
         for (k, both) in all.chunks_exact(2 * BLOCK_SIZE).enumerate() {
             let p = page + k as u64;
@@ -417,6 +424,13 @@ impl BlockMap {
         assert!(pages * BM_ENTRIES_PER_PAGE >= logical_blocks, "block map pages must cover the logical size");
         self.geo.logical_blocks = logical_blocks;
         self.geo.block_map_pages = pages;
+    }
+
+    /// The first logical block after the page holding `lba` (at most the logical size).
+    /// Why: a scan that cannot read a page goes on from there, instead of asking the
+    /// device for the same page again for each of its entries.
+    pub fn page_end(&self, lba: u64) -> u64 {
+        ((lba / BM_ENTRIES_PER_PAGE + 1) * BM_ENTRIES_PER_PAGE).min(self.geo.logical_blocks).max(lba + 1)
     }
 
     /// The mapping of `lba`.

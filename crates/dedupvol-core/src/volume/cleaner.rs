@@ -33,11 +33,14 @@
 //!   most `SCAN_LBAS_PER_HOLD` map entries or `MOVES_PER_HOLD` fragments at a time.
 //! - The new copies reach the device, and the old blocks are freed, through the same
 //!   commit path as client writes (the durability contract is unchanged).
+//! - A map page the device cannot read ends the pass with its error (`scanned`): the scan
+//!   asks the device once, not once per entry of the page, under the state lock. So does
+//!   a fragment's read the device gave no answer to in time (`decode_found`).
 
 use super::Volume;
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::io::IoKind;
 use crate::metadata::block_map::{Frag, MapEntry};
 use std::collections::{BTreeMap, HashMap};
@@ -53,6 +56,20 @@ const MOVES_PER_HOLD: usize = 64;
 pub(super) const WINDOW_BLOCKS: u64 = 1 << 20;
 /// Mappings one pass collects at most; past it, the rest keep their fragments alive.
 const SCANNED_MAX: usize = 4 << 20;
+
+/// A map entry as a background scan (cleaner, recompression) takes it: `None` for an
+/// entry that does not decode (skipped: it keeps what it maps, see the invariants); an
+/// error, ending the pass, when the device could not read its page. Why end it: every
+/// other entry of that page would ask the device again, each under the state lock, so a
+/// device that does not answer (a RADOS volume with every OSD down and an operation
+/// timeout) held the lock for one timeout per entry, hours, and every client behind it.
+pub(super) fn scanned(got: Result<MapEntry>) -> Result<Option<MapEntry>> {
+    match got {
+        Ok(e) => Ok(Some(e)),
+        Err(e @ Error::Io { .. }) => Err(e),
+        Err(_) => Ok(None),
+    }
+}
 
 /// What a pass may do.
 #[derive(Debug, Clone)]
@@ -168,7 +185,7 @@ impl Volume {
             let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
             let mut st = self.state.lock();
             for l in lba..end {
-                let Ok(e) = st.map.get(l) else { continue };
+                let Some(e) = scanned(st.map.get(l))? else { continue };
                 if !e.is_data() || !window.contains(&e.pbn) {
                     continue;
                 }
@@ -238,7 +255,7 @@ impl Volume {
             if report.bytes_moved >= opts.budget_bytes {
                 break;
             }
-            let read: Vec<Option<Read>> = batch.iter().map(|f| self.read_fragment(f, settle)).collect();
+            let read: Vec<Option<Read>> = batch.iter().map(|f| self.read_fragment(f, settle)).collect::<Result<_>>()?;
             let mut st = self.state.lock();
             for (f, read) in batch.iter().zip(read) {
                 let Some(Read { moved, hashes }) = read else { continue };
@@ -304,13 +321,14 @@ impl Volume {
     /// A live fragment as the cleaner stores it again (its bytes when every block of its
     /// unit is mapped, else its live blocks decoded and compressed again), checked against
     /// the crc of every mapping that names it (each names one block of its unit); None
-    /// when it cannot be read or does not decode to them (it is then left where it is).
+    /// when it cannot be read or does not decode to them (it is then left where it is); an
+    /// error when the device gave no answer in time (`decode_found`).
     /// With `settle` (a rest level, space not short), a fragment not at rest is stored at
     /// the rest level and marked settled: a whole unit compressed again when that shrinks
     /// it, else its bytes copied and marked (zstd only; other codecs are copied as they
     /// are, for the recompressor).
-    fn read_fragment(&self, f: &Found, settle: bool) -> Option<Read> {
-        let (bytes, unit) = self.decode_found(f)?;
+    fn read_fragment(&self, f: &Found, settle: bool) -> Result<Option<Read>> {
+        let Some((bytes, unit)) = self.decode_found(f)? else { return Ok(None) };
         let subs = f.live_subs();
         let hashes = if self.dedup {
             // Side by side, as stage 1 hashes (`blake3_many`): a unit's live blocks at once.
@@ -330,28 +348,30 @@ impl Volume {
                 match packer::compress(rest_codec, rest_level, &unit) {
                     Some(z) if z.len() < bytes.len() => {
                         let moved = Moved::Rewrite { blocks: unit, subs, frag: Some(z), settled: true };
-                        return Some(Read { moved, hashes });
+                        return Ok(Some(Read { moved, hashes }));
                     }
                     _ if f.frag.compression() == Some(crate::config::Compression::Zstd) => {
-                        return Some(Read { moved: Moved::Copy(bytes, true), hashes });
+                        return Ok(Some(Read { moved: Moved::Copy(bytes, true), hashes }));
                     }
                     _ => {}
                 }
             }
-            return Some(Read { moved: Moved::Copy(bytes, false), hashes });
+            return Ok(Some(Read { moved: Moved::Copy(bytes, false), hashes }));
         }
         let live: Vec<u8> =
             subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
         let (codec, level) = if settle { (rest_codec, rest_level) } else { self.volume_codec };
         let frag = packer::compress(codec, level, &live);
-        Some(Read { moved: Moved::Rewrite { blocks: live, subs, frag, settled: settle }, hashes })
+        Ok(Some(Read { moved: Moved::Rewrite { blocks: live, subs, frag, settled: settle }, hashes }))
     }
 
     /// A live fragment's bytes and its whole unit decoded (no lock), checked against the
     /// crc of every mapping that names it; None when it cannot be read or does not decode
-    /// to them.
-    pub(super) fn decode_found(&self, f: &Found) -> Option<(Vec<u8>, Vec<u8>)> {
-        let (_, e0) = f.uses.first()?;
+    /// to them. An error when the device gave no answer in time (`Error::is_timeout`): the
+    /// pass ends, rather than waiting out a timeout for each fragment left (a server
+    /// stopping waits for the pass).
+    pub(super) fn decode_found(&self, f: &Found) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let Some((_, e0)) = f.uses.first() else { return Ok(None) };
         let mut span = vec![0u8; f.frag.span() as usize * BLOCK_SIZE];
         let cached: Vec<_> = {
             let mut c = self.cache.lock();
@@ -362,16 +382,22 @@ impl Volume {
                 dst.copy_from_slice(&b);
             }
         } else {
-            self.data.read(IoKind::Data, e0.pbn, &mut span, "block map entry").ok()?;
+            match self.data.read(IoKind::Data, e0.pbn, &mut span, "block map entry") {
+                Ok(()) => {}
+                Err(e) if e.is_timeout() => return Err(e),
+                Err(_) => return Ok(None),
+            }
         }
-        let bytes = packer::fragment_bytes(e0.pbn, &f.frag, &span).ok()?.to_vec();
+        let Ok(bytes) = packer::fragment_bytes(e0.pbn, &f.frag, &span).map(<[u8]>::to_vec) else { return Ok(None) };
         let mut unit = vec![0u8; f.frag.unit_blocks() * BLOCK_SIZE];
-        packer::decompress(e0.pbn, &f.frag, &bytes, &mut unit).ok()?;
+        if packer::decompress(e0.pbn, &f.frag, &bytes, &mut unit).is_err() {
+            return Ok(None);
+        }
         let ok = f.uses.iter().all(|(_, e)| {
             let at = e.frag.sub() * BLOCK_SIZE;
             unit.get(at..at + BLOCK_SIZE).is_some_and(|b| crc32c::crc32c(b) == e.crc)
         });
-        ok.then_some((bytes, unit))
+        Ok(ok.then_some((bytes, unit)))
     }
 
     /// Stores whole blocks already compressed as `frag` (state lock held; compressed as one
@@ -419,6 +445,8 @@ pub const RECOMPRESS_IDLE_DEFAULT: Duration = Duration::from_secs(1);
 pub const CLEANER_DUTY_DEFAULT: f64 = 0.1;
 /// See `Volume::space_short`.
 const SPACE_SHORT_DIVISOR: u64 = 8;
+/// How long the cleaner thread runs no pass after one failed.
+const FAILED_PASS_PAUSE: Duration = Duration::from_secs(30);
 
 /// What a cleaner thread runs, and when.
 #[derive(Debug, Clone)]
@@ -441,8 +469,8 @@ pub struct CleanerOptions {
 
 /// A cleaner thread for a shared volume: every `interval` it runs a pass when the
 /// dead-space hint reaches `trigger_bytes`, and, once no client has written or read for
-/// `idle`, recompression passes while data not at rest is left. Stops when dropped or when
-/// the volume goes.
+/// `idle`, recompression passes while data not at rest is left; after a pass that failed,
+/// none for `FAILED_PASS_PAUSE`. Stops when dropped or when the volume goes.
 pub struct Cleaner {
     stop: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<()>>,
@@ -480,9 +508,15 @@ impl Cleaner {
                 let mut idle_since = Instant::now();
                 // Pacing: the next pass under client load waits until then.
                 let mut not_before = Instant::now();
+                // After a failed pass (a device that failed or did not answer), no pass
+                // until then: the thread outlives an outage without retrying into it.
+                let mut retry_at = Instant::now();
                 while !flag.load(Ordering::Acquire) {
                     std::thread::sleep(opts.interval);
                     let Some(v) = weak.upgrade() else { break };
+                    if Instant::now() < retry_at {
+                        continue;
+                    }
                     let now = v.state.lock().red.blocks_written;
                     let busy = writes != Some(now);
                     if busy {
@@ -499,7 +533,8 @@ impl Cleaner {
                     {
                         let t0 = Instant::now();
                         if v.clean(&opts.clean).is_err() {
-                            break;
+                            retry_at = Instant::now() + FAILED_PASS_PAUSE;
+                            continue;
                         }
                         not_before = Instant::now() + pause_after(t0.elapsed(), opts.duty);
                     }
@@ -509,7 +544,10 @@ impl Cleaner {
                         && v.recompress_hint() > 0
                         && v.recompress(ro).is_err()
                     {
-                        break;
+                        retry_at = Instant::now() + FAILED_PASS_PAUSE;
+                        // What the failed pass did not take is left for the next one.
+                        let mut st = v.state.lock();
+                        st.fast_codec_hint = st.fast_codec_hint.max(1);
                     }
                 }
             })

@@ -407,7 +407,7 @@ impl Volume {
             let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
             let mut st = self.state.lock();
             for l in lba..end {
-                let Ok(e) = st.map.get(l) else { continue };
+                let Some(e) = super::cleaner::scanned(st.map.get(l))? else { continue };
                 let Some(f) = e.fragment_of().filter(|f| !self.at_rest(f)) else { continue };
                 if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
                     report.more = true;
@@ -448,7 +448,7 @@ impl Volume {
                 break;
             }
             let batch: Vec<Group> = groups.by_ref().take(GROUPS_PER_HOLD).collect();
-            let ready = self.read_groups(&batch, codec, level);
+            let ready = self.read_groups(&batch, codec, level)?;
             let moving = if settle { moves(&batch, &ready, compaction) } else { vec![true; batch.len()] };
             let mut st = self.state.lock();
             for ((g, ready), moving) in batch.iter().zip(ready).zip(moving) {
@@ -590,9 +590,10 @@ impl Volume {
 
     /// Each group read, decoded and checked one after the other (its device reads in a
     /// fixed order: the simulator replays a seed's I/O calls exactly), then compressed
-    /// side by side on the volume's pool (no lock).
-    fn read_groups(&self, batch: &[Group], codec: Compression, level: i8) -> Vec<Option<Ready>> {
-        let gathered: Vec<Option<Vec<u8>>> = batch.iter().map(|g| self.gather_group(g)).collect();
+    /// side by side on the volume's pool (no lock). An error when the device gave no
+    /// answer in time (`Volume::decode_found`).
+    fn read_groups(&self, batch: &[Group], codec: Compression, level: i8) -> Result<Vec<Option<Ready>>> {
+        let gathered: Vec<Option<Vec<u8>>> = batch.iter().map(|g| self.gather_group(g)).collect::<Result<_>>()?;
         let mut out: Vec<Option<Ready>> = batch.iter().map(|_| None).collect();
         {
             let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = gathered
@@ -605,21 +606,22 @@ impl Volume {
                 .collect();
             crate::pipeline::executor::Executor::run_all(&*self.exec, jobs);
         }
-        out
+        Ok(out)
     }
 
     /// A group's blocks, decoded and checked (no lock); None when a member cannot be read
     /// or fails its check (the group then stays where it is, for the next pass or for
-    /// scrub to report).
-    fn gather_group(&self, g: &Group) -> Option<Vec<u8>> {
+    /// scrub to report); an error when the device gave no answer in time (`decode_found`).
+    fn gather_group(&self, g: &Group) -> Result<Option<Vec<u8>>> {
         let mut blocks = Vec::with_capacity(g.blocks() * BLOCK_SIZE);
         for (f, subs) in &g.members {
-            let (_, unit) = self.decode_found(f)?;
+            let Some((_, unit)) = self.decode_found(f)? else { return Ok(None) };
             for &s in subs {
-                blocks.extend_from_slice(unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)?);
+                let Some(b) = unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE) else { return Ok(None) };
+                blocks.extend_from_slice(b);
             }
         }
-        Some(blocks)
+        Ok(Some(blocks))
     }
 
     /// A group's blocks compressed with the target codec, and their fingerprints when

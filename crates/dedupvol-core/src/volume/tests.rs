@@ -282,3 +282,148 @@ fn the_backends_batch_hint_sizes_batches() {
         vol.close().expect("close");
     }
 }
+
+/// A device whose reads, once `down` is set, fail as a RADOS device's do with every OSD
+/// down and an operation timeout (`TimedOut`); it counts the reads it failed.
+struct Unanswering {
+    inner: MemStorage,
+    down: std::sync::atomic::AtomicBool,
+    failed_reads: std::sync::atomic::AtomicU64,
+}
+
+impl Unanswering {
+    /// A 64 MiB device, answering.
+    fn new() -> Arc<Unanswering> {
+        Arc::new(Unanswering { inner: MemStorage::new(64 << 20), down: false.into(), failed_reads: 0.into() })
+    }
+}
+
+impl Storage for Unanswering {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+            self.failed_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"));
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn name(&self) -> String {
+        "unanswering".to_string()
+    }
+}
+
+/// A background pass whose scan meets a block map page the device does not answer for ends
+/// with the error after asking once, rather than asking again for each entry of the page
+/// under the state lock (each one a device timeout: the server stopped answering for hours
+/// with every OSD of a RADOS volume down). The volume then serves again when the device does.
+#[test]
+fn a_background_scan_asks_an_unanswering_device_once() {
+    use std::sync::atomic::Ordering;
+    let dev = Unanswering::new();
+    let storage: Arc<dyn Storage> = dev.clone();
+    Volume::format(storage.clone(), None, &small_format(), false).expect("format");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("open");
+    let data = crate::codec::test_random_bytes(3, 64 * BLOCK_SIZE);
+    vol.write(0, &data, false).expect("write");
+    vol.close().expect("close");
+    for pass in ["recompress", "clean"] {
+        // Reopened: no map page is cached, so the scan must read them.
+        let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
+        vol.wait_index_rebuilt();
+        dev.failed_reads.store(0, Ordering::Relaxed);
+        dev.down.store(true, Ordering::Relaxed);
+        let failed = match pass {
+            "recompress" => vol.recompress(&super::recompress::RecompressOptions::default()).is_err(),
+            _ => vol.clean(&super::cleaner::CleanOptions::default()).is_err(),
+        };
+        let asked = dev.failed_reads.load(Ordering::Relaxed);
+        assert!(failed, "{pass}: a pass whose map could not be read succeeded");
+        assert!(asked <= 2, "{pass}: the device was asked {asked} times for what it did not answer");
+        dev.down.store(false, Ordering::Relaxed);
+        let mut back = vec![0u8; data.len()];
+        vol.read(0, &mut back).expect("read once the device answers");
+        assert!(back == data, "{pass}: data differs once the device answers");
+        vol.close().expect("close");
+    }
+}
+
+/// A recompression pass whose fragment reads get no answer in time ends at the first,
+/// rather than waiting out a timeout for each fragment left (a server stopping waits for
+/// the pass).
+#[test]
+fn a_pass_ends_at_a_fragment_read_the_device_does_not_answer() {
+    use std::sync::atomic::Ordering;
+    let dev = Unanswering::new();
+    let storage: Arc<dyn Storage> = dev.clone();
+    let format = FormatOptions { compression: crate::config::Compression::Zstd, rest_level: Some(0), ..small_format() };
+    Volume::format(storage.clone(), None, &format, false).expect("format");
+    // Written with the fast codec: every fragment is left for recompression.
+    let fast = OpenOptions { store_codec: Some((crate::config::Compression::Lz4, 0)), ..OpenOptions::default() };
+    let vol = Volume::open(storage.clone(), None, &fast).expect("open");
+    let data: Vec<u8> = (0..256 * BLOCK_SIZE).map(|i| ((i / 16) % 251) as u8 ^ (i / BLOCK_SIZE) as u8).collect();
+    vol.write(0, &data, false).expect("write");
+    vol.close().expect("close");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
+    vol.wait_index_rebuilt();
+    {
+        // Every map page cached: only the fragments' reads reach the device.
+        let mut st = vol.state.lock();
+        for l in 0..vol.logical_blocks() {
+            st.map.get(l).expect("map entry");
+        }
+    }
+    dev.down.store(true, Ordering::Relaxed);
+    let got = vol.recompress(&super::recompress::RecompressOptions::default());
+    let asked = dev.failed_reads.load(Ordering::Relaxed);
+    assert!(got.is_err(), "a pass whose fragments could not be read succeeded: {got:?}");
+    assert_eq!(asked, 1, "the device was asked {asked} times for what it did not answer");
+    dev.down.store(false, Ordering::Relaxed);
+    let report = vol.recompress(&super::recompress::RecompressOptions::default()).expect("a pass once it answers");
+    assert!(report.fragments_recompressed > 0, "nothing was left to recompress: {report:?}");
+    let mut back = vec![0u8; data.len()];
+    vol.read(0, &mut back).expect("read");
+    assert!(back == data, "data differs after the passes");
+    vol.close().expect("close");
+}
+
+/// Duplicate lookups stop reading record pages for a while after one such read got no
+/// answer in time: each read would cost the write batch a device timeout, for dedup only.
+#[test]
+fn lookups_stop_asking_a_device_that_does_not_answer() {
+    use std::sync::atomic::Ordering;
+    let dev = Unanswering::new();
+    let storage: Arc<dyn Storage> = dev.clone();
+    let format = FormatOptions { compression: crate::config::Compression::None, ..small_format() };
+    Volume::format(storage.clone(), None, &format, false).expect("format");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("open");
+    let blocks = 1024;
+    let data = crate::codec::test_random_bytes(11, blocks * BLOCK_SIZE);
+    vol.write(0, &data, false).expect("write");
+    vol.close().expect("close");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
+    vol.wait_index_rebuilt();
+    let half = (vol.logical_blocks() / 2) as usize;
+    {
+        // Every map page cached: only record pages are left to read.
+        let mut st = vol.state.lock();
+        for l in 0..vol.logical_blocks() {
+            st.map.get(l).expect("map entry");
+        }
+    }
+    dev.down.store(true, Ordering::Relaxed);
+    // The same blocks again elsewhere, one request per block: duplicates to look up.
+    for (i, b) in data.chunks(BLOCK_SIZE).enumerate() {
+        vol.write(((half + i) * BLOCK_SIZE) as u64, b, false).expect("a write accepted into memory");
+    }
+    let asked = dev.failed_reads.load(Ordering::Relaxed);
+    assert!(asked > 0, "no record page was read: the test does not test anything");
+    assert!(asked <= 4, "record pages were asked for {asked} times from a device that does not answer");
+}
