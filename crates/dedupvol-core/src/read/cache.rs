@@ -276,6 +276,13 @@ impl ContentCache {
         self.fill_decoded(pbn, key, block, crc, true);
     }
 
+    /// True when `fill_fragment` would keep a decoded block now (a cache with spare room):
+    /// a reader that gets false need not copy and checksum the other blocks of a unit it
+    /// decodes only to have them dropped.
+    pub fn admits_decoded(&self) -> bool {
+        self.table.as_ref().is_some_and(|t| (t.len() as u64) < t.capacity() - t.capacity() / 8)
+    }
+
     fn fill_decoded(&mut self, pbn: u64, key: u16, block: Block, crc: u32, even_if_full: bool) {
         let Some(t) = self.table.as_mut() else { return };
         if !even_if_full && (t.len() as u64) >= t.capacity() - t.capacity() / 8 {

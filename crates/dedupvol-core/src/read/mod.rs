@@ -183,7 +183,12 @@ impl Volume {
             .iter()
             .map(|l| (!l.done && !packed.contains_key(&l.e.pbn)).then(|| (l.e.pbn, l.e.fragment_of().map(|f| f.key()))))
             .collect();
-        let found = self.cache.lock().get_many(&keys);
+        // Whether decoded blocks other than those asked for are worth offering to the cache
+        // (`admits_decoded`), looked at under the same hold.
+        let (found, admit) = {
+            let mut c = self.cache.lock();
+            (c.get_many(&keys), c.admits_decoded())
+        };
         let hits: Vec<Hit> = looked
             .iter()
             .zip(found)
@@ -305,10 +310,20 @@ impl Volume {
                         .get(&e.pbn)
                         .and_then(|v| v.iter().find(|(off, _)| *off == f.off))
                         .map_or(f.sub() + 1, |&(_, r)| r);
-                    let ok =
-                        self.decode_fragment(e.pbn, &f, upto, &block, cached, &packed, &mut units, &mut decoded, dst)
-                            && crc32c::crc32c(dst) == e.crc;
-                    if ok {
+                    let ok = self.decode_fragment(
+                        e.pbn,
+                        &f,
+                        upto,
+                        &block,
+                        cached,
+                        &packed,
+                        &mut units,
+                        admit.then_some(&mut decoded),
+                        dst,
+                    ) && crc32c::crc32c(dst) == e.crc;
+                    // Offered to the cache only when it keeps decoded blocks now (it drops
+                    // them otherwise): no copy made for nothing.
+                    if ok && admit {
                         decoded.push((e.pbn, f.key(), Block::from(&*dst), e.crc));
                     }
                     ok
@@ -502,7 +517,7 @@ impl Volume {
         cached: bool,
         prefetched: &PbnMap<Block>,
         units: &mut DecodedUnits,
-        decoded: &mut Vec<(u64, u16, Block, u32)>,
+        decoded: Option<&mut Vec<(u64, u16, Block, u32)>>,
         dst: &mut [u8],
     ) -> bool {
         let sub = f.sub() * BLOCK_SIZE;
@@ -541,11 +556,13 @@ impl Volume {
         }
         let Some(b) = unit.get(sub..sub + BLOCK_SIZE) else { return false };
         dst.copy_from_slice(b);
-        // The unit's other blocks, for the cache: their own map entries check them again
-        // when they are read.
-        for (k, bytes) in unit.chunks_exact(BLOCK_SIZE).enumerate() {
-            if k != f.sub() {
-                decoded.push((pbn, f.with_sub(k).key(), Block::from(bytes), cache::block_crc(bytes)));
+        // The unit's other blocks, for the cache when it has room for them: their own map
+        // entries check them again when they are read.
+        if let Some(decoded) = decoded {
+            for (k, bytes) in unit.chunks_exact(BLOCK_SIZE).enumerate() {
+                if k != f.sub() {
+                    decoded.push((pbn, f.with_sub(k).key(), Block::from(bytes), cache::block_crc(bytes)));
+                }
             }
         }
         units.entry(pbn).or_default().push((f.off, Arc::new(unit)));
