@@ -54,21 +54,19 @@ pub(crate) fn for_each_group<T: Send>(
 ) {
     let group = group.max(1);
     let width = exec.width();
-    if items.len() < PARALLEL_CHUNKS_MIN || (width < 2 && !exec.dedicated()) {
+    let serial = |items: &mut [T]| {
         for (k, run) in items.chunks_mut(group).enumerate() {
             f(k * group, run);
         }
+    };
+    if items.len() < PARALLEL_CHUNKS_MIN || (width < 2 && !exec.dedicated()) {
+        serial(items);
         return;
     }
     if width < 2 {
         // One dedicated worker: the whole stage is its one job.
-        let f = &f;
-        let job: Box<dyn FnOnce() + Send + '_> = Box::new(move || {
-            for (k, run) in items.chunks_mut(group).enumerate() {
-                f(k * group, run);
-            }
-        });
-        exec.run_all(vec![job]);
+        let serial = &serial;
+        exec.run_all(vec![Box::new(move || serial(items))]);
         return;
     }
     // Several jobs per worker, taken in turn: items cost unequal work (a piece of unique
@@ -116,19 +114,10 @@ impl CpuPool {
     }
 
     /// A pool of `width` threads (at most `POOL_THREADS_MAX`; 1: jobs run on the caller's
-    /// thread). A volume given its own (`OpenOptions::workers`) does not share the
-    /// process's: the benchmark of how the pipeline scales with workers uses it.
+    /// thread): the process's shared pool.
     pub(crate) fn with_width(width: usize) -> Self {
         let width = width.clamp(1, POOL_THREADS_MAX);
-        let pool = (width >= 2)
-            .then(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(width)
-                    .thread_name(|i| format!("dedupvol-cpu-{i}"))
-                    .build()
-                    .ok()
-            })
-            .flatten();
+        let pool = (width >= 2).then(|| threads(width)).flatten();
         let width = if pool.is_some() { width } else { 1 };
         CpuPool { pool, width, dedicated: false }
     }
@@ -140,11 +129,16 @@ impl CpuPool {
     /// caller's thread if the threads cannot be made.
     pub(crate) fn with_workers(workers: usize) -> Self {
         let width = workers.clamp(1, POOL_THREADS_MAX);
-        match rayon::ThreadPoolBuilder::new().num_threads(width).thread_name(|i| format!("dedupvol-cpu-{i}")).build() {
-            Ok(pool) => CpuPool { pool: Some(pool), width, dedicated: true },
-            Err(_) => CpuPool { pool: None, width: 1, dedicated: false },
+        match threads(width) {
+            Some(pool) => CpuPool { pool: Some(pool), width, dedicated: true },
+            None => CpuPool { pool: None, width: 1, dedicated: false },
         }
     }
+}
+
+/// `width` named pool threads, or None when they cannot be made.
+fn threads(width: usize) -> Option<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new().num_threads(width).thread_name(|i| format!("dedupvol-cpu-{i}")).build().ok()
 }
 
 impl Executor for CpuPool {

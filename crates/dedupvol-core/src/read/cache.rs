@@ -284,10 +284,10 @@ impl ContentCache {
     }
 
     fn fill_decoded(&mut self, pbn: u64, key: u16, block: Block, crc: u32, even_if_full: bool) {
-        let Some(t) = self.table.as_mut() else { return };
-        if !even_if_full && (t.len() as u64) >= t.capacity() - t.capacity() / 8 {
+        if !even_if_full && !self.admits_decoded() {
             return;
         }
+        let Some(t) = self.table.as_mut() else { return };
         if self.fragment_keys_total >= 2 * t.capacity() as usize {
             for (p, keys) in self.fragment_keys.drain() {
                 for k in keys {
