@@ -38,4 +38,8 @@ fn striped_volume_seeds_pass() {
     assert!(total.crashes >= SEEDS, "too few crashes: {}", total.crashes);
     assert!(total.clean_checks >= SEEDS, "too few audited clean closes: {}", total.clean_checks);
     assert!(total.coverage.dedup_hits > 0, "no duplicate shared");
+    // The striped engine forwards recompression and rest level changes (it once did not,
+    // and striped volumes were never recompressed here).
+    assert!(total.fragments_recompressed > 0, "no recompression pass replaced a fragment of a striped volume");
+    assert!(total.rest_level_changes > 0, "no striped volume was given a rest level");
 }
