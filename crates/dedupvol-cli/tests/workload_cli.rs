@@ -81,6 +81,31 @@ fn bench_json_has_primitives_engine_baselines_and_io() {
     assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
 }
 
+/// Regression: with a zstd level (and a rest level) the no-reduction baseline inherited
+/// them, and formatting it failed ("only zstd takes a level"), so the run had no baseline.
+#[test]
+fn bench_with_a_zstd_level_still_measures_its_no_reduction_baseline() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v = ok_json(&[
+        "bench",
+        "--mode",
+        "seq",
+        "--size",
+        "4M",
+        "--compression",
+        "zstd:6",
+        "--rest-level",
+        "9",
+        "--no-disk",
+        "--dir",
+        p(dir.path()),
+        "--json",
+    ]);
+    let s = &v["scenarios"][0];
+    assert!(s["no_reduction_error"].is_null(), "{s}");
+    assert!(s["no_reduction_volume"]["mb_s"].as_f64().expect("baseline") > 0.0, "{s}");
+}
+
 #[test]
 fn bench_overwrite_mode_reports_writes_per_second() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -245,7 +245,7 @@ pub struct FormatOptions {
     /// Compressor for new data.
     pub compression: Compression,
     /// zstd level (`ZSTD_LEVEL_MIN..=ZSTD_LEVEL_MAX`); 0 picks `ZSTD_LEVEL_DEFAULT`.
-    /// Ignored by the other codecs.
+    /// The other codecs take none: a level other than 0 with them is refused.
     pub compression_level: i8,
     /// zstd level the recompressor brings data at rest to while the volume is idle (zstd
     /// volumes only; `1..=ZSTD_LEVEL_MAX`): writes compress fast at `compression_level`,

@@ -750,7 +750,14 @@ pub fn run_scenario(
     }
 
     if opts.baselines {
-        let base_fmt = FormatOptions { compression: Compression::None, dedup: false, ..fmt.clone() };
+        // No codec: so no codec level and no rest level either (a zstd run's would be refused).
+        let base_fmt = FormatOptions {
+            compression: Compression::None,
+            compression_level: 0,
+            rest_level: None,
+            dedup: false,
+            ..fmt.clone()
+        };
         let base = (|| -> Result<RunFigure, String> {
             let vol = Arc::new(fresh_volume(
                 &base_path,
