@@ -11,9 +11,9 @@ pub(crate) mod scrub;
 
 use crate::config::{OpenOptions, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::io::{IoKind, Storage};
-use crate::metadata::block_map::MapEntry;
+use crate::metadata::block_map::{MapEntry, Scanned};
 use crate::metadata::journal::Counters;
 use crate::metadata::refcount::REFCOUNT_MAX;
 use crate::volume::{OpenNote, Volume};
@@ -356,13 +356,15 @@ impl Volume {
                 report.problem(Problem::MapUnreadable { lba, error: error.clone() });
                 continue;
             }
-            let e = match st.map.get(lba) {
-                Ok(e) => e,
-                Err(err) => {
-                    if matches!(err, Error::Io { .. }) {
-                        unreadable = Some((st.map.page_end(lba), err.to_string()));
-                    }
+            let e = match st.map.scan(lba) {
+                Scanned::Entry(e) => e,
+                Scanned::Undecodable(err) => {
                     report.problem(Problem::MapUnreadable { lba, error: err.to_string() });
+                    continue;
+                }
+                Scanned::Unreadable { next, error } => {
+                    unreadable = Some((next, error.to_string()));
+                    report.problem(Problem::MapUnreadable { lba, error: error.to_string() });
                     continue;
                 }
             };
@@ -666,13 +668,13 @@ impl Volume {
                 continue;
             }
             // An unreadable map page was reported already; its blocks cannot be named.
-            let e = match st.map.get(lba) {
-                Ok(e) => e,
-                Err(Error::Io { .. }) => {
-                    skip_until = st.map.page_end(lba);
+            let e = match st.map.scan(lba) {
+                Scanned::Entry(e) => e,
+                Scanned::Unreadable { next, .. } => {
+                    skip_until = next;
                     continue;
                 }
-                Err(_) => continue,
+                Scanned::Undecodable(_) => continue,
             };
             if lba % 65536 == 65535 {
                 let d = st.journal.durable_seq();

@@ -40,7 +40,7 @@ use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
 use crate::error::{Error, Result};
 use crate::io::IoKind;
-use crate::metadata::block_map::{pick_slot, MapEntry, BM_PAGE_MAGIC};
+use crate::metadata::block_map::{pick_slot, MapEntry, Scanned, BM_PAGE_MAGIC};
 use crate::metadata::refcount::RC_PAGE_MAGIC;
 use crate::metadata::superblock::Superblock;
 use crate::volume::Volume;
@@ -334,19 +334,20 @@ impl Run<'_> {
                 while next < end {
                     let l = next;
                     next += 1;
-                    let e = match st.map.get(l) {
-                        Ok(e) => e,
-                        // An unreadable page (or an undecodable entry): the blocks it maps
-                        // cannot be checked; the finding names the first, and the walk goes on,
-                        // past the rest of a page the device could not read (asked again for
-                        // each entry, a device that does not answer would hold the state lock
-                        // for one timeout per entry).
-                        Err(err) => {
-                            if matches!(err, Error::Io { .. }) {
-                                next = st.map.page_end(l).min(end);
-                            }
-                            unreadable += next - l;
+                    // An unreadable page (or an undecodable entry): the blocks it maps
+                    // cannot be checked; the finding names the first, and the walk goes
+                    // on, past the rest of a page the device could not read.
+                    let e = match st.map.scan(l) {
+                        Scanned::Entry(e) => e,
+                        Scanned::Undecodable(err) => {
+                            unreadable += 1;
                             map_error.get_or_insert((l, err.to_string()));
+                            continue;
+                        }
+                        Scanned::Unreadable { next: past, error } => {
+                            next = past.min(end);
+                            unreadable += next - l;
+                            map_error.get_or_insert((l, error.to_string()));
                             continue;
                         }
                     };

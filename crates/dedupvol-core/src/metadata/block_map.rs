@@ -286,6 +286,24 @@ struct CachedPage {
     used: u64,
 }
 
+/// One step of a scan through the map (`BlockMap::scan`).
+#[derive(Debug)]
+pub enum Scanned {
+    /// The entry.
+    Entry(MapEntry),
+    /// The entry does not decode: a problem of that entry alone; the scan goes on with the
+    /// next one.
+    Undecodable(Error),
+    /// The device could not read the entry's page: the scan goes on at `next`, the first
+    /// logical block past that page.
+    Unreadable {
+        /// Where the scan goes on.
+        next: u64,
+        /// The device's error.
+        error: Error,
+    },
+}
+
 /// The paged block map with its bounded cache.
 pub struct BlockMap {
     geo: Geometry,
@@ -426,11 +444,24 @@ impl BlockMap {
         self.geo.block_map_pages = pages;
     }
 
-    /// The first logical block after the page holding `lba` (at most the logical size).
-    /// Why: a scan that cannot read a page goes on from there, instead of asking the
-    /// device for the same page again for each of its entries.
-    pub fn page_end(&self, lba: u64) -> u64 {
+    /// The first logical block after the page holding `lba` (at most the logical size,
+    /// always past `lba`).
+    fn page_end(&self, lba: u64) -> u64 {
         ((lba / BM_ENTRIES_PER_PAGE + 1) * BM_ENTRIES_PER_PAGE).min(self.geo.logical_blocks).max(lba + 1)
+    }
+
+    /// The mapping of `lba` as a scan moving forward through the map takes it (`check`,
+    /// scrub, the cleaner and recompression passes). A page the device could not read is
+    /// reported with the first block past it, where the scan goes on: asking the device
+    /// again for each of its entries, under the state lock, would hold the lock for one
+    /// device timeout per entry when the device does not answer (a RADOS volume with every
+    /// OSD down).
+    pub fn scan(&mut self, lba: u64) -> Scanned {
+        match self.get(lba) {
+            Ok(e) => Scanned::Entry(e),
+            Err(error @ Error::Io { .. }) => Scanned::Unreadable { next: self.page_end(lba), error },
+            Err(error) => Scanned::Undecodable(error),
+        }
     }
 
     /// The mapping of `lba`.
@@ -508,6 +539,12 @@ impl BlockMap {
             self.pages.remove(&page);
         }
         Ok(())
+    }
+
+    /// Drops every clean page from the cache (tests: the next lookups read the device).
+    #[cfg(test)]
+    pub(crate) fn drop_clean_pages(&mut self) {
+        self.pages.retain(|_, p| p.dirty);
     }
 
     /// Writes every dirty page whose entries are durable; returns how many were written.

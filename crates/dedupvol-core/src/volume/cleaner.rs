@@ -33,16 +33,18 @@
 //!   most `SCAN_LBAS_PER_HOLD` map entries or `MOVES_PER_HOLD` fragments at a time.
 //! - The new copies reach the device, and the old blocks are freed, through the same
 //!   commit path as client writes (the durability contract is unchanged).
-//! - A map page the device cannot read ends the pass with its error (`scanned`): the scan
-//!   asks the device once, not once per entry of the page, under the state lock. So does
-//!   a fragment's read the device gave no answer to in time (`decode_found`).
+//! - A map page the device cannot read is asked for once, not once per entry of the page
+//!   under the state lock (`scan_entries`): it is skipped whole (what it maps stays, the
+//!   rest is cleaned), or, when the device gave no answer in time, it ends the pass with
+//!   the error. So does a fragment's read the device gave no answer to in time
+//!   (`decode_found`).
 
 use super::Volume;
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::io::IoKind;
-use crate::metadata::block_map::{Frag, MapEntry};
+use crate::metadata::block_map::{BlockMap, Frag, MapEntry, Scanned};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -57,18 +59,38 @@ pub(super) const WINDOW_BLOCKS: u64 = 1 << 20;
 /// Mappings one pass collects at most; past it, the rest keep their fragments alive.
 const SCANNED_MAX: usize = 4 << 20;
 
-/// A map entry as a background scan (cleaner, recompression) takes it: `None` for an
-/// entry that does not decode (skipped: it keeps what it maps, see the invariants); an
-/// error, ending the pass, when the device could not read its page. Why end it: every
-/// other entry of that page would ask the device again, each under the state lock, so a
-/// device that does not answer (a RADOS volume with every OSD down and an operation
-/// timeout) held the lock for one timeout per entry, hours, and every client behind it.
-pub(super) fn scanned(got: Result<MapEntry>) -> Result<Option<MapEntry>> {
-    match got {
-        Ok(e) => Ok(Some(e)),
-        Err(e @ Error::Io { .. }) => Err(e),
-        Err(_) => Ok(None),
+/// Map entries `lbas` as a background scan (cleaner, recompression) takes them, under one
+/// state-lock hold: `f` gets each entry that decodes; one that does not is skipped (it
+/// keeps what it maps, see the invariants). Returns where the next hold goes on (past
+/// `lbas.end` when the range ended inside a page skipped whole).
+///
+/// A map page the device could not read is skipped whole and counted in `unreadable`:
+/// what it maps stays where it is (space, never data), and the rest of the volume is
+/// still cleaned, so one bad page does not stop every later pass at the same place.
+/// Unless the device gave no answer in time: then the pass ends with the error, since
+/// every page after it would make the lock wait as long (a RADOS volume with every OSD
+/// down: the server stopped answering for hours).
+pub(super) fn scan_entries(
+    map: &mut BlockMap,
+    lbas: std::ops::Range<u64>,
+    unreadable: &mut u64,
+    mut f: impl FnMut(u64, MapEntry),
+) -> Result<u64> {
+    let mut l = lbas.start;
+    while l < lbas.end {
+        match map.scan(l) {
+            Scanned::Entry(e) => f(l, e),
+            Scanned::Undecodable(_) => {}
+            Scanned::Unreadable { error, .. } if error.is_timeout() => return Err(error),
+            Scanned::Unreadable { next, .. } => {
+                *unreadable += 1;
+                l = next;
+                continue;
+            }
+        }
+        l += 1;
     }
+    Ok(l.max(lbas.end))
 }
 
 /// What a pass may do.
@@ -101,6 +123,8 @@ pub struct CleanReport {
     pub bytes_moved: u64,
     /// Logical blocks remapped.
     pub blocks_remapped: u64,
+    /// Block map pages the device could not read: skipped, what they map kept.
+    pub map_pages_unreadable: u64,
     /// Data blocks in use before and after the pass (the freed ones count once the moves
     /// are durable).
     pub used_before: u64,
@@ -184,10 +208,9 @@ impl Volume {
         while lba < self.logical_blocks() && collected < SCANNED_MAX {
             let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
             let mut st = self.state.lock();
-            for l in lba..end {
-                let Some(e) = scanned(st.map.get(l))? else { continue };
+            let next = scan_entries(&mut st.map, lba..end, &mut report.map_pages_unreadable, |l, e| {
                 if !e.is_data() || !window.contains(&e.pbn) {
-                    continue;
+                    return;
                 }
                 collected += 1;
                 match e.fragment_of() {
@@ -198,12 +221,12 @@ impl Volume {
                         .uses
                         .push((l, e)),
                 }
-            }
+            })?;
             let durable = st.journal.durable_seq();
             st.map.evict(durable)?;
             drop(st);
-            report.scanned_blocks += end - lba;
-            lba = end;
+            report.scanned_blocks += next - lba;
+            lba = next;
         }
         // (2) Live bytes per block, and the victims.
         let mut live: HashMap<u64, u32> = HashMap::new();

@@ -115,6 +115,8 @@ pub struct RecompressReport {
     pub fragments_marked: u64,
     /// Mappings that gained the mark in place.
     pub blocks_marked: u64,
+    /// Block map pages the device could not read: skipped, what they map left as it is.
+    pub map_pages_unreadable: u64,
     /// True when the pass stopped on its budget (or its collection bound) with fragments
     /// not at rest left.
     pub more: bool,
@@ -132,6 +134,7 @@ impl RecompressReport {
         self.blocks_remapped += r.blocks_remapped;
         self.fragments_marked += r.fragments_marked;
         self.blocks_marked += r.blocks_marked;
+        self.map_pages_unreadable += r.map_pages_unreadable;
     }
 }
 
@@ -406,20 +409,24 @@ impl Volume {
         while lba < self.logical_blocks() {
             let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
             let mut st = self.state.lock();
-            for l in lba..end {
-                let Some(e) = super::cleaner::scanned(st.map.get(l))? else { continue };
-                let Some(f) = e.fragment_of().filter(|f| !self.at_rest(f)) else { continue };
-                if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
-                    report.more = true;
-                    continue;
-                }
-                frags.entry((e.pbn, f.off)).or_insert_with(|| Found { frag: f, uses: Vec::new() }).uses.push((l, e));
-            }
+            let next =
+                super::cleaner::scan_entries(&mut st.map, lba..end, &mut report.map_pages_unreadable, |l, e| {
+                    let Some(f) = e.fragment_of().filter(|f| !self.at_rest(f)) else { return };
+                    if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
+                        report.more = true;
+                        return;
+                    }
+                    frags
+                        .entry((e.pbn, f.off))
+                        .or_insert_with(|| Found { frag: f, uses: Vec::new() })
+                        .uses
+                        .push((l, e));
+                })?;
             let durable = st.journal.durable_seq();
             st.map.evict(durable)?;
             drop(st);
-            report.scanned_blocks += end - lba;
-            lba = end;
+            report.scanned_blocks += next - lba;
+            lba = next;
         }
         report.fragments_found = frags.len() as u64;
         // Fragments still in memory (the open run, Staging) wait: the read below is of the

@@ -427,3 +427,120 @@ fn lookups_stop_asking_a_device_that_does_not_answer() {
     assert!(asked > 0, "no record page was read: the test does not test anything");
     assert!(asked <= 4, "record pages were asked for {asked} times from a device that does not answer");
 }
+
+/// A device whose reads touching two blocks from byte `at` fail, once `bad` is set, with an
+/// I/O error that is not a timeout (a bad sector); it counts the reads it failed.
+struct BadSector {
+    inner: MemStorage,
+    at: std::sync::atomic::AtomicU64,
+    bad: std::sync::atomic::AtomicBool,
+    failed_reads: std::sync::atomic::AtomicU64,
+}
+
+impl Storage for BadSector {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let at = self.at.load(std::sync::atomic::Ordering::Relaxed);
+        let touches = offset < at + 2 * BLOCK_SIZE_U64 && offset + buf.len() as u64 > at;
+        if touches && self.bad.load(std::sync::atomic::Ordering::Relaxed) {
+            self.failed_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(std::io::Error::other("bad sector"));
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn name(&self) -> String {
+        "bad-sector".to_string()
+    }
+}
+
+/// A block map page that cannot be read (a persistent error, not a timeout) is skipped by
+/// background passes, which go on with the rest of the map: the cleaner still compacts,
+/// and the recompressor still settles, what the other pages map. Before, such a page
+/// ended every pass where it stood, so nothing past it was ever cleaned. What the bad page
+/// maps stays where it is, and everything reads back once the device reads it again.
+#[test]
+fn background_passes_skip_a_map_page_with_a_persistent_read_error() {
+    use crate::config::Compression;
+    use std::sync::atomic::Ordering;
+    let blocks = 6144usize;
+    // Past the pages an open reads ahead of its first map lookup (they stay cached).
+    let page = 20u64;
+    let first = page * crate::metadata::layout::BM_ENTRIES_PER_PAGE;
+    let dev = Arc::new(BadSector {
+        inner: MemStorage::new(64 << 20),
+        at: 0.into(),
+        bad: false.into(),
+        failed_reads: 0.into(),
+    });
+    let format = FormatOptions {
+        compression: Compression::Zstd,
+        // No rest level: the cleaner copies fragments as they are, and leaves the fast
+        // codec's to the recompressor.
+        rest_level: Some(0),
+        logical_size_bytes: (blocks * BLOCK_SIZE) as u64,
+        ..small_format()
+    };
+    Volume::format(dev.clone(), None, &format, false).expect("format");
+    let meta = crate::io::Dev::new(dev.clone(), Arc::new(crate::io::IoCounters::default()));
+    let (sb, _) = crate::metadata::superblock::Superblock::read(&meta, 0).expect("superblock");
+    dev.at.store((sb.geometry.block_map_start + 2 * page) * BLOCK_SIZE_U64, Ordering::Relaxed);
+    let storage: Arc<dyn Storage> = dev.clone();
+    // Written with the fast codec, then the first half of every other extent overwritten:
+    // half-dead blocks to clean, and fragments to bring to zstd, on every page.
+    let fast = OpenOptions { store_codec: Some((Compression::Lz4, 0)), ..OpenOptions::default() };
+    let vol = Volume::open(storage.clone(), None, &fast).expect("open");
+    let mut data: Vec<u8> = (0..blocks * BLOCK_SIZE).map(|i| ((i / 16) % 251) as u8 ^ (i / BLOCK_SIZE) as u8).collect();
+    vol.write(0, &data, false).expect("write");
+    for unit in (0..blocks / 16).step_by(2) {
+        for k in 0..8 {
+            let lba = unit * 16 + k;
+            let fresh = crate::codec::test_random_bytes(lba as u64, BLOCK_SIZE / 2).repeat(2);
+            vol.write((lba * BLOCK_SIZE) as u64, &fresh, false).expect("overwrite");
+            data[lba * BLOCK_SIZE..(lba + 1) * BLOCK_SIZE].copy_from_slice(&fresh);
+        }
+    }
+    vol.close().expect("close");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
+    vol.wait_index_rebuilt();
+    // No map page cached (the journal's replay read them), so the passes must read them.
+    vol.flush().expect("flush");
+    vol.state.lock().map.drop_clean_pages();
+    dev.bad.store(true, Ordering::Relaxed);
+    let c = vol.clean(&super::cleaner::CleanOptions { budget_bytes: u64::MAX, live_max: BLOCK_SIZE as u32 });
+    let c = c.expect("a cleaner pass past a bad map page");
+    assert_eq!(c.map_pages_unreadable, 1, "{c:?}");
+    assert!(c.fragments_moved > 0 && c.blocks_remapped > 0, "nothing cleaned past the bad page: {c:?}");
+    assert_eq!(c.scanned_blocks, vol.logical_blocks(), "{c:?}");
+    vol.flush().expect("flush");
+    let r = vol.recompress(&super::recompress::RecompressOptions::default());
+    let r = r.expect("a recompression pass past a bad map page");
+    assert_eq!(r.map_pages_unreadable, 1, "{r:?}");
+    assert!(r.fragments_recompressed > 0, "nothing recompressed past the bad page: {r:?}");
+    let asked = dev.failed_reads.load(Ordering::Relaxed);
+    // A few reads a pass (read-ahead from the pages before it fails first, then they are
+    // read alone), never one per entry: 254 a pass.
+    assert!(asked <= 16, "the bad page was asked for {asked} times in two passes");
+    // What the bad page maps cannot be read now; the rest reads back.
+    let mut one = vec![0u8; BLOCK_SIZE];
+    assert!(vol.read(first * BLOCK_SIZE_U64, &mut one).is_err(), "a block mapped by the bad page was read");
+    let far = (first + crate::metadata::layout::BM_ENTRIES_PER_PAGE) as usize;
+    let mut rest = vec![0u8; (blocks - far) * BLOCK_SIZE];
+    vol.read((far * BLOCK_SIZE) as u64, &mut rest).expect("read past the bad page");
+    assert!(rest[..] == data[far * BLOCK_SIZE..], "data past the bad page differs");
+    vol.flush().expect("flush");
+    dev.bad.store(false, Ordering::Relaxed);
+    let mut back = vec![0u8; data.len()];
+    vol.read(0, &mut back).expect("read once the page reads again");
+    assert!(back == data, "data differs once the page reads again");
+    vol.close().expect("close");
+    let report = crate::check::check_volume(storage, None, false).expect("check");
+    assert!(report.is_clean(), "{report:?}");
+}
