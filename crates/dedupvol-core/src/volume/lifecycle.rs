@@ -558,9 +558,15 @@ impl Volume {
     /// Writes the superblock copies with the lifetime counters as of now (after a
     /// checkpoint; close writes them too), so a crash loses at most the counts since the
     /// last checkpoint. Rare enough to cost nothing: a checkpoint frees half the journal.
+    /// The space counters as of the checkpoint go with them: a crash whose first journal
+    /// block after the checkpoint was torn replays nothing, and recovery then takes them
+    /// from here (the blocks that carried them are behind the journal's head).
     pub(crate) fn persist_lifetime(&self, st: &State) -> Result<()> {
+        assert_eq!(st.journal.pending_len(), 0, "space counters persisted with journal entries not committed");
         let mut sb = self.sb.lock();
         sb.lifetime = self.lifetime_now(st);
+        sb.mapped_blocks = st.counters.mapped_blocks;
+        sb.zero_blocks = st.counters.zero_blocks;
         write_superblock(self.data.dev(), self.separate_meta(), &mut sb)
     }
 

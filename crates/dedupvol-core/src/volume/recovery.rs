@@ -6,7 +6,11 @@
 //! - An entry changes a page only when its sequence is above the page's: replay is
 //!   idempotent, and a page written after the entry is never rolled back.
 //! - Counters come from the journal after a crash, from the superblock after a clean close
-//!   (repair may have corrected them after the last journal block was written).
+//!   (repair may have corrected them after the last journal block was written), and from
+//!   the superblock after a crash that left nothing to replay: the superblock carries them
+//!   as of the last checkpoint (written after each one, and by recovery itself, which is one).
+//!   The journal blocks that carried them may be gone: a checkpoint moves the head past
+//!   them, and the first block after it may be torn.
 //! - The journal restarts with entry and block sequences above every one still on disk,
 //!   so a stale block can never be taken for a new one.
 
@@ -77,6 +81,10 @@ pub(crate) fn recover(
         rc.note_synced();
         journal.note_checkpointed();
         sb.clean = false;
+        // The counters as of this checkpoint: the next crash may find no block to replay
+        // (the first one after it torn), and then has only these.
+        sb.mapped_blocks = counters.mapped_blocks;
+        sb.zero_blocks = counters.zero_blocks;
         sb.lifetime.read_write_opens += 1;
         sb.lifetime.recoveries += u64::from(!was_clean);
         let separate = geo.meta_dev_blocks > 0;
