@@ -7,7 +7,9 @@
 //!   buffers, which must outlive the jobs.
 //! - The pool is made once per volume (persistent threads); a request never spawns one.
 //! - Small requests stay on the caller's thread: handing 4 KiB to another core costs more
-//!   than hashing it; so does work handed out from a job already on the pool.
+//!   than hashing it; so does work handed out from a job already on the pool. Small is
+//!   counted in chunks of work, not in elements (`for_each_weighted`: an extent is up to
+//!   16 chunks).
 //! - A pool made for an explicit worker count (`CpuPool::with_workers`) runs every large
 //!   stage on its own threads, even when it has one: the stages' work then never exceeds
 //!   that many threads, whatever number of writers call in.
@@ -43,6 +45,25 @@ pub(crate) fn for_each<T: Send>(exec: &dyn Executor, items: &mut [T], f: impl Fn
     });
 }
 
+/// `for_each` on elements of unequal size, `chunks` being the work of all of them counted
+/// in chunks: that, not the number of elements, decides whether the stage leaves the
+/// caller's thread. Why: 16 extents of 16 chunks (a 1 MiB write) are 256 chunks of
+/// compression; counted as 16 elements they stayed on the caller's thread, so a single
+/// writer (an import) compressed on one core, and a volume with an explicit worker count
+/// ran that work outside its workers.
+pub(crate) fn for_each_weighted<T: Send>(
+    exec: &dyn Executor,
+    items: &mut [T],
+    chunks: usize,
+    f: impl Fn(usize, &mut T) + Sync,
+) {
+    split(exec, items, 1, chunks, |i, g| {
+        for (j, t) in g.iter_mut().enumerate() {
+            f(i + j, t);
+        }
+    });
+}
+
 /// `for_each` on runs of up to `group` consecutive elements: `f(i, run)` gets the run
 /// starting at element `i`, and every run but a job's last is `group` long (work that is
 /// cheaper done on several elements at once, such as hashing them side by side).
@@ -52,6 +73,18 @@ pub(crate) fn for_each_group<T: Send>(
     group: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
+    let chunks = items.len();
+    split(exec, items, group, chunks, f);
+}
+
+/// `for_each_group` of elements worth `chunks` chunks of work in all.
+fn split<T: Send>(
+    exec: &dyn Executor,
+    items: &mut [T],
+    group: usize,
+    chunks: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
     let group = group.max(1);
     let width = exec.width();
     let serial = |items: &mut [T]| {
@@ -59,7 +92,10 @@ pub(crate) fn for_each_group<T: Send>(
             f(k * group, run);
         }
     };
-    if items.len() < PARALLEL_CHUNKS_MIN || (width < 2 && !exec.dedicated()) {
+    // One element cannot be split: handing it over only adds a wait, unless the stage
+    // must run on the executor's own threads.
+    let alone = items.len() < 2 && !exec.dedicated();
+    if chunks < PARALLEL_CHUNKS_MIN || items.is_empty() || alone || (width < 2 && !exec.dedicated()) {
         serial(items);
         return;
     }
@@ -200,5 +236,28 @@ mod tests {
         let mut v = vec![None; 1000];
         for_each(&inline, &mut v, |_, x| *x = Some(std::thread::current().id()));
         assert!(v.iter().all(|t| *t == Some(caller)));
+    }
+
+    /// Elements of unequal size leave the caller's thread by the work they weigh, not by
+    /// their number: 16 extents of 16 chunks (a 1 MiB write) ran on the caller's thread,
+    /// so a single writer compressed on one core, and a volume given one worker ran its
+    /// compression outside it.
+    #[test]
+    fn weighted_elements_leave_the_callers_thread_by_their_work() {
+        let caller = std::thread::current().id();
+        let ran_on = |pool: &CpuPool, items: usize, chunks: usize| {
+            let mut v: Vec<Option<(usize, std::thread::ThreadId)>> = vec![None; items];
+            for_each_weighted(pool, &mut v, chunks, |i, x| *x = Some((i, std::thread::current().id())));
+            assert!(v.iter().enumerate().all(|(i, x)| x.is_some_and(|(j, _)| j == i)), "{items} items");
+            v.iter().flatten().map(|&(_, t)| t).collect::<std::collections::HashSet<_>>()
+        };
+        let one = CpuPool::with_workers(1);
+        assert!(!ran_on(&one, 16, 256).contains(&caller), "a dedicated worker's 256 chunks ran on the caller");
+        assert!(ran_on(&one, 16, 32).contains(&caller), "32 chunks of work left the caller's thread");
+        let two = CpuPool::with_width(2);
+        if two.width() == 2 {
+            assert!(!ran_on(&two, 16, 256).contains(&caller), "256 chunks of work stayed on the caller's thread");
+            assert_eq!(ran_on(&two, 1, 256), [caller].into_iter().collect(), "one element was handed over");
+        }
     }
 }

@@ -10,7 +10,7 @@
 //! stage says what to compute for which chunks and turns the answers into plans.
 
 use super::defer::Deferral;
-use super::executor::{for_each, Executor};
+use super::executor::{for_each_weighted, Executor};
 use super::lbas::Lbas;
 use super::offload::{Offloader, PrintOp, Prints};
 use super::reduce::{form_jobs, run_jobs, Job};
@@ -176,8 +176,9 @@ pub(crate) fn fingerprint_predicted(
     let width = off.parallel();
     let strong = PrintOp { zero_check: false, weak_mask: None, crc32c: true, blake3: true };
     // Each item is one job already: the pieces share the pool between them (and the CPU
-    // backend runs a piece's calls on the piece's thread).
-    for_each(exec, &mut pieces, |_, piece| {
+    // backend runs a piece's calls on the piece's thread). Weighed by the batch's chunks:
+    // counted as pieces (up to 64 chunks each), a 4 MiB batch stayed on the caller's thread.
+    for_each_weighted(exec, &mut pieces, n, |_, piece| {
         let chunks: Vec<&[u8]> = piece
             .plans
             .iter()

@@ -23,7 +23,7 @@
 //!   slices are sized by the engine, and a backend cannot change their length.
 
 use super::blake3_many;
-use super::executor::{for_each, for_each_group, CpuPool, Executor};
+use super::executor::{for_each, for_each_group, for_each_weighted, CpuPool, Executor};
 use crate::config::{Compression, BLOCK_SIZE};
 use crate::data::packer;
 use crate::metadata::block_map::{Frag, UNIT_BLOCKS_MAX};
@@ -243,7 +243,8 @@ impl Offload for CpuOffload {
         if units.len() != out.len() {
             return Err(mismatch(units.len(), out.len()));
         }
-        for_each(&*self.pool, out, |i, o| {
+        let chunks = units.iter().map(|u| u.data.len().div_ceil(crate::config::BLOCK_SIZE)).sum();
+        for_each_weighted(&*self.pool, out, chunks, |i, o| {
             if let Some(u) = units.get(i) {
                 *o = compress_unit(u);
             }
