@@ -341,6 +341,7 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         rest_level: a.rest_level.as_deref().map(crate::volume_cmds::parse_rest_level).transpose()?,
         write_policy,
         baselines: !a.no_baseline,
+        reference: true,
         index_memory_bytes: size_arg("index-memory", &a.index_memory)?,
         verify,
         io_mode: a

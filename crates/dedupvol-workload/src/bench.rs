@@ -138,6 +138,10 @@ pub struct BenchOptions {
     pub write_policy: WritePolicy,
     /// Also run the no-reduction volume and raw-file baselines.
     pub baselines: bool,
+    /// Also estimate the data's ideal reduction and measure the one-core primitives on it
+    /// (off: the engine run alone, as `--mode scaling` repeats it once per worker count;
+    /// the estimate is then empty and the ideal 0).
+    pub reference: bool,
     /// Index memory of the engine volume, in bytes.
     pub index_memory_bytes: u64,
     /// Duplicate verification of the engine volume.
@@ -532,7 +536,9 @@ pub fn run_scenario(
             let size = size_bytes.div_ceil(opts.request_bytes as u64) * opts.request_bytes as u64;
             let bytes = generate(&model, 0, size, threads);
             let mut est = Estimator::new(est_opts.clone())?;
-            est.feed(&bytes);
+            if opts.reference {
+                est.feed(&bytes);
+            }
             let sample = bytes[..bytes.len().min(PRIMITIVE_SAMPLE_BYTES)].to_vec();
             let desc = format!(
                 "{}; {} MiB in {} KiB sequential requests, {threads} writers",
@@ -555,7 +561,9 @@ pub fn run_scenario(
             while i < blocks {
                 let n = (blocks - i).min((buf.len() / BLOCK_BYTES) as u64) as usize;
                 model.fill_range(i, &mut buf[..n * BLOCK_BYTES]);
-                est.feed(&buf[..n * BLOCK_BYTES]);
+                if opts.reference {
+                    est.feed(&buf[..n * BLOCK_BYTES]);
+                }
                 i += n as u64;
             }
             let before = ideal_bytes(est.report());
@@ -567,7 +575,9 @@ pub fn run_scenario(
                 let offs: Vec<u64> = (0..per).map(|_| rng.below(blocks) * BLOCK_BYTES as u64).collect();
                 let d = generate(&model, next, per * BLOCK_BYTES as u64, 1);
                 next += per;
-                est.feed(&d);
+                if opts.reference {
+                    est.feed(&d);
+                }
                 per_thread.push((offs, d));
             }
             let report = est.finish();
@@ -595,7 +605,9 @@ pub fn run_scenario(
                     return Err(format!("{} is empty", path.display()));
                 }
                 // Warms the page cache and computes the ideal in one pass.
-                est.scan_path(path)?;
+                if opts.reference {
+                    est.scan_path(path)?;
+                }
                 if sample.is_empty() {
                     sample = vec![0u8; (len as usize).min(PRIMITIVE_SAMPLE_BYTES) / BLOCK_BYTES * BLOCK_BYTES];
                     file.read_exact_at(&mut sample, 0).map_err(|e| format!("reading {}: {e}", path.display()))?;
@@ -625,7 +637,7 @@ pub fn run_scenario(
         }
     };
     phase("data generated and estimated");
-    let primitives = if sample.len() >= BLOCK_BYTES { Some(measure_cpu(&sample)) } else { None };
+    let primitives = if opts.reference && sample.len() >= BLOCK_BYTES { Some(measure_cpu(&sample)) } else { None };
     let physical = logical + source.total_bytes() + PHYSICAL_SLACK_BYTES;
 
     let fmt = FormatOptions {
