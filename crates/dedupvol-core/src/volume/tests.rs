@@ -283,26 +283,49 @@ fn the_backends_batch_hint_sizes_batches() {
     }
 }
 
-/// A device whose reads, once `down` is set, fail as a RADOS device's do with every OSD
-/// down and an operation timeout (`TimedOut`); it counts the reads it failed.
-struct Unanswering {
+/// A device whose reads fail once `down` is set: every read with `TimedOut`, as a RADOS
+/// device's do with every OSD down and an operation timeout (`unanswering`), or the reads
+/// touching two blocks from byte `at` with an error that is not a timeout, as a bad sector
+/// (`bad_sector`). It counts the reads it failed.
+struct FailingReads {
     inner: MemStorage,
+    kind: std::io::ErrorKind,
+    /// u64::MAX: every read fails.
+    at: std::sync::atomic::AtomicU64,
     down: std::sync::atomic::AtomicBool,
     failed_reads: std::sync::atomic::AtomicU64,
 }
 
-impl Unanswering {
-    /// A 64 MiB device, answering.
-    fn new() -> Arc<Unanswering> {
-        Arc::new(Unanswering { inner: MemStorage::new(64 << 20), down: false.into(), failed_reads: 0.into() })
+impl FailingReads {
+    /// A 64 MiB device, answering; once down, it answers no read in time.
+    fn unanswering() -> Arc<FailingReads> {
+        Self::new(std::io::ErrorKind::TimedOut, u64::MAX)
+    }
+
+    /// A 64 MiB device, answering; once down, two blocks from byte `at` (set it later)
+    /// cannot be read.
+    fn bad_sector() -> Arc<FailingReads> {
+        Self::new(std::io::ErrorKind::Other, 0)
+    }
+
+    fn new(kind: std::io::ErrorKind, at: u64) -> Arc<FailingReads> {
+        Arc::new(FailingReads {
+            inner: MemStorage::new(64 << 20),
+            kind,
+            at: at.into(),
+            down: false.into(),
+            failed_reads: 0.into(),
+        })
     }
 }
 
-impl Storage for Unanswering {
+impl Storage for FailingReads {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+        let at = self.at.load(std::sync::atomic::Ordering::Relaxed);
+        let touches = at == u64::MAX || (offset < at + 2 * BLOCK_SIZE_U64 && offset + buf.len() as u64 > at);
+        if touches && self.down.load(std::sync::atomic::Ordering::Relaxed) {
             self.failed_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"));
+            return Err(std::io::Error::new(self.kind, "simulated read failure"));
         }
         self.inner.read_at(buf, offset)
     }
@@ -316,7 +339,7 @@ impl Storage for Unanswering {
         self.inner.len()
     }
     fn name(&self) -> String {
-        "unanswering".to_string()
+        "failing-reads".to_string()
     }
 }
 
@@ -327,7 +350,7 @@ impl Storage for Unanswering {
 #[test]
 fn a_background_scan_asks_an_unanswering_device_once() {
     use std::sync::atomic::Ordering;
-    let dev = Unanswering::new();
+    let dev = FailingReads::unanswering();
     let storage: Arc<dyn Storage> = dev.clone();
     Volume::format(storage.clone(), None, &small_format(), false).expect("format");
     let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("open");
@@ -361,7 +384,7 @@ fn a_background_scan_asks_an_unanswering_device_once() {
 #[test]
 fn a_pass_ends_at_a_fragment_read_the_device_does_not_answer() {
     use std::sync::atomic::Ordering;
-    let dev = Unanswering::new();
+    let dev = FailingReads::unanswering();
     let storage: Arc<dyn Storage> = dev.clone();
     let format = FormatOptions { compression: crate::config::Compression::Zstd, rest_level: Some(0), ..small_format() };
     Volume::format(storage.clone(), None, &format, false).expect("format");
@@ -399,7 +422,7 @@ fn a_pass_ends_at_a_fragment_read_the_device_does_not_answer() {
 #[test]
 fn lookups_stop_asking_a_device_that_does_not_answer() {
     use std::sync::atomic::Ordering;
-    let dev = Unanswering::new();
+    let dev = FailingReads::unanswering();
     let storage: Arc<dyn Storage> = dev.clone();
     let format = FormatOptions { compression: crate::config::Compression::None, ..small_format() };
     Volume::format(storage.clone(), None, &format, false).expect("format");
@@ -428,39 +451,6 @@ fn lookups_stop_asking_a_device_that_does_not_answer() {
     assert!(asked <= 4, "record pages were asked for {asked} times from a device that does not answer");
 }
 
-/// A device whose reads touching two blocks from byte `at` fail, once `bad` is set, with an
-/// I/O error that is not a timeout (a bad sector); it counts the reads it failed.
-struct BadSector {
-    inner: MemStorage,
-    at: std::sync::atomic::AtomicU64,
-    bad: std::sync::atomic::AtomicBool,
-    failed_reads: std::sync::atomic::AtomicU64,
-}
-
-impl Storage for BadSector {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let at = self.at.load(std::sync::atomic::Ordering::Relaxed);
-        let touches = offset < at + 2 * BLOCK_SIZE_U64 && offset + buf.len() as u64 > at;
-        if touches && self.bad.load(std::sync::atomic::Ordering::Relaxed) {
-            self.failed_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err(std::io::Error::other("bad sector"));
-        }
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        self.inner.sync()
-    }
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-    fn name(&self) -> String {
-        "bad-sector".to_string()
-    }
-}
-
 /// A block map page that cannot be read (a persistent error, not a timeout) is skipped by
 /// background passes, which go on with the rest of the map: the cleaner still compacts,
 /// and the recompressor still settles, what the other pages map. Before, such a page
@@ -474,12 +464,7 @@ fn background_passes_skip_a_map_page_with_a_persistent_read_error() {
     // Past the pages an open reads ahead of its first map lookup (they stay cached).
     let page = 20u64;
     let first = page * crate::metadata::layout::BM_ENTRIES_PER_PAGE;
-    let dev = Arc::new(BadSector {
-        inner: MemStorage::new(64 << 20),
-        at: 0.into(),
-        bad: false.into(),
-        failed_reads: 0.into(),
-    });
+    let dev = FailingReads::bad_sector();
     let format = FormatOptions {
         compression: Compression::Zstd,
         // No rest level: the cleaner copies fragments as they are, and leaves the fast
@@ -513,7 +498,7 @@ fn background_passes_skip_a_map_page_with_a_persistent_read_error() {
     // No map page cached (the journal's replay read them), so the passes must read them.
     vol.flush().expect("flush");
     vol.state.lock().map.drop_clean_pages();
-    dev.bad.store(true, Ordering::Relaxed);
+    dev.down.store(true, Ordering::Relaxed);
     let c = vol.clean(&super::cleaner::CleanOptions { budget_bytes: u64::MAX, live_max: BLOCK_SIZE as u32 });
     let c = c.expect("a cleaner pass past a bad map page");
     assert_eq!(c.map_pages_unreadable, 1, "{c:?}");
@@ -536,7 +521,7 @@ fn background_passes_skip_a_map_page_with_a_persistent_read_error() {
     vol.read((far * BLOCK_SIZE) as u64, &mut rest).expect("read past the bad page");
     assert!(rest[..] == data[far * BLOCK_SIZE..], "data past the bad page differs");
     vol.flush().expect("flush");
-    dev.bad.store(false, Ordering::Relaxed);
+    dev.down.store(false, Ordering::Relaxed);
     let mut back = vec![0u8; data.len()];
     vol.read(0, &mut back).expect("read once the page reads again");
     assert!(back == data, "data differs once the page reads again");
