@@ -12,7 +12,7 @@ fn nbd_doc_lists_every_serve_option() {
     let help = String::from_utf8_lossy(&o.stdout);
     let options: Vec<&str> = help
         .lines()
-        .filter_map(|l| l.trim_start().split_whitespace().find(|w| w.starts_with("--")))
+        .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("--")))
         .map(|w| w.trim_end_matches(','))
         .filter(|w| *w != "--help" && *w != "--version")
         .collect();

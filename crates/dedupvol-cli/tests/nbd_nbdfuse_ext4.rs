@@ -11,8 +11,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-/// Unmounts whatever is still mounted when the test ends, panicking or not.
-
 fn make_tree(root: &Path) {
     // 12 distinct files, each also copied into a second directory: half the logical data
     // is duplicate, and each file is half compressible text.

@@ -11,8 +11,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-/// Unmounts whatever is still mounted when the test ends, panicking or not.
-
 fn woj_stats(vol: &Path, dir: &Path) -> serde_json::Value {
     let out =
         run(Command::new(dedupvol()).arg("stats").arg(vol).arg("--json").env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir)));

@@ -101,8 +101,6 @@ fn a_killed_servers_admin_socket_does_not_block_the_next() {
     assert!(sockets(dir.path()).is_empty());
 }
 
-/// GET `path` from `addr`: (status line, headers, body).
-
 /// Parses OpenMetrics text: series (name with labels) → value. Checks the shape of every
 /// line on the way, so a malformed exposition fails here.
 fn parse(text: &str) -> HashMap<String, f64> {

@@ -38,9 +38,9 @@ fn read_block(dev: &MemStorage, block: u64) -> Vec<u8> {
 
 /// Writes `b` back with its crc (at `crc_offset`) recomputed over the damaged bytes.
 fn reseal_and_write(dev: &MemStorage, block: u64, mut b: Vec<u8>, crc_offset: usize) {
-    b[crc_offset..crc_offset + 4].fill(0);
+    b.get_mut(crc_offset..crc_offset + 4).expect("crc inside the block").fill(0);
     let crc = crc32c::crc32c(&b);
-    b[crc_offset..crc_offset + 4].copy_from_slice(&crc.to_le_bytes());
+    b.get_mut(crc_offset..crc_offset + 4).expect("crc inside the block").copy_from_slice(&crc.to_le_bytes());
     dev.write_at(&b, block * BLOCK as u64).expect("write block");
 }
 

@@ -12,7 +12,7 @@ const MIB: u64 = 1 << 20;
 
 /// 1 MiB of mixed data (two thirds compressible, one third random) for chunk `c`.
 fn chunk(c: u64) -> Vec<u8> {
-    (0..256u64).flat_map(|i| block(c * 256 + i, u8::from((c * 256 + i) % 3 == 0))).collect()
+    (0..256u64).flat_map(|i| block(c * 256 + i, u8::from((c * 256 + i).is_multiple_of(3)))).collect()
 }
 
 fn format(dev: &Arc<MemStorage>, tweak: impl FnOnce(&mut FormatOptions)) {

@@ -153,8 +153,8 @@ fn run_with(
                     buf.extend_from_slice(&b);
                 }
                 v.write(lba * 4096, &buf, fua).map_err(|e| TestCaseError::fail(format!("write: {e}")))?;
-                for i in 0..n {
-                    m.set(lba + i, buf[(i * 4096) as usize..((i + 1) * 4096) as usize].to_vec(), fua || sync);
+                for (i, b) in (0..n).zip(buf.chunks_exact(4096)) {
+                    m.set(lba + i, b.to_vec(), fua || sync);
                 }
             }
             Op::Unaligned { off, len, seed } => {
@@ -165,10 +165,10 @@ fn run_with(
                 let last = (off + len - 1) / 4096;
                 for lba in first..=last {
                     let mut b = m.last(lba);
-                    for i in 0..4096u64 {
+                    for (i, byte) in (0u64..).zip(b.iter_mut()) {
                         let p = lba * 4096 + i;
-                        if p >= off && p < off + len {
-                            b[i as usize] = data[(p - off) as usize];
+                        if let Some(&d) = p.checked_sub(off).and_then(|k| data.get(k as usize)) {
+                            *byte = d;
                         }
                     }
                     m.set(lba, b, sync);

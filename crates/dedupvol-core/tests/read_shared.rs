@@ -12,10 +12,10 @@ fn joined(buf: &[u8], parts: &[Option<Arc<[u8]>>]) -> Vec<u8> {
         return buf.to_vec();
     }
     let mut out = Vec::with_capacity(buf.len());
-    for (i, p) in parts.iter().enumerate() {
+    for (p, own) in parts.iter().zip(buf.chunks(4096)) {
         match p {
             Some(b) => out.extend_from_slice(b),
-            None => out.extend_from_slice(&buf[i * 4096..(i + 1) * 4096]),
+            None => out.extend_from_slice(own),
         }
     }
     out

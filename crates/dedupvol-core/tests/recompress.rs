@@ -50,7 +50,7 @@ fn data(blocks: usize, seed: u64) -> Vec<u8> {
     for i in 0..blocks {
         if i % 64 == 63 {
             let src = (i / 2) * B;
-            let copy: Vec<u8> = out[src..src + B].to_vec();
+            let copy: Vec<u8> = out.get(src..src + B).expect("an earlier block").to_vec();
             out.extend_from_slice(&copy);
             continue;
         }
@@ -59,8 +59,8 @@ fn data(blocks: usize, seed: u64) -> Vec<u8> {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let w = WORDS[(x % WORDS.len() as u64) as usize].as_bytes();
-            if x % 11 == 0 {
+            let w = WORDS.get((x % WORDS.len() as u64) as usize).copied().unwrap_or_default().as_bytes();
+            if x.is_multiple_of(11) {
                 out.extend_from_slice(format!("{:08x} ", x >> 32).as_bytes());
             } else {
                 out.extend_from_slice(w);
@@ -319,7 +319,7 @@ fn rest_volume_with(blocks: usize, seed: u64, rest: i8, request: usize) -> (Vec<
 fn version(dev: &Arc<MemStorage>) -> u32 {
     let mut b = vec![0u8; B];
     dev.read_at(&mut b, 0).expect("read superblock");
-    u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"))
+    u32::from_le_bytes(b.get(12..16).and_then(|w| w.try_into().ok()).expect("4 bytes"))
 }
 
 /// A volume with a rest level: writes compress at level 1 and take what inline level 1

@@ -33,7 +33,7 @@ fn find_block(dev: &MemStorage, content: &[u8]) -> u64 {
 fn flip(dev: &MemStorage, blk: u64, at: usize) {
     let mut b = vec![0u8; B as usize];
     dev.read_at(&mut b, blk * B).expect("read");
-    b[at] ^= 0x5a;
+    *b.get_mut(at).expect("a byte inside the block") ^= 0x5a;
     dev.write_at(&b, blk * B).expect("write");
 }
 
@@ -177,7 +177,7 @@ fn a_scrub_during_writes_reports_no_damage_and_honours_its_rate() {
             while !stop.load(Ordering::Relaxed) {
                 let l = (i * 7919) % 4096;
                 v.write(l * B, &block(l + i, (i % 2) as u8), false).expect("write while scrubbing");
-                if i % 64 == 0 {
+                if i.is_multiple_of(64) {
                     v.discard(((i * 31) % 4096) * B, 8 * B).expect("discard");
                     v.flush().expect("flush");
                 }

@@ -25,8 +25,8 @@ fn opts(logical: u64) -> FormatOptions {
 fn striped_files(logical: u64) -> (tempfile::TempDir, Vec<PathBuf>) {
     let dir = tempfile::tempdir().expect("tmp");
     let paths: Vec<PathBuf> = ["d0", "d1", "d2", "d3"].iter().map(|n| dir.path().join(n)).collect();
-    Volume::format_path_striped(&paths[0], &paths[1..], Some(DEVICE_BYTES), None, &opts(logical), false)
-        .expect("format");
+    let (first, rest) = paths.split_first().expect("four paths");
+    Volume::format_path_striped(first, rest, Some(DEVICE_BYTES), None, &opts(logical), false).expect("format");
     (dir, paths)
 }
 

@@ -12,7 +12,7 @@ const ROUNDS: u64 = 6;
 
 fn content(t: u64, lba: u64, round: u64) -> Vec<u8> {
     // A third of the blocks are shared by every thread (dedup across writers).
-    if lba % 3 == 0 {
+    if lba.is_multiple_of(3) {
         block(1000 + (lba / 3) % 16 + round, 0)
     } else {
         block(t * 1_000_000 + lba * 100 + round, (lba % 2) as u8)
@@ -144,7 +144,8 @@ fn small_writes_from_many_threads_are_batched_and_land_where_they_were_sent() {
         for slot in 0..128u64 {
             // The last write of each slot: the largest i < PER with i % 128 == slot.
             let i = slot + 128 * ((PER - 1 - slot) / 128);
-            let want = if i % 4 == 0 { block(7_000 + i % 32, 0) } else { block(t * 100_000 + i, (i % 2) as u8) };
+            let want =
+                if i.is_multiple_of(4) { block(7_000 + i % 32, 0) } else { block(t * 100_000 + i, (i % 2) as u8) };
             let mut b = vec![0u8; 4096];
             vol.read((slot * 8 + t) * 4096, &mut b).expect("read");
             assert!(b == want, "thread {t} slot {slot}");

@@ -147,7 +147,7 @@ fn read_hot_blocks_are_promoted_and_sequential_scans_are_not() {
 fn slot_region(tier: &dyn Storage) -> (u64, u64) {
     let mut h = vec![0u8; B as usize];
     tier.read_at(&mut h, 0).expect("header");
-    let word = |off: usize| u64::from_le_bytes(h[off..off + 8].try_into().expect("8 bytes"));
+    let word = |off: usize| u64::from_le_bytes(h.get(off..off + 8).and_then(|w| w.try_into().ok()).expect("8 bytes"));
     (word(64), word(40))
 }
 

@@ -25,7 +25,7 @@ fn serve(
 
 fn content(i: u64, len: usize) -> Vec<u8> {
     // Every third request repeats request 0's bytes, so the engine's dedup path runs too.
-    let key = if i % 3 == 0 { 0 } else { i };
+    let key = if i.is_multiple_of(3) { 0 } else { i };
     (0..len).map(|j| (key as usize * 31 + j / 512) as u8).collect()
 }
 

@@ -505,7 +505,7 @@ impl SimMachine {
 
     /// Adds a zero-filled disk of `len` bytes (a multiple of 4096).
     pub fn add_disk(self: &Arc<Self>, name: &str, len: u64) -> Arc<SimDisk> {
-        assert!(len % BLOCK_BYTES == 0, "disk length must be whole blocks");
+        assert!(len.is_multiple_of(BLOCK_BYTES), "disk length must be whole blocks");
         let mut st = self.state.lock();
         let index = st.disks.len();
         st.disks.push(Disk {
@@ -524,7 +524,7 @@ impl SimMachine {
 
     /// Marks a byte range of disk `index` as the data region (block-aligned).
     pub fn set_data_region(&self, index: usize, region: Range<u64>) {
-        assert!(region.start % BLOCK_BYTES == 0 && region.end % BLOCK_BYTES == 0);
+        assert!(region.start.is_multiple_of(BLOCK_BYTES) && region.end.is_multiple_of(BLOCK_BYTES));
         self.state.lock().disks[index].data_region = Some(region);
     }
 
@@ -710,7 +710,7 @@ impl dedupvol_core::Storage for SimDisk {
         let mut guard = self.machine.state.lock();
         let st = &mut *guard;
         let len = buf.len() as u64;
-        if offset.checked_add(len).map_or(true, |e| e > self.len) {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read beyond end of simulated disk"));
         }
         if st.passthrough {
@@ -745,7 +745,7 @@ impl dedupvol_core::Storage for SimDisk {
         let mut guard = self.machine.state.lock();
         let st = &mut *guard;
         let len = buf.len() as u64;
-        if offset.checked_add(len).map_or(true, |e| e > self.len) {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "write beyond end of simulated disk"));
         }
         st.trace(2, self.index, offset, len, crc32c::crc32c(buf));

@@ -192,7 +192,7 @@ impl ToyVolume {
 
     fn range_ok(&self, offset: u64, len: u64) -> Result<()> {
         let size = self.logical_blocks * B;
-        if offset % B != 0 || len % B != 0 || offset + len > size {
+        if !offset.is_multiple_of(B) || !len.is_multiple_of(B) || offset + len > size {
             return Err(Error::OutOfRange { offset, len, size });
         }
         Ok(())
@@ -218,7 +218,7 @@ impl SimEngine for ToyVolume {
             data.read_at(&mut b, slot * B).map_err(|e| io("read superblock", e))?;
             if valid(&b, SB_MAGIC) {
                 let e = u64_at(&b, 12);
-                if best.map_or(true, |x| e > x.0) {
+                if best.is_none_or(|x| e > x.0) {
                     best = Some((e, u64_at(&b, 20), b[28] == 1));
                 }
             }
@@ -300,7 +300,7 @@ impl SimEngine for ToyVolume {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let size = self.logical_blocks * B;
         let len = data.len() as u64;
-        if offset % 512 != 0 || len % 512 != 0 || offset + len > size {
+        if !offset.is_multiple_of(512) || !len.is_multiple_of(512) || offset + len > size {
             return Err(Error::OutOfRange { offset, len, size });
         }
         self.guard(|inner| {

@@ -304,6 +304,9 @@ enum Source {
     Random { per_thread: Vec<(Vec<u64>, Vec<u8>)> },
 }
 
+/// What a writer does with each of its requests: (offset, bytes).
+type RequestFn<'a> = dyn FnMut(u64, &[u8]) -> Result<(), String> + 'a;
+
 impl Source {
     fn total_bytes(&self) -> u64 {
         match self {
@@ -324,7 +327,7 @@ impl Source {
     }
 
     /// Calls `f(offset, bytes)` for every request of writer `t` of `n`.
-    fn for_each(&self, t: usize, n: usize, f: &mut dyn FnMut(u64, &[u8]) -> Result<(), String>) -> Result<(), String> {
+    fn for_each(&self, t: usize, n: usize, f: &mut RequestFn<'_>) -> Result<(), String> {
         match self {
             Source::Memory { data, req } => {
                 for (k, chunk) in data.chunks(*req).enumerate().skip(t).step_by(n) {

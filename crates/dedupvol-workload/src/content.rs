@@ -98,7 +98,7 @@ impl DataSpec {
         let ws = if self.working_set_blocks == u64::MAX {
             "all earlier blocks".to_string()
         } else {
-            format!("{} MiB", self.working_set_blocks * BLOCK_BYTES as u64 >> 20)
+            format!("{} MiB", (self.working_set_blocks * BLOCK_BYTES as u64) >> 20)
         };
         format!(
             "{:.0}% duplicates (working set: {ws}), {:.0}% compressible (LZ4), {:.0}% zero blocks, 4 KiB dedup unit, seed {}",

@@ -272,7 +272,7 @@ impl Estimator {
     /// Scans `data`, a whole number of chunks (a shorter tail is padded with zeros).
     pub fn feed(&mut self, data: &[u8]) {
         let c = self.opts.chunk_bytes;
-        if data.len() % c != 0 {
+        if !data.len().is_multiple_of(c) {
             let mut padded = data.to_vec();
             padded.resize(data.len().div_ceil(c) * c, 0);
             return self.feed(&padded);

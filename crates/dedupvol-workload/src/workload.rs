@@ -183,7 +183,7 @@ impl IoStream {
     pub fn new(workload: Workload, range_bytes: u64, stream_id: u64) -> Result<Self, String> {
         workload.validate()?;
         let max = workload.read_sizes.max_bytes().max(workload.write_sizes.max_bytes());
-        if range_bytes < max || range_bytes % BLOCK_BYTES as u64 != 0 {
+        if range_bytes < max || !range_bytes.is_multiple_of(BLOCK_BYTES as u64) {
             return Err(format!("range {range_bytes} must be a multiple of 4096 of at least {max} bytes"));
         }
         let seed = mix64(workload.data.seed ^ 0x5712_EA77, stream_id);

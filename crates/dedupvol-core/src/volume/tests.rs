@@ -72,7 +72,7 @@ fn a_stale_record_after_a_crash_is_rejected() {
         if i == 0 {
             vol.write(0, &crate::codec::test_random_bytes(99, BLOCK_SIZE), false).expect("free a");
         }
-        if i % 64 == 0 {
+        if i.is_multiple_of(64) {
             vol.flush().expect("flush");
         }
         if i > 0 && vol.state.lock().rc.get(pbn) > 0 {

@@ -39,7 +39,8 @@ pub fn block(seed: u64, kind: u8) -> Vec<u8> {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        *b = if kind == 0 && i % 8 != 0 { b"the quick brown fox "[i % 20] } else { x as u8 };
+        let text = b"the quick brown fox ";
+        *b = if kind == 0 && i % 8 != 0 { text.get(i % text.len()).copied().unwrap_or(b' ') } else { x as u8 };
     }
     out
 }
