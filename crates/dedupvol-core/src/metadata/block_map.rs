@@ -319,6 +319,11 @@ pub struct BlockMap {
     misses: u64,
     /// Pages found with a damaged slot and no valid copy (treated as empty; see format.md).
     damaged_pages: u64,
+    /// Pages a read-ahead covered when it failed (a page the device cannot read lies
+    /// among them): later read-aheads stop short of them, and they are read one by one.
+    /// Without it, every uncached page before such a page asked for it again in its own
+    /// read-ahead.
+    no_readahead: std::ops::Range<u64>,
 }
 
 impl BlockMap {
@@ -336,6 +341,7 @@ impl BlockMap {
             hits: 0,
             misses: 0,
             damaged_pages: 0,
+            no_readahead: 0..0,
         }
     }
 
@@ -387,11 +393,16 @@ impl BlockMap {
     /// one device request, and caches them. Why: a sequential writer misses every page of a
     /// fresh region in turn, each miss a device round trip under the state lock; one larger
     /// read costs about the same as one page. If the larger read fails, `page` alone is
-    /// read, so a bad neighbour never fails a request; unless it timed out: a device that
+    /// read, so a bad neighbour never fails a request, and the pages it covered are read
+    /// one by one from then on (`no_readahead`); unless it timed out: a device that
     /// gave no answer in time is not asked again (a second timeout under the state lock).
     fn load_with_readahead(&mut self, page: u64, tick: u64) -> Result<()> {
         let mut n = 1u64;
-        while n < READAHEAD_PAGES && page + n < self.geo.block_map_pages && !self.pages.contains_key(&(page + n)) {
+        while n < READAHEAD_PAGES
+            && page + n < self.geo.block_map_pages
+            && !self.no_readahead.contains(&(page + n))
+            && !self.pages.contains_key(&(page + n))
+        {
             n += 1;
         }
         let mut all = vec![0u8; 2 * BLOCK_SIZE * n as usize];
@@ -401,6 +412,9 @@ impl BlockMap {
             Some(Ok(())) => {}
             Some(Err(e)) if e.is_timeout() => return Err(e),
             None | Some(Err(_)) => {
+                if n > 1 {
+                    self.no_readahead = page..page + n;
+                }
                 let loaded = self.read_page(page)?;
                 self.insert_loaded(page, loaded, tick);
                 return Ok(());
