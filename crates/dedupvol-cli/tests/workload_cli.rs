@@ -24,6 +24,14 @@ fn p(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
 
+/// `bench ARGS --no-disk --dir DIR --json`: its first scenario.
+fn bench_scenario(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["bench"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--no-disk", "--dir", p(dir), "--json"]);
+    ok_json(&all)["scenarios"][0].clone()
+}
+
 #[test]
 fn gen_then_estimate_finds_the_asked_ratios() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -55,22 +63,7 @@ fn estimate_compare_engine_reports_both_sides() {
 #[test]
 fn bench_json_has_primitives_engine_baselines_and_io() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let v = ok_json(&[
-        "bench",
-        "--mode",
-        "seq",
-        "--size",
-        "8M",
-        "--dup",
-        "75",
-        "--compress",
-        "50",
-        "--no-disk",
-        "--dir",
-        p(dir.path()),
-        "--json",
-    ]);
-    let s = &v["scenarios"][0];
+    let s = &bench_scenario(dir.path(), &["--mode", "seq", "--size", "8M", "--dup", "75", "--compress", "50"]);
     assert!(s["primitives"]["blake3_mb_s"].as_f64().expect("blake3") > 0.0);
     assert!(s["engine"]["mb_s"].as_f64().expect("engine") > 0.0, "{s}");
     assert!(s["no_reduction_volume"]["mb_s"].as_f64().expect("baseline") > 0.0, "{s}");
@@ -86,22 +79,8 @@ fn bench_json_has_primitives_engine_baselines_and_io() {
 #[test]
 fn bench_with_a_zstd_level_still_measures_its_no_reduction_baseline() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let v = ok_json(&[
-        "bench",
-        "--mode",
-        "seq",
-        "--size",
-        "4M",
-        "--compression",
-        "zstd:6",
-        "--rest-level",
-        "9",
-        "--no-disk",
-        "--dir",
-        p(dir.path()),
-        "--json",
-    ]);
-    let s = &v["scenarios"][0];
+    let args = ["--mode", "seq", "--size", "4M", "--compression", "zstd:6", "--rest-level", "9"];
+    let s = &bench_scenario(dir.path(), &args);
     assert!(s["no_reduction_error"].is_null(), "{s}");
     assert!(s["no_reduction_volume"]["mb_s"].as_f64().expect("baseline") > 0.0, "{s}");
 }
@@ -109,21 +88,8 @@ fn bench_with_a_zstd_level_still_measures_its_no_reduction_baseline() {
 #[test]
 fn bench_overwrite_mode_reports_writes_per_second() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let v = ok_json(&[
-        "bench",
-        "--mode",
-        "overwrite",
-        "--range",
-        "16M",
-        "--writes",
-        "2000",
-        "--no-disk",
-        "--no-baseline",
-        "--dir",
-        p(dir.path()),
-        "--json",
-    ]);
-    let e = &v["scenarios"][0]["engine"];
+    let s = bench_scenario(dir.path(), &["--mode", "overwrite", "--range", "16M", "--writes", "2000", "--no-baseline"]);
+    let e = &s["engine"];
     assert_eq!(e["ops"].as_u64(), Some(2000));
     assert!(e["ops_s"].as_f64().expect("ops/s") > 0.0);
 }
