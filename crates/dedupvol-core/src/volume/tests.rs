@@ -343,6 +343,30 @@ impl Storage for FailingReads {
     }
 }
 
+/// Formats `storage`, writes `data` at 0 in a session opened with `opts`, and reopens the
+/// volume (default options) with every block map page cached: from then on only data and
+/// index reads reach the device.
+fn reopened_with_the_map_cached(
+    storage: &Arc<dyn Storage>,
+    format: &FormatOptions,
+    opts: &OpenOptions,
+    data: &[u8],
+) -> Volume {
+    Volume::format(storage.clone(), None, format, false).expect("format");
+    let vol = Volume::open(storage.clone(), None, opts).expect("open");
+    vol.write(0, data, false).expect("write");
+    vol.close().expect("close");
+    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
+    vol.wait_index_rebuilt();
+    {
+        let mut st = vol.state.lock();
+        for l in 0..vol.logical_blocks() {
+            st.map.get(l).expect("map entry");
+        }
+    }
+    vol
+}
+
 /// A background pass whose scan meets a block map page the device does not answer for ends
 /// with the error after asking once, rather than asking again for each entry of the page
 /// under the state lock (each one a device timeout: the server stopped answering for hours
@@ -387,22 +411,11 @@ fn a_pass_ends_at_a_fragment_read_the_device_does_not_answer() {
     let dev = FailingReads::unanswering();
     let storage: Arc<dyn Storage> = dev.clone();
     let format = FormatOptions { compression: crate::config::Compression::Zstd, rest_level: Some(0), ..small_format() };
-    Volume::format(storage.clone(), None, &format, false).expect("format");
     // Written with the fast codec: every fragment is left for recompression.
     let fast = OpenOptions { store_codec: Some((crate::config::Compression::Lz4, 0)), ..OpenOptions::default() };
-    let vol = Volume::open(storage.clone(), None, &fast).expect("open");
     let data: Vec<u8> = (0..256 * BLOCK_SIZE).map(|i| ((i / 16) % 251) as u8 ^ (i / BLOCK_SIZE) as u8).collect();
-    vol.write(0, &data, false).expect("write");
-    vol.close().expect("close");
-    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
-    vol.wait_index_rebuilt();
-    {
-        // Every map page cached: only the fragments' reads reach the device.
-        let mut st = vol.state.lock();
-        for l in 0..vol.logical_blocks() {
-            st.map.get(l).expect("map entry");
-        }
-    }
+    // Every map page cached: only the fragments' reads reach the device.
+    let vol = reopened_with_the_map_cached(&storage, &format, &fast, &data);
     dev.down.store(true, Ordering::Relaxed);
     let got = vol.recompress(&super::recompress::RecompressOptions::default());
     let asked = dev.failed_reads.load(Ordering::Relaxed);
@@ -425,22 +438,10 @@ fn lookups_stop_asking_a_device_that_does_not_answer() {
     let dev = FailingReads::unanswering();
     let storage: Arc<dyn Storage> = dev.clone();
     let format = FormatOptions { compression: crate::config::Compression::None, ..small_format() };
-    Volume::format(storage.clone(), None, &format, false).expect("format");
-    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("open");
-    let blocks = 1024;
-    let data = crate::codec::test_random_bytes(11, blocks * BLOCK_SIZE);
-    vol.write(0, &data, false).expect("write");
-    vol.close().expect("close");
-    let vol = Volume::open(storage.clone(), None, &OpenOptions::default()).expect("reopen");
-    vol.wait_index_rebuilt();
+    let data = crate::codec::test_random_bytes(11, 1024 * BLOCK_SIZE);
+    // Every map page cached: only record pages are left to read.
+    let vol = reopened_with_the_map_cached(&storage, &format, &OpenOptions::default(), &data);
     let half = (vol.logical_blocks() / 2) as usize;
-    {
-        // Every map page cached: only record pages are left to read.
-        let mut st = vol.state.lock();
-        for l in 0..vol.logical_blocks() {
-            st.map.get(l).expect("map entry");
-        }
-    }
     dev.down.store(true, Ordering::Relaxed);
     // The same blocks again elsewhere, one request per block: duplicates to look up.
     for (i, b) in data.chunks(BLOCK_SIZE).enumerate() {
