@@ -114,7 +114,7 @@ impl Volume {
         let mut st = self.state.lock();
         self.finish_commit(&mut st, &batch);
         if st.journal.wants_checkpoint() {
-            let r = self.checkpoint(&mut st).and_then(|()| self.persist_lifetime(&st));
+            let r = self.checkpoint(&mut st).and_then(|()| self.persist_counters(&st));
             self.guard(r)?;
         }
         let durable = st.journal.durable_seq();

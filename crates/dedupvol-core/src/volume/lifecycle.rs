@@ -561,7 +561,7 @@ impl Volume {
     /// The space counters as of the checkpoint go with them: a crash whose first journal
     /// block after the checkpoint was torn replays nothing, and recovery then takes them
     /// from here (the blocks that carried them are behind the journal's head).
-    pub(crate) fn persist_lifetime(&self, st: &State) -> Result<()> {
+    pub(crate) fn persist_counters(&self, st: &State) -> Result<()> {
         assert_eq!(st.journal.pending_len(), 0, "space counters persisted with journal entries not committed");
         let mut sb = self.sb.lock();
         sb.lifetime = self.lifetime_now(st);
