@@ -91,7 +91,12 @@ pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -
                 ZSTD.with(|z| {
                     let mut z = z.borrow_mut();
                     if z.as_ref().is_none_or(|(l, _)| *l != level) {
-                        *z = Some((level, zstd::bulk::Compressor::new(i32::from(level)).ok()?));
+                        let mut c = zstd::bulk::Compressor::new(i32::from(level)).ok()?;
+                        // A frame decoded whole is checked end to end (docs/format.md,
+                        // "Block map entry"): a fragment whose later blocks were reused
+                        // since must fail to decode, not pass byte verification.
+                        c.include_checksum(true).ok()?;
+                        *z = Some((level, c));
                     }
                     let (_, c) = z.as_mut()?;
                     // Output past the limit is an error here: the unit is stored raw.

@@ -137,4 +137,46 @@ mod tests {
             assert!(&*b == block(sub) && crc == crate::read::cache::block_crc(block(sub)), "block {sub}");
         }
     }
+
+    /// A fragment no mapping uses any more, whose second block was freed and reused (a raw
+    /// block of other data) while its first block lives on for a neighbour: an index record
+    /// naming it must fail verification. zstd decodes such a frame without an error and,
+    /// more often than not, with its first block intact; only the frame's checksum tells.
+    #[test]
+    fn a_fragment_whose_later_block_was_reused_does_not_verify() {
+        let blocks = 8usize;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        // Half compressible: runs of a byte, and random stretches.
+        let mut data = vec![0u8; blocks * BLOCK_SIZE];
+        for run in data.chunks_mut(64) {
+            let r = next();
+            if r % 3 == 0 {
+                run.iter_mut().for_each(|b| *b = next() as u8);
+            } else {
+                run.fill((r >> 8) as u8 % 16);
+            }
+        }
+        let frag = packer::compress(Compression::Zstd, 1, &data).expect("compressible");
+        let mut span = vec![0u8; (100 + frag.len()).div_ceil(BLOCK_SIZE) * BLOCK_SIZE];
+        assert!(span.len() >= 3 * BLOCK_SIZE, "the fragment runs into a third block");
+        span.get_mut(100..100 + frag.len()).expect("room").copy_from_slice(&frag);
+        // Block 41 reused: a raw block of other data.
+        let other: Vec<u8> = (0..BLOCK_SIZE).map(|_| next() as u8).collect();
+        span.get_mut(BLOCK_SIZE..2 * BLOCK_SIZE).expect("block 41").copy_from_slice(&other);
+        let mut cache = ContentCache::new(4 << 20);
+        for (k, b) in span.chunks_exact(BLOCK_SIZE).enumerate() {
+            cache.fill(40 + k as u64, Block::from(b), crate::read::cache::block_crc(b));
+        }
+        let first = data.get(..BLOCK_SIZE).expect("block 0");
+        let f = Frag::new(Compression::Zstd.code(), 100, frag.len() as u16, blocks as u8, 0);
+        let e = MapEntry::fragment(40, f, crc32c::crc32c(first));
+        assert_eq!(matches(&mut cache, &e, first), Some(false), "the reused block passed for the fragment's");
+        assert!(cache.get_fragment(40, f.key()).is_none(), "a unit decoded from a reused block was offered");
+    }
 }
