@@ -14,12 +14,14 @@
 //!
 //! A pass: (1) scans the block map in holds of `SCAN_LBAS_PER_HOLD` entries, collecting
 //! every fragment not at rest (`Volume::at_rest`; at most `FOUND_MAX`); (2) groups them:
-//! a unit mapped in unit order at consecutive logical blocks (`linear_start`; duplicates
-//! elsewhere go with it) is *linear*, and linear units that follow each other logically
-//! are merged into one run and cut again into near-equal units of at most
-//! `extent_blocks_max` blocks, as the write path cuts a run of chunks (so data stored as
-//! single blocks, such as random overwrites, becomes extents again); any other unit
-//! (mapped only out of order, or with dead blocks) is a group of its own, its live blocks; (3) reads and decodes each group's fragments and
+//! a unit whose live blocks are mapped in unit order (`placement`: each block at the first
+//! logical block it is mapped at; duplicates elsewhere go with it) is *ordered*, and
+//! ordered units that follow each other logically, at most `RUN_GAP_BLOCKS` apart, are
+//! merged into one run and cut again into near-equal units of at most `extent_blocks_max`
+//! blocks, as the write path cuts a run of chunks (so data stored as single blocks, such
+//! as random overwrites, becomes extents again, across the duplicates between them); a
+//! unit mapped only out of order is a group of its own, its live blocks; (3) reads and
+//! decodes each group's fragments and
 //! checks every block against its mappings' crcs, then compresses the group with the
 //! target codec and level (no lock; the groups of a hold side by side on the volume's
 //! pool); (4) under the state lock, appends the new unit to the open run (or stores its
@@ -29,11 +31,11 @@
 //!
 //! Decision, per fragment found by the scan:
 //!
-//! | at rest | its blocks in the open run or `Staging` | unit linear | group |
+//! | at rest | its blocks in the open run or `Staging` | unit ordered | group |
 //! |---|---|---|---|
 //! | yes | – | – | not taken |
 //! | no | yes | – | not taken (next pass: it is written by then) |
-//! | no | no | yes | merged with the linear units logically next to it |
+//! | no | no | yes | merged with the ordered units logically next to it |
 //! | no | no | no | alone: its live blocks as one unit |
 //!
 //! Raw blocks are never taken: a block stored raw because compression was deferred looks
@@ -158,20 +160,28 @@ struct Ready {
     hashes: Vec<[u8; 32]>,
 }
 
-/// The logical block of a linear unit's first block: the lowest `l0` at which the unit's
-/// blocks are mapped in order (block k at `l0 + k`, for every block). Other mappings of
-/// it, duplicates elsewhere, do not stop that: they follow the unit when it moves, so a
-/// block random overwrites left shared between two places still joins the extent of its
-/// first place. None for a unit with a block not mapped there (dead, or mapped only out
-/// of order).
-fn linear_start(f: &Found) -> Option<u64> {
-    let n = f.frag.unit_blocks();
-    let mut at: Vec<(usize, u64)> = f.uses.iter().map(|(l, e)| (e.frag.sub(), *l)).collect();
-    at.sort_unstable();
-    at.iter()
-        .take_while(|&&(sub, _)| sub == 0)
-        .map(|&(_, l0)| l0)
-        .find(|&l0| (1..n).all(|k| at.binary_search(&(k, l0 + k as u64)).is_ok()))
+/// Logical blocks a run of units may skip between one unit's last live block and the
+/// next unit's first and still be one run. The skipped blocks are mapped elsewhere
+/// (duplicates of other data, blocks already at rest), zero, or unmapped: the write
+/// path's extents skip such blocks too (a unit holds the unique chunks of a request, in
+/// order), and data of 2/3 duplicates leaves a unique block every third one or so. A run
+/// broken at every such block would be stored again as units of one or two blocks.
+const RUN_GAP_BLOCKS: u64 = 16;
+
+/// Where a unit's live blocks `subs` are, as (first, last) logical block, when they are
+/// mapped in unit order: each block at the lowest logical block it is mapped at past the
+/// previous block's (a block shared by several places, a duplicate, goes with the place
+/// that keeps the order; its other mappings follow it when it moves). None for a unit
+/// mapped only out of order.
+fn placement(f: &Found, subs: &[usize]) -> Option<(u64, u64)> {
+    let mut span: Option<(u64, u64)> = None;
+    for &s in subs {
+        let after = span.map(|(_, last)| last);
+        let l =
+            f.uses.iter().filter(|(l, e)| e.frag.sub() == s && after.is_none_or(|a| *l > a)).map(|(l, _)| *l).min()?;
+        span = Some((span.map_or(l, |(first, _)| first), l));
+    }
+    span
 }
 
 /// Near-equal cut of a run of `run` blocks into units of at most `max`: a run of 20 makes
@@ -251,52 +261,51 @@ fn moves(batch: &[Group], ready: &[Option<Ready>], compaction: bool) -> Vec<bool
 
 /// Groups the fragments found (see the module docs), in logical order.
 fn group(found: Vec<Found>, extent_max: usize) -> Vec<Group> {
-    let mut linear: BTreeMap<u64, Found> = BTreeMap::new();
+    let mut placed: Vec<(u64, u64, Found, Vec<usize>)> = Vec::new();
     let mut groups: Vec<(u64, Group)> = Vec::new();
     for f in found {
-        match linear_start(&f) {
-            Some(l0) => {
-                linear.insert(l0, f);
-            }
+        let subs = f.live_subs();
+        match placement(&f, &subs) {
+            Some((first, last)) => placed.push((first, last, f, subs)),
             None => {
-                let subs = f.live_subs();
                 let first = f.uses.iter().map(|(l, _)| *l).min().unwrap_or(0);
                 groups.push((first, Group { members: vec![(f, subs)] }));
             }
         }
     }
-    // Runs of linear units, each unit whole; a run is cut at unit boundaries near the
-    // write path's cut (a unit is never split: its blocks are decoded together, and a
-    // unit split across two new ones would keep no benefit).
-    let mut run: Vec<Found> = Vec::new();
-    let mut run_end = 0u64;
-    let flush = |run: &mut Vec<Found>, groups: &mut Vec<(u64, Group)>| {
-        let total: usize = run.iter().map(|f| f.frag.unit_blocks()).sum();
+    placed.sort_by_key(|p| p.0);
+    // Runs of units in logical order, each unit's live blocks whole; a run is cut at unit
+    // boundaries near the write path's cut (a unit is never split: its blocks are decoded
+    // together, and a unit split across two new ones would keep no benefit).
+    let mut run: Vec<(u64, Found, Vec<usize>)> = Vec::new();
+    let flush = |run: &mut Vec<(u64, Found, Vec<usize>)>, groups: &mut Vec<(u64, Group)>| {
+        let total: usize = run.iter().map(|(_, _, subs)| subs.len()).sum();
         let mut sizes = cut(total, extent_max).into_iter();
         let mut target = sizes.next().unwrap_or(total);
         let mut current = Group { members: Vec::new() };
-        let mut first = None;
-        for f in run.drain(..) {
-            let n = f.frag.unit_blocks();
-            if !current.members.is_empty() && current.blocks() + n > target {
-                groups.push((first.unwrap_or(0), std::mem::replace(&mut current, Group { members: Vec::new() })));
-                first = None;
+        let mut first = 0;
+        for (l0, f, subs) in run.drain(..) {
+            if !current.members.is_empty() && current.blocks() + subs.len() > target {
+                groups.push((first, std::mem::replace(&mut current, Group { members: Vec::new() })));
                 target = sizes.next().unwrap_or(target);
             }
-            first = first.or_else(|| linear_start(&f));
-            let subs: Vec<usize> = (0..n).collect();
+            if current.members.is_empty() {
+                first = l0;
+            }
             current.members.push((f, subs));
         }
         if !current.members.is_empty() {
-            groups.push((first.unwrap_or(0), current));
+            groups.push((first, current));
         }
     };
-    for (l0, f) in linear {
-        if !run.is_empty() && l0 != run_end {
+    let mut run_last: Option<u64> = None;
+    for (first, last, f, subs) in placed {
+        // Units that overlap logically, or lie too far apart, start a new run.
+        if run_last.is_some_and(|end| first <= end || first - end > RUN_GAP_BLOCKS) {
             flush(&mut run, &mut groups);
         }
-        run_end = l0 + f.frag.unit_blocks() as u64;
-        run.push(f);
+        run_last = Some(last);
+        run.push((first, f, subs));
     }
     flush(&mut run, &mut groups);
     groups.sort_by_key(|(first, _)| *first);
@@ -676,23 +685,61 @@ mod tests {
     }
 
     #[test]
-    fn a_gap_ends_a_run_and_a_duplicate_elsewhere_does_not() {
-        let mut found = vec![unit(0, 4), unit(4, 4), unit(10, 4)];
-        // Mapped in order at 14..16 and once more at 30: it joins the run at 10.
-        let mut shared = unit(14, 2);
+    fn a_far_gap_ends_a_run_and_a_duplicate_elsewhere_does_not() {
+        // 0..8, then 10..14 two blocks further on (mapped elsewhere: duplicates of other
+        // data), then 40..44, more than `RUN_GAP_BLOCKS` on.
+        let mut found = vec![unit(0, 4), unit(4, 4), unit(10, 4), unit(40, 4)];
+        // Mapped in order at 44..46 and once more at 30: it joins the run at 40.
+        let mut shared = unit(44, 2);
         shared.uses.push((30, MapEntry::fragment(100, Frag::new(1, 0, 10, 2, 1), 0)));
         found.push(shared);
         // Mapped only out of order: alone.
-        let mut swapped = unit(40, 2);
+        let mut swapped = unit(60, 2);
         for (k, (l, _)) in swapped.uses.iter_mut().enumerate() {
-            *l = 41 - k as u64;
+            *l = 61 - k as u64;
         }
         found.push(swapped);
         let g = group(found, 16);
-        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![8, 6, 2]);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![12, 6, 2]);
         let joined = &g[1];
         assert_eq!(joined.members.len(), 2);
         assert_eq!(joined.members[1].0.uses.len(), 3, "the duplicate's mapping goes with the unit");
+    }
+
+    #[test]
+    fn single_blocks_between_duplicates_become_extents_again() {
+        // Every third logical block holds a unique block, stored alone by a random write;
+        // the blocks between are duplicates mapped elsewhere. 30 of them: two extents.
+        let found: Vec<Found> = (0..30).map(|k| unit(3 * k, 1)).collect();
+        let g = group(found, 16);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![15, 15]);
+    }
+
+    #[test]
+    fn a_unit_with_dead_blocks_joins_a_run_with_its_live_ones() {
+        // Blocks 1 and 2 of a 4-block unit are dead (overwritten): its live ones, 0 and 3
+        // at logical 8 and 11, join the single blocks around it.
+        let mut holey = unit(8, 4);
+        holey.uses.retain(|(_, e)| e.frag.sub() == 0 || e.frag.sub() == 3);
+        let g = group(vec![unit(6, 1), holey, unit(12, 1)], 16);
+        assert_eq!(g.len(), 1);
+        assert_eq!(g[0].members[1].1, vec![0, 3]);
+        assert_eq!(g[0].blocks(), 4);
+    }
+
+    #[test]
+    fn units_that_overlap_logically_are_not_merged() {
+        // 0, 2, 4 and 1, 3, 5: interleaved, each in order.
+        let mut a = unit(0, 3);
+        let mut b = unit(1, 3);
+        for (k, (l, _)) in a.uses.iter_mut().enumerate() {
+            *l = 2 * k as u64;
+        }
+        for (k, (l, _)) in b.uses.iter_mut().enumerate() {
+            *l = 1 + 2 * k as u64;
+        }
+        let g = group(vec![a, b], 16);
+        assert_eq!(g.iter().map(Group::blocks).collect::<Vec<_>>(), vec![3, 3]);
     }
 
     #[test]
