@@ -549,9 +549,7 @@ impl Volume {
         sb.index_saved_entries = 0;
         sb.next_entry_seq = st.journal.next_entry_seq();
         sb.next_block_seq = st.journal.next_block_seq();
-        sb.mapped_blocks = st.counters.mapped_blocks;
-        sb.zero_blocks = st.counters.zero_blocks;
-        sb.lifetime = self.lifetime_now(&st);
+        self.set_counters(&mut sb, &st);
         write_superblock(self.data.dev(), self.separate_meta(), &mut sb)
     }
 
@@ -564,10 +562,17 @@ impl Volume {
     pub(crate) fn persist_counters(&self, st: &State) -> Result<()> {
         assert_eq!(st.journal.pending_len(), 0, "space counters persisted with journal entries not committed");
         let mut sb = self.sb.lock();
+        self.set_counters(&mut sb, st);
+        write_superblock(self.data.dev(), self.separate_meta(), &mut sb)
+    }
+
+    /// The superblock's counters as of now: the lifetime counters and the space counters
+    /// (mapped and zero blocks), which match the block map once the journal holds nothing
+    /// uncommitted.
+    fn set_counters(&self, sb: &mut Superblock, st: &State) {
         sb.lifetime = self.lifetime_now(st);
         sb.mapped_blocks = st.counters.mapped_blocks;
         sb.zero_blocks = st.counters.zero_blocks;
-        write_superblock(self.data.dev(), self.separate_meta(), &mut sb)
     }
 
     /// The metadata device when it is not the data device.
