@@ -44,7 +44,8 @@ fn decode_unit(e: &MapEntry, span: &[u8]) -> Option<(Vec<(u16, Block)>, Block)> 
     let f = e.fragment_of()?;
     let bytes = packer::fragment_bytes(e.pbn, &f, span).ok()?;
     let mut unit = vec![0u8; f.unit_blocks() * BLOCK_SIZE];
-    packer::decompress(e.pbn, &f, bytes, &mut unit).ok()?;
+    // Checked end to end: nothing else tells a fragment whose later blocks were reused.
+    packer::decompress_checked(e.pbn, &f, bytes, &mut unit).ok()?;
     let blocks: Vec<(u16, Block)> =
         unit.chunks_exact(BLOCK_SIZE).enumerate().map(|(sub, b)| (f.with_sub(sub).key(), Block::from(b))).collect();
     let mine = blocks.get(f.sub())?.1.clone();

@@ -413,7 +413,9 @@ fn fragment_ok(u: &CompressUnit<'_>, o: &Compressed) -> bool {
     let Ok(len) = u16::try_from(f.len()) else { return false };
     let frag = Frag::new(u.codec.code(), 0, len, blocks as u8, 0);
     let mut back = vec![0u8; blocks * BLOCK_SIZE];
-    packer::decompress(0, &frag, f, &mut back).is_ok() && back == u.data
+    // Checked end to end, its frame checksum included: byte verification of this
+    // fragment's records will check it (`packer::decompress_checked`).
+    packer::decompress_checked(0, &frag, f, &mut back).is_ok() && back == u.data
 }
 
 #[cfg(test)]
