@@ -14,8 +14,9 @@
 //!
 //! A pass: (1) scans the block map in holds of `SCAN_LBAS_PER_HOLD` entries, collecting
 //! every fragment not at rest (`Volume::at_rest`; at most `FOUND_MAX`); (2) groups them:
-//! a unit whose live blocks are mapped in unit order (`placement`: each block at the first
-//! logical block it is mapped at; duplicates elsewhere go with it) is *ordered*, and
+//! a unit whose live blocks are mapped in unit order (`placement`: each block at the
+//! lowest logical block it is mapped at past the previous block's; duplicates elsewhere go
+//! with it) is *ordered*, and
 //! ordered units that follow each other logically, at most `RUN_GAP_BLOCKS` apart, are
 //! merged into one run and cut again into near-equal units of at most `extent_blocks_max`
 //! blocks, as the write path cuts a run of chunks (so data stored as single blocks, such
