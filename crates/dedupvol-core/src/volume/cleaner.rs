@@ -39,59 +39,24 @@
 //!   the error. So does a fragment's read the device gave no answer to in time
 //!   (`decode_found`).
 
+use super::scan::{scan_entries, Found, SCAN_LBAS_PER_HOLD};
 use super::Volume;
 use crate::config::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::data::packer;
 use crate::error::Result;
 use crate::io::IoKind;
-use crate::metadata::block_map::{BlockMap, Frag, MapEntry, Scanned};
+use crate::metadata::block_map::{Frag, MapEntry};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-/// Map entries read per state-lock hold while scanning.
-const SCAN_LBAS_PER_HOLD: u64 = 8192;
 /// Fragments moved per state-lock hold.
 const MOVES_PER_HOLD: usize = 64;
 /// Data blocks one pass considers at most (4 GiB of data): bounds its memory.
 pub(super) const WINDOW_BLOCKS: u64 = 1 << 20;
 /// Mappings one pass collects at most; past it, the rest keep their fragments alive.
 const SCANNED_MAX: usize = 4 << 20;
-
-/// Map entries `lbas` as a background scan (cleaner, recompression) takes them, under one
-/// state-lock hold: `f` gets each entry that decodes; one that does not is skipped (it
-/// keeps what it maps, see the invariants). Returns where the next hold goes on (past
-/// `lbas.end` when the range ended inside a page skipped whole).
-///
-/// A map page the device could not read is skipped whole and counted in `unreadable`:
-/// what it maps stays where it is (space, never data), and the rest of the volume is
-/// still cleaned, so one bad page does not stop every later pass at the same place.
-/// Unless the device gave no answer in time: then the pass ends with the error, since
-/// every page after it would make the lock wait as long (a RADOS volume with every OSD
-/// down: the server stopped answering for hours).
-pub(super) fn scan_entries(
-    map: &mut BlockMap,
-    lbas: std::ops::Range<u64>,
-    unreadable: &mut u64,
-    mut f: impl FnMut(u64, MapEntry),
-) -> Result<u64> {
-    let mut l = lbas.start;
-    while l < lbas.end {
-        match map.scan(l) {
-            Scanned::Entry(e) => f(l, e),
-            Scanned::Undecodable(_) => {}
-            Scanned::Unreadable { error, .. } if error.is_timeout() => return Err(error),
-            Scanned::Unreadable { next, .. } => {
-                *unreadable += 1;
-                l = next;
-                continue;
-            }
-        }
-        l += 1;
-    }
-    Ok(l.max(lbas.end))
-}
 
 /// What a pass may do.
 #[derive(Debug, Clone)]
@@ -130,22 +95,6 @@ pub struct CleanReport {
     pub used_before: u64,
     /// See `used_before`.
     pub used_after: u64,
-}
-
-/// A live fragment found by the scan: its mappings.
-pub(super) struct Found {
-    pub(super) frag: Frag,
-    pub(super) uses: Vec<(u64, MapEntry)>,
-}
-
-impl Found {
-    /// Its blocks still mapped, by index in the unit, in order.
-    pub(super) fn live_subs(&self) -> Vec<usize> {
-        let mut subs: Vec<usize> = self.uses.iter().map(|(_, e)| e.frag.sub()).collect();
-        subs.sort_unstable();
-        subs.dedup();
-        subs
-    }
 }
 
 /// A fragment the cleaner moves: what it stores, and the fingerprint of each live block

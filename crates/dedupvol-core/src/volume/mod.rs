@@ -38,6 +38,7 @@ pub(crate) use lifecycle::{uuid_hex, uuid_lo, OpenNote};
 mod mapping;
 mod recovery;
 mod report;
+mod scan;
 pub(crate) mod state;
 mod woj;
 mod write;

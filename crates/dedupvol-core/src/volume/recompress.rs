@@ -64,7 +64,7 @@
 //!   `GROUPS_PER_HOLD` groups at a time.
 //! - Everything it writes goes through the commit path of client writes.
 
-use super::cleaner::Found;
+use super::scan::{scan_entries, Found, SCAN_LBAS_PER_HOLD};
 use super::Volume;
 use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
@@ -73,8 +73,6 @@ use crate::error::{Error, Result};
 use crate::metadata::block_map::{Frag, MapEntry};
 use std::collections::BTreeMap;
 
-/// Map entries read per state-lock hold while scanning.
-const SCAN_LBAS_PER_HOLD: u64 = 8192;
 /// Groups placed per state-lock hold.
 const GROUPS_PER_HOLD: usize = 16;
 /// Fragments one pass collects at most (bounds its memory; the rest wait for the next).
@@ -419,19 +417,14 @@ impl Volume {
         while lba < self.logical_blocks() {
             let end = (lba + SCAN_LBAS_PER_HOLD).min(self.logical_blocks());
             let mut st = self.state.lock();
-            let next =
-                super::cleaner::scan_entries(&mut st.map, lba..end, &mut report.map_pages_unreadable, |l, e| {
-                    let Some(f) = e.fragment_of().filter(|f| !self.at_rest(f)) else { return };
-                    if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
-                        report.more = true;
-                        return;
-                    }
-                    frags
-                        .entry((e.pbn, f.off))
-                        .or_insert_with(|| Found { frag: f, uses: Vec::new() })
-                        .uses
-                        .push((l, e));
-                })?;
+            let next = scan_entries(&mut st.map, lba..end, &mut report.map_pages_unreadable, |l, e| {
+                let Some(f) = e.fragment_of().filter(|f| !self.at_rest(f)) else { return };
+                if frags.len() >= FOUND_MAX && !frags.contains_key(&(e.pbn, f.off)) {
+                    report.more = true;
+                    return;
+                }
+                frags.entry((e.pbn, f.off)).or_insert_with(|| Found { frag: f, uses: Vec::new() }).uses.push((l, e));
+            })?;
             let durable = st.journal.durable_seq();
             st.map.evict(durable)?;
             drop(st);
