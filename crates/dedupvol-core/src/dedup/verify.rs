@@ -146,21 +146,14 @@ mod tests {
     #[test]
     fn a_fragment_whose_later_block_was_reused_does_not_verify() {
         let blocks = 8usize;
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
         // Half compressible: runs of a byte, and random stretches.
+        let noise = crate::codec::test_random_bytes(0x9e37_79b9_7f4a_7c15, blocks * BLOCK_SIZE);
         let mut data = vec![0u8; blocks * BLOCK_SIZE];
-        for run in data.chunks_mut(64) {
-            let r = next();
-            if r % 3 == 0 {
-                run.iter_mut().for_each(|b| *b = next() as u8);
+        for (k, (run, random)) in data.chunks_mut(64).zip(noise.chunks(64)).enumerate() {
+            if k % 3 == 0 {
+                run.copy_from_slice(random);
             } else {
-                run.fill((r >> 8) as u8 % 16);
+                run.fill((k % 16) as u8);
             }
         }
         let frag = packer::compress(Compression::Zstd, 1, &data).expect("compressible");
@@ -168,7 +161,7 @@ mod tests {
         assert!(span.len() >= 3 * BLOCK_SIZE, "the fragment runs into a third block");
         span.get_mut(100..100 + frag.len()).expect("room").copy_from_slice(&frag);
         // Block 41 reused: a raw block of other data.
-        let other: Vec<u8> = (0..BLOCK_SIZE).map(|_| next() as u8).collect();
+        let other = crate::codec::test_random_bytes(41, BLOCK_SIZE);
         span.get_mut(BLOCK_SIZE..2 * BLOCK_SIZE).expect("block 41").copy_from_slice(&other);
         let mut cache = ContentCache::new(4 << 20);
         for (k, b) in span.chunks_exact(BLOCK_SIZE).enumerate() {

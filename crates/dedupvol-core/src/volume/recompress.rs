@@ -16,14 +16,13 @@
 //! every fragment not at rest (`Volume::at_rest`; at most `FOUND_MAX`); (2) groups them:
 //! a unit whose live blocks are mapped in unit order (`placement`: each block at the
 //! lowest logical block it is mapped at past the previous block's; duplicates elsewhere go
-//! with it) is *ordered*, and
-//! ordered units that follow each other logically, at most `RUN_GAP_BLOCKS` apart, are
-//! merged into one run and cut again into near-equal units of at most `extent_blocks_max`
-//! blocks, as the write path cuts a run of chunks (so data stored as single blocks, such
-//! as random overwrites, becomes extents again, across the duplicates between them); a
-//! unit mapped only out of order is a group of its own, its live blocks; (3) reads and
-//! decodes each group's fragments and
-//! checks every block against its mappings' crcs, then compresses the group with the
+//! with it) is *ordered*, and ordered units that follow each other logically, at most
+//! `RUN_GAP_BLOCKS` apart, are merged into one run and cut again into near-equal units of
+//! at most `extent_blocks_max` blocks, as the write path cuts a run of chunks (so data
+//! stored as single blocks, such as random overwrites, becomes extents again, across the
+//! duplicates between them); a unit mapped only out of order is a group of its own, its
+//! live blocks; (3) reads and decodes each group's fragments and checks every block
+//! against its mappings' crcs, then compresses the group with the
 //! target codec and level (no lock; the groups of a hold side by side on the volume's
 //! pool); (4) under the state lock, appends the new unit to the open run (or stores its
 //! blocks raw when the codec cannot shrink it), remaps every logical block still mapped
