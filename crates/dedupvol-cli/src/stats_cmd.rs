@@ -220,13 +220,15 @@ fn print_stats(s: &Stats) -> anyhow::Result<()> {
         s.index.chapters
     )?;
     outln!(
-        "index rebuild       {}{} / {} chapters, {} records, {} read in {} ms ({} pages skipped; newest chapter found in {} reads, {} ms)",
+        "index rebuild       {}{} / {} chapters ({} of records covered), {} records, {} read in {} ms ({} chapters from their records, {} pages skipped; newest chapter found in {} reads, {} ms)",
         if s.index.rebuild_running { "running: " } else { "" },
         s.index.rebuild_chapters_done,
         s.index.rebuild_chapters_total,
+        human(s.index.rebuild_covered_bytes),
         s.index.rebuild_records,
         human(s.index.rebuild_bytes),
         s.index.rebuild_millis,
+        s.index.rebuild_chapters_without_names,
         s.index.rebuild_pages_skipped,
         s.index.rebuild_probe_reads,
         s.index.rebuild_probe_millis

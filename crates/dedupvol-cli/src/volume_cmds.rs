@@ -664,7 +664,7 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         )?;
         let x = &r.index;
         outln!(
-            "index records       {} in {} chapters: {} live, stale {} freed / {} reused / {} damaged, {} beyond the data region, {} not audited, {} pages skipped (stale records are expected and never trusted)",
+            "index records       {} in {} chapters: {} live, stale {} freed / {} reused / {} damaged, {} beyond the data region, {} not audited, {} pages skipped (stale records are expected and never trusted); names of {} chapters compared, {} wrong",
             x.records,
             x.chapters,
             x.live,
@@ -673,7 +673,9 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
             x.stale_damaged,
             x.beyond_data_region,
             x.not_audited,
-            x.pages_skipped
+            x.pages_skipped,
+            x.names_compared,
+            x.names_wrong
         )?;
         for n in &r.notes {
             outln!("note: {n}")?;

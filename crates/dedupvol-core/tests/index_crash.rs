@@ -169,4 +169,7 @@ fn check_counts_live_and_stale_records() {
     assert_eq!(x.live, 8 * 256, "{x:?}");
     assert_eq!(x.stale_freed + x.stale_reused, 4 * 256, "{x:?}");
     assert_eq!((x.stale_damaged, x.beyond_data_region, x.not_audited), (0, 0, 0), "{x:?}");
+    // Every chapter's names were written (the last one's at the close) and match.
+    assert!(x.chapters >= 1, "{x:?}");
+    assert_eq!((x.names_compared, x.names_wrong), (x.chapters, 0), "{x:?}");
 }

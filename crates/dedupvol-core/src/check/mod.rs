@@ -114,6 +114,13 @@ pub enum Problem {
         /// Some of the logical blocks that map to it (at most `PROBLEM_LBAS_MAX`).
         lbas: Vec<u64>,
     },
+    /// A chapter's name pages check but disagree with its record pages. The index is
+    /// advisory (a wrong name costs missed duplicates, never data), but names are made
+    /// from the records beside them, so this is a defect of the build that wrote them.
+    IndexNames {
+        /// The virtual chapter.
+        chapter: u64,
+    },
 }
 
 impl Problem {
@@ -172,6 +179,10 @@ impl std::fmt::Display for Problem {
                  counted {counted_mapped} / {counted_zero}"
             ),
             Problem::Unreadable { pbn, error } => write!(f, "physical block {pbn} unreadable: {error}"),
+            Problem::IndexNames { chapter } => write!(
+                f,
+                "fingerprint index chapter {chapter}: its name pages disagree with its records (costs dedup only)"
+            ),
             Problem::ChecksumMismatch { pbn, slot, lbas } => {
                 let l: Vec<String> = lbas.iter().map(u64::to_string).collect();
                 write!(
@@ -248,6 +259,12 @@ pub struct IndexAudit {
     pub beyond_data_region: u64,
     /// Records of the window not audited (past `INDEX_RECORDS_AUDITED_MAX`).
     pub not_audited: u64,
+    /// Chapters whose name pages are complete and were compared with their records
+    /// (those whose record pages hold as many records as the names: none torn).
+    pub names_compared: u64,
+    /// Of those, chapters whose names disagree with their records (a problem: names are
+    /// made from the records they sit beside).
+    pub names_wrong: u64,
 }
 
 /// Result of auditing a volume.
@@ -477,6 +494,13 @@ impl Volume {
             let (recs, skipped) = source.chapter_records(vcn);
             report.index.chapters += 1;
             report.index.pages_skipped += skipped;
+            if let Some(names) = source.chapter_names(vcn).filter(|n| n.len() == recs.len()) {
+                report.index.names_compared += 1;
+                if names.iter().zip(&recs).any(|(n, r)| *n != crate::dedup::chapter::Name::of(&r.hash)) {
+                    report.index.names_wrong += 1;
+                    report.problem(Problem::IndexNames { chapter: vcn });
+                }
+            }
             for r in recs {
                 report.index.records += 1;
                 if r.loc.pbn >= geo.data_blocks {

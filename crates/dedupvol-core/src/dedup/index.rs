@@ -37,7 +37,7 @@
 //! - Lock order: the volume's state lock, then the volume index's (`Shared::table`), then
 //!   a record cache's; the rebuild thread takes only the last two.
 
-use super::chapter::{decode_page, encode_page, PageHeader, Record, RingLayout, RECORDS_PER_PAGE};
+use super::chapter::{decode_page, encode_names, encode_page, PageHeader, Record, RingLayout, RECORDS_PER_PAGE};
 use super::rebuild::{find_newest, RebuildThread, Rebuilder};
 use super::record_cache::{prefix, ChapterCache, PageCache, Records};
 use super::volume_index::{VolumeIndex, LOAD_PERCENT, SLOT_BYTES};
@@ -152,8 +152,13 @@ pub struct Progress {
     pub records: AtomicU64,
     /// Pages skipped (torn, stale, never written, unreadable).
     pub pages_skipped: AtomicU64,
-    /// Bytes of chapters read.
+    /// Bytes read from the ring (name pages, and record pages where names were missing).
     pub bytes_read: AtomicU64,
+    /// Bytes of the record pages of the chapters rebuilt (what reading the records would
+    /// have read): the window covered.
+    pub bytes_covered: AtomicU64,
+    /// Chapters whose names were incomplete, rebuilt from their record pages.
+    pub chapters_without_names: AtomicU64,
     /// Time since the rebuild started (while running), or its total time.
     pub millis: AtomicU64,
 }
@@ -304,6 +309,20 @@ impl PageSource {
     }
 }
 
+impl PageSource {
+    /// The names of closed chapter `vcn` as found on the device, if the ring keeps names
+    /// and they are complete (`check` compares them with the records).
+    pub fn chapter_names(&self, vcn: u64) -> Option<Vec<super::chapter::Name>> {
+        let meta = self.meta.as_ref()?;
+        if !self.ring.has_names() {
+            return None;
+        }
+        let mut buf = vec![0u8; (self.ring.name_pages_per_chapter * BLOCK_SIZE_U64) as usize];
+        meta.read(IoKind::Index, &mut buf, self.ring.name_offset(vcn, 0)).ok()?;
+        super::chapter::chapter_names(&buf, self.uuid_lo, vcn, u32::MAX)
+    }
+}
+
 /// The records of page `page` of chapter `f.vcn` in `buf`, if it is that page, with
 /// `current` set as the epoch of `f` says.
 fn decode_checked(buf: &[u8], uuid_lo: u64, f: &Fetch, page: u64) -> Option<Records> {
@@ -367,18 +386,19 @@ pub fn is_hook(h: &[u8; 32]) -> bool {
 
 impl Index {
     /// An index over the ring of `area_blocks` blocks at `area_start` on `meta` (None: in
-    /// memory only), its volume index at most `memory_bytes_max`; empty until `rebuild`.
+    /// memory only), with name pages when `names` (`RingLayout::for_area`), its volume
+    /// index at most `memory_bytes_max`; empty until `rebuild`.
     pub fn new(
         mode: IndexMode,
         meta: Option<Dev>,
-        area: (u64, u64),
+        (area_start, area_blocks, names): (u64, u64, bool),
         uuid_lo: u64,
         memory_bytes_max: u64,
         prefault: bool,
     ) -> Result<Self> {
-        let (ring, meta) = match RingLayout::for_area(area.0, area.1, mode) {
+        let (ring, meta) = match RingLayout::for_area(area_start, area_blocks, mode, names) {
             Some(r) => (r, meta),
-            None => (RingLayout { start_block: 0, chapters: 2, pages_per_chapter: 1 }, None),
+            None => (RingLayout { start_block: 0, chapters: 2, pages_per_chapter: 1, name_pages_per_chapter: 0 }, None),
         };
         let memory = Self::memory_wanted(mode, &ring).min(memory_bytes_max);
         let table = VolumeIndex::try_new(memory, prefault)?;
@@ -665,6 +685,7 @@ impl Index {
             self.pending_bytes += d.1.len();
             self.pending.push(d);
         }
+        self.queue_names();
         if self.pending_bytes > PENDING_BYTES_MAX {
             let d = std::mem::take(&mut self.pending);
             self.pending_bytes = 0;
@@ -687,6 +708,24 @@ impl Index {
         self.shared.open_vcn.store(self.open_vcn, Ordering::Release);
         self.counters.chapters_closed.fetch_add(1, Ordering::Relaxed);
         self.shared.table.lock().sweep(self.open_vcn, self.ring.chapters);
+    }
+
+    /// Queues the open chapter's name pages for the next commit (a ring with names): at
+    /// its close, and at the volume's clean close, after which the chapter is never
+    /// added to (the next session opens the chapter after it).
+    fn queue_names(&mut self) {
+        if !self.ring.has_names() || self.open.is_empty() || self.meta.is_none() {
+            return;
+        }
+        let names = encode_names(self.uuid_lo, self.open_vcn, self.epoch, &self.open);
+        self.pending_bytes += names.len();
+        self.pending.push((self.ring.name_offset(self.open_vcn, 0), names));
+    }
+
+    /// Readies the index for the volume's clean close: the open chapter's names go with
+    /// the closing checkpoint's commit, so the next open rebuilds it from them.
+    pub fn prepare_close(&mut self) {
+        self.queue_names();
     }
 
     /// Starts a new epoch: every record made so far stops being `current` (a reuse stamp
@@ -816,6 +855,8 @@ impl Index {
             rebuild_millis: get(&p.millis),
             rebuild_records: get(&p.records),
             rebuild_bytes: get(&p.bytes_read),
+            rebuild_covered_bytes: get(&p.bytes_covered),
+            rebuild_chapters_without_names: get(&p.chapters_without_names),
             rebuild_pages_skipped: get(&p.pages_skipped),
             rebuild_probe_reads: self.open_probe.0,
             rebuild_probe_millis: self.open_probe.1,
@@ -869,11 +910,22 @@ mod tests {
 
     #[test]
     fn dense_records_survive_a_rebuild_and_the_ring_drops_the_oldest() {
+        for names in [false, true] {
+            dense_rebuild(names);
+        }
+    }
+
+    /// The rebuild test of a ring with or without name pages: with them, the closed
+    /// chapters are rebuilt from their names and the chapter open at the "crash" (no clean
+    /// close) from its records.
+    fn dense_rebuild(names: bool) {
         let meta = dev();
-        // 8 blocks: 8 chapters of one page (R records), a window of 8 R blocks.
+        // 8 chapters of one record page (R records; and a name page each, with names), a
+        // window of 8 R blocks.
         const R: u64 = RECORDS_PER_PAGE as u64;
-        let mut ix = Index::new(IndexMode::Dense, Some(meta.clone()), (16, 8), 7, 1 << 20, false).expect("index");
-        assert_eq!(ix.ring().chapters, 8);
+        let area = (16, if names { 16 } else { 8 }, names);
+        let mut ix = Index::new(IndexMode::Dense, Some(meta.clone()), area, 7, 1 << 20, false).expect("index");
+        assert_eq!((ix.ring().chapters, ix.ring().has_names()), (8, names));
         // 1000 records fill chapters 0..=10 and part of 11; the window is chapters 4..=11.
         for i in 0..1000 {
             ix.insert(&h(i), loc(i));
@@ -884,18 +936,17 @@ mod tests {
         assert_eq!(ix.lookup(&h(5)), None, "chapter 0 left the window");
         let d = ix.take_dirty();
         ix.write_dirty(&meta, &d);
-        let mut re = Index::new(IndexMode::Dense, Some(meta.clone()), (16, 8), 7, 1 << 20, false).expect("index");
+        let mut re = Index::new(IndexMode::Dense, Some(meta.clone()), area, 7, 1 << 20, false).expect("index");
         re.rebuild(2, IndexRebuild::Foreground);
         let l = re.lookup(&h(999)).expect("open chapter record written with the commit");
         assert_eq!((l.pbn, l.current), (999, false), "records of an earlier epoch are not current");
         // The rebuild opened chapter last + 1, so chapter last - 7 left the window.
         assert_eq!(re.lookup(&h((last - 6) * R)).map(|l| l.pbn), Some((last - 6) * R));
         assert_eq!(re.lookup(&h((last - 7) * R + 3)), None);
-        assert_eq!(
-            re.stats().rebuild_records,
-            6 * R + (1000 - last * R),
-            "six whole chapters and the last one's records"
-        );
+        let st = re.stats();
+        assert_eq!(st.rebuild_records, 6 * R + (1000 - last * R), "six whole chapters and the last one's records");
+        // With names, only the chapter open at the end had none.
+        assert_eq!(st.rebuild_chapters_without_names, u64::from(names));
         // A torn page is skipped: the rest of the ring still rebuilds.
         let torn_chapter = last - 5;
         let mut torn = vec![0u8; BLOCK_SIZE];
@@ -904,23 +955,36 @@ mod tests {
             *b ^= 0xff;
         }
         meta.write(IoKind::Index, &torn, re.ring().page_offset(torn_chapter, 0)).expect("write");
-        let mut re2 = Index::new(IndexMode::Dense, Some(meta), (16, 8), 7, 1 << 20, false).expect("index");
+        // And torn names: that chapter is rebuilt from its records.
+        let names_torn = last - 3;
+        if names {
+            let mut page = vec![0u8; BLOCK_SIZE];
+            meta.read(IoKind::Index, &mut page, re.ring().name_offset(names_torn, 0)).expect("read");
+            if let Some(b) = page.get_mut(100) {
+                *b ^= 0xff;
+            }
+            meta.write(IoKind::Index, &page, re.ring().name_offset(names_torn, 0)).expect("write");
+        }
+        let mut re2 = Index::new(IndexMode::Dense, Some(meta), area, 7, 1 << 20, false).expect("index");
         re2.rebuild(3, IndexRebuild::Foreground);
         assert_eq!(re2.lookup(&h(torn_chapter * R + 5)), None, "the torn chapter's records are gone");
-        assert_eq!(re2.lookup(&h((last - 3) * R)).map(|l| l.pbn), Some((last - 3) * R));
+        assert_eq!(re2.lookup(&h(names_torn * R)).map(|l| l.pbn), Some(names_torn * R));
+        assert_eq!(re2.lookup(&h((last - 2) * R + 7)).map(|l| l.pbn), Some((last - 2) * R + 7));
+        assert_eq!(re2.stats().rebuild_chapters_without_names, 2 * u64::from(names), "the open one and the torn one");
     }
 
     #[test]
     fn sparse_hooks_bring_their_neighbours() {
         let meta = dev();
-        let mut ix = Index::new(IndexMode::Sparse, Some(meta.clone()), (0, 64), 7, 1 << 20, false).expect("index");
+        let mut ix =
+            Index::new(IndexMode::Sparse, Some(meta.clone()), (0, 64, false), 7, 1 << 20, false).expect("index");
         let rpc = ix.ring().records_per_chapter();
         for i in 0..3 * rpc {
             ix.insert(&h(i), loc(i));
         }
         let d = ix.take_dirty();
         ix.write_dirty(&meta, &d);
-        let mut re = Index::new(IndexMode::Sparse, Some(meta), (0, 64), 7, 1 << 20, false).expect("index");
+        let mut re = Index::new(IndexMode::Sparse, Some(meta), (0, 64, false), 7, 1 << 20, false).expect("index");
         re.rebuild(2, IndexRebuild::Foreground);
         // Chapter 2 is in the window (the rebuild opened chapter 3, dropping chapter 0).
         let hook = (2 * rpc..3 * rpc).find(|&i| is_hook(&h(i))).expect("a hook in chapter 2");

@@ -5,7 +5,7 @@
 //! Layout: `capacity` slots of 5 bytes in buckets of `BUCKET_SLOTS`, as two arrays (a
 //! 4-byte word per slot: a 13-bit fingerprint tag, the 3-bit group of the record in its
 //! page and the low 16 bits of the virtual chapter; a 1-byte page number per slot). A
-//! fingerprint has two buckets, from bytes 0..8 and 16..24, and goes to the emptier one
+//! fingerprint has two buckets, from bytes 0..4 and 16..20, and goes to the emptier one
 //! (two choices keep buckets of 8 from overflowing at 90% load, where one choice loses
 //! about a quarter of the buckets); the tag comes from bytes 8..10, so a false match (up
 //! to `GROUP_RECORDS` records compared for nothing, one page read if the page is not
@@ -27,7 +27,7 @@
 //!   older than `RING_CHAPTERS_MAX + SWEEP_CHAPTERS < 2^16` chapters (asserted).
 //! - `entries` counts the non-empty slots (the `verify` audit checks it).
 
-use crate::dedup::chapter::RING_CHAPTERS_MAX;
+use crate::dedup::chapter::{Name, RING_CHAPTERS_MAX};
 use crate::error::{Error, Result};
 use crate::io::aligned::AlignedBuf;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
@@ -47,6 +47,8 @@ const PREFETCH_AHEAD: usize = 16;
 /// Records from which `insert_prepared` uses a second thread (below, the thread would cost
 /// more than it saves).
 const PARALLEL_RECORDS_MIN: usize = 4096;
+/// Buckets of a table at most (a bucket key has 32 bits: `bucket_pair`); 170 GB of slots.
+const BUCKETS_MAX: u64 = 1 << 32;
 /// The share of slots the table is sized to fill (buckets of 8 overflow rarely below it).
 pub const LOAD_PERCENT: u64 = 90;
 
@@ -147,13 +149,14 @@ impl PreparedRun {
         self.halves.iter().map(|h| h.len).sum()
     }
 
-    /// Adds the record of fingerprint `h` at `position` of page `page` of chapter `vcn`;
-    /// false when its half is full (more records than `clear` made room for).
-    pub fn push(&mut self, h: &[u8; 32], vcn: u64, page: u64, position: u64) -> bool {
+    /// Adds the record of name `n` (read from a name page, or made from a record's
+    /// fingerprint) at `position` of page `page` of chapter `vcn`; false when its half is
+    /// full (more records than `clear` made room for).
+    pub fn push(&mut self, n: &Name, vcn: u64, page: u64, position: u64) -> bool {
         debug_assert!(page <= 0xFF && (position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE);
-        let (a, b) = bucket_pair(self.buckets, h);
+        let (a, b) = bucket_pair(self.buckets, n);
         let upper = usize::from(a >= self.buckets / 2);
-        let word = word_of(tag_of(h), position, vcn);
+        let word = word_of(tag_of(n), position, vcn);
         let prepared = Prepared { a: a as u64, b: b as u64, word, page: u32::from(page as u8) };
         if !self.halves.get_mut(upper).is_some_and(|half| half.push(prepared)) {
             return false;
@@ -206,10 +209,6 @@ pub struct VolumeIndex {
     sweep_cursor: usize,
 }
 
-fn bucket_key(h: &[u8; 32], off: usize) -> u64 {
-    crate::codec::get_u64(h, off).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29)
-}
-
 /// Bits of the fingerprint tag, and where the word keeps it and the record's group (the
 /// chapter number is the word's low 16 bits).
 const TAG_BITS: u32 = 13;
@@ -222,8 +221,8 @@ const _: () = assert!(
         && crate::dedup::chapter::RECORDS_PER_PAGE.div_ceil(GROUP_RECORDS) <= GROUP_MASK as usize + 1
 );
 
-fn tag_of(h: &[u8; 32]) -> u32 {
-    let t = crate::codec::get_u32(h, 8) & ((1 << TAG_BITS) - 1);
+fn tag_of(n: &Name) -> u32 {
+    let t = n.tag_bits() & ((1 << TAG_BITS) - 1);
     t.max(1)
 }
 
@@ -249,16 +248,19 @@ fn age(open: u64, ch: u16) -> u64 {
     u64::from((open as u16).wrapping_sub(ch))
 }
 
-/// The two bucket numbers of `h` in a table of `buckets` buckets: the first anywhere, the
-/// second in the same half of the table as the first (so that each half can be filled on
-/// its own: `insert_prepared`). Keys are scaled onto a range by a multiply and a shift (a
-/// division would cost tens of cycles per lookup and per rebuilt record).
-fn bucket_pair(buckets: usize, h: &[u8; 32]) -> (usize, usize) {
-    let scale = |key: u64, n: usize| ((u128::from(key) * n as u128) >> 64) as usize;
-    let a = scale(bucket_key(h, 0), buckets);
+/// The two bucket numbers of name `n` in a table of `buckets` buckets (at most
+/// `BUCKETS_MAX`): the first anywhere, chosen by its first key, the second by its second
+/// key in the same half of the table as the first (so that each half can be filled on its
+/// own: `insert_prepared`). A key is scaled onto a range by a multiply and a shift (a
+/// division would cost tens of cycles per lookup and per rebuilt record); fingerprint
+/// bits are uniform, so 32 of them spread evenly over up to 2^32 buckets.
+fn bucket_pair(buckets: usize, n: &Name) -> (usize, usize) {
+    debug_assert!(buckets as u64 <= BUCKETS_MAX);
+    let scale = |key: u32, n: usize| ((u64::from(key) * n as u64) >> 32) as usize;
+    let a = scale(n.a, buckets);
     let half = buckets / 2;
     let (start, len) = if a < half { (0, half) } else { (half, buckets - half) };
-    (a, start + scale(bucket_key(h, 16), len))
+    (a, start + scale(n.b, len))
 }
 
 /// The slots of a run of buckets, from bucket `first` on, borrowed to change them (the
@@ -395,7 +397,7 @@ impl VolumeIndex {
     pub fn try_new(memory_bytes: u64, prefault: bool) -> Result<Self> {
         let slots = usize::try_from(memory_bytes / SLOT_BYTES).unwrap_or(usize::MAX);
         // One bucket of each array is the room to align the others.
-        let buckets = (slots / BUCKET_SLOTS).saturating_sub(1).max(1);
+        let buckets = (slots / BUCKET_SLOTS).saturating_sub(1).clamp(1, BUCKETS_MAX as usize);
         let cap = buckets * BUCKET_SLOTS;
         let refused = || {
             Error::OutOfMemory(format!(
@@ -452,9 +454,9 @@ impl VolumeIndex {
         (self.words.len() as u64) * 4 + self.pages.len() as u64
     }
 
-    /// The two bucket numbers of `h` (see `bucket_pair`).
-    fn bucket_pair(&self, h: &[u8; 32]) -> (usize, usize) {
-        bucket_pair(self.buckets, h)
+    /// The two bucket numbers of name `n` (see `bucket_pair`).
+    fn bucket_pair(&self, n: &Name) -> (usize, usize) {
+        bucket_pair(self.buckets, n)
     }
 
     /// The slots of buckets `pair` (the second empty when both are the same).
@@ -467,14 +469,14 @@ impl VolumeIndex {
         }
     }
 
-    /// The two buckets of `h` (the same one twice in a one-bucket table).
-    fn buckets_of(&self, h: &[u8; 32]) -> [std::ops::Range<usize>; 2] {
-        Self::ranges(self.bucket_pair(h))
+    /// The two buckets of name `n` (the same one twice in a one-bucket table).
+    fn buckets_of(&self, n: &Name) -> [std::ops::Range<usize>; 2] {
+        Self::ranges(self.bucket_pair(n))
     }
 
-    /// The slots of both buckets of `h`.
-    fn bucket(&self, h: &[u8; 32]) -> impl Iterator<Item = usize> {
-        let [a, b] = self.buckets_of(h);
+    /// The slots of both buckets of name `n`.
+    fn bucket(&self, n: &Name) -> impl Iterator<Item = usize> {
+        let [a, b] = self.buckets_of(n);
         a.chain(b)
     }
 
@@ -497,9 +499,10 @@ impl VolumeIndex {
     /// `GROUP_RECORDS`). `open` is the open chapter, `ring_chapters` the window in
     /// chapters.
     pub fn candidates(&self, h: &[u8; 32], open: u64, ring_chapters: u64) -> Vec<Candidate> {
-        let tag = tag_of(h);
+        let name = Name::of(h);
+        let tag = tag_of(&name);
         let mut out: Vec<Candidate> = self
-            .bucket(h)
+            .bucket(&name)
             .filter_map(|i| {
                 let w = self.word(i);
                 let a = age(open, chapter_of(w));
@@ -521,8 +524,9 @@ impl VolumeIndex {
     /// else the oldest (dead ones first).
     pub fn insert(&mut self, h: &[u8; 32], (vcn, page, position): (u64, u64, u64), open: u64, ring_chapters: u64) {
         debug_assert!(page <= 0xFF && (position as usize) < crate::dedup::chapter::RECORDS_PER_PAGE && vcn <= open);
-        let pair = self.bucket_pair(h);
-        let tag = tag_of(h);
+        let name = Name::of(h);
+        let pair = self.bucket_pair(&name);
+        let tag = tag_of(&name);
         if self.slots_mut(..).place(tag, word_of(tag, position, vcn), page as u8, (open, ring_chapters), pair) {
             self.entries += 1;
         }
@@ -616,8 +620,9 @@ impl VolumeIndex {
 
     /// Forgets `h` if it points at page `page` of chapter `vcn`.
     pub fn remove(&mut self, h: &[u8; 32], vcn: u64, page: u64) {
-        let tag = tag_of(h);
-        let found = self.bucket(h).find(|&i| {
+        let name = Name::of(h);
+        let tag = tag_of(&name);
+        let found = self.bucket(&name).find(|&i| {
             let w = self.word(i);
             w != 0 && w >> TAG_SHIFT == tag && u64::from(self.page(i)) == page && chapter_of(w) == vcn as u16
         });
@@ -704,7 +709,7 @@ mod tests {
         for c in recs.chunks(batch) {
             assert!(run.clear(t.bucket_count(), c.len()));
             for (hash, vcn, page, position) in c {
-                assert!(run.push(hash, *vcn, *page, *position));
+                assert!(run.push(&Name::of(hash), *vcn, *page, *position));
             }
             t.insert_prepared(run.part(0, 1), run.chapters(), open, ring);
         }
@@ -718,7 +723,8 @@ mod tests {
         let a = h(1);
         let mut b = a;
         b[30] ^= 0xFF;
-        assert_eq!((tag_of(&a), bucket_pair(64, &a)), (tag_of(&b), bucket_pair(64, &b)));
+        let (na, nb) = (Name::of(&a), Name::of(&b));
+        assert_eq!((tag_of(&na), bucket_pair(64, &na)), (tag_of(&nb), bucket_pair(64, &nb)));
         let mut t = VolumeIndex::try_new(5 * 8 * 65, false).expect("table");
         t.insert(&a, (1, 0, 3), 1, 8);
         t.insert(&b, (2, 4, 40), 2, 8);

@@ -124,7 +124,8 @@ pub struct SuperblockRaw {
     pub compression_level: u8,
     /// zstd level data at rest is recompressed to, as an i8 (versions 4 and 5; 0: off).
     pub rest_level: u8,
-    /// Reserved, zero.
+    /// Byte 212: 1 when the chapter ring keeps name pages, 0 for a ring of record pages
+    /// only (volumes made before name pages existed); bytes 213..216 reserved, zero.
     pub reserved1: [u8; 4],
     /// Path of the metadata device at format time (a hint for `open_path`).
     pub meta_path: [u8; META_PATH_BYTES_MAX],
@@ -204,6 +205,9 @@ pub struct Superblock {
     pub index_memory_bytes: u64,
     /// Dense or sparse fingerprint index.
     pub index_mode: IndexMode,
+    /// The chapter ring keeps name pages (`dedup::chapter`); false in volumes made before
+    /// they existed, whose ring is read as record pages only.
+    pub index_names: bool,
     /// Next journal entry sequence (when clean).
     pub next_entry_seq: u64,
     /// Next journal block sequence (when clean).
@@ -274,7 +278,7 @@ impl Superblock {
             meta_path_len: U16::new(n as u16),
             compression_level: self.compression_level.to_le_bytes()[0],
             rest_level: self.rest_level.to_le_bytes()[0],
-            reserved1: [0; 4],
+            reserved1: [u8::from(self.index_names), 0, 0, 0],
             meta_path,
         };
         let mut buf = vec![0u8; BLOCK_SIZE];
@@ -394,6 +398,19 @@ impl Superblock {
         let index_mode = IndexMode::from_code(raw.index_mode).ok_or_else(|| {
             Error::corruption("superblock copy", 0, "index mode 0 or 1", format!("index mode {}", raw.index_mode))
         })?;
+        // Byte 212 was reserved (zero) before name pages existed.
+        let index_names = match raw.reserved1[0] {
+            0 => false,
+            1 => true,
+            b => {
+                return Err(Error::corruption(
+                    "superblock copy",
+                    0,
+                    "index ring layout 0 or 1 (byte 212)",
+                    format!("index ring layout {b}"),
+                ))
+            }
+        };
         let geometry = Geometry {
             logical_blocks: raw.logical_blocks.get(),
             data_dev_blocks: raw.data_dev_blocks.get(),
@@ -434,6 +451,7 @@ impl Superblock {
             geometry,
             index_memory_bytes: raw.index_memory_bytes.get(),
             index_mode,
+            index_names,
             next_entry_seq: raw.next_entry_seq.get(),
             next_block_seq: raw.next_block_seq.get(),
             mapped_blocks: raw.mapped_blocks.get(),
@@ -549,6 +567,7 @@ mod tests {
             geometry: Geometry::compute(1 << 16, 64 << 20, None, 256, None, 256).expect("geometry"),
             index_memory_bytes: 1 << 20,
             index_mode: IndexMode::Sparse,
+            index_names: true,
             next_entry_seq: 77,
             next_block_seq: 5,
             mapped_blocks: 10,

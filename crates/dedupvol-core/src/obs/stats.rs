@@ -215,8 +215,16 @@ pub struct IndexFigures {
     pub rebuild_millis: u64,
     /// Records the rebuild read.
     pub rebuild_records: u64,
-    /// Bytes the rebuild read.
+    /// Bytes the rebuild read (name pages, and record pages where names were missing).
     pub rebuild_bytes: u64,
+    /// Bytes of the record pages of the chapters rebuilt: the part of the window covered
+    /// (reading names instead of records covers it about five times faster).
+    #[serde(default)]
+    pub rebuild_covered_bytes: u64,
+    /// Chapters rebuilt from their record pages because their names were incomplete (the
+    /// chapter open at a crash, names torn, or a volume made without name pages).
+    #[serde(default)]
+    pub rebuild_chapters_without_names: u64,
     /// Pages of the window's chapters the rebuild skipped (torn, stale, never written).
     pub rebuild_pages_skipped: u64,
 }

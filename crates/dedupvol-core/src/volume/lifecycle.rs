@@ -163,7 +163,7 @@ impl Volume {
                 meta.as_ref().map(|m| m.len()),
                 opts.slab_size_bytes / BLOCK_SIZE_U64,
                 opts.journal_size_bytes,
-                RingLayout::blocks_for_window(window_blocks, opts.index_mode),
+                RingLayout::blocks_for_window(window_blocks, opts.index_mode, true),
                 room,
             )
         };
@@ -186,7 +186,7 @@ impl Volume {
             let (g, s) = stripe_geometry(geo, &data, &extra)?;
             (g, Some(s))
         };
-        let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode)
+        let memory = RingLayout::for_area(geo.index_start, geo.index_blocks, opts.index_mode, true)
             .map_or(0, |r| Index::memory_wanted(opts.index_mode, &r));
         if memory > opts.index_memory_bytes {
             return Err(Error::InvalidArgument(format!(
@@ -215,6 +215,7 @@ impl Volume {
             geometry: geo,
             index_memory_bytes: opts.index_memory_bytes,
             index_mode: opts.index_mode,
+            index_names: true,
             next_entry_seq: 1,
             next_block_seq: 0,
             mapped_blocks: 0,
@@ -419,7 +420,7 @@ impl Volume {
         let index = Index::new(
             sb.index_mode,
             Some(meta.clone()),
-            (geo.index_start, geo.index_blocks),
+            (geo.index_start, geo.index_blocks, sb.index_names),
             ulo,
             memory,
             !opts.read_only,
@@ -542,6 +543,7 @@ impl Volume {
         // A rebuild still under way stops: the chapters it did not read stay on the device
         // for the next open.
         st.dedup.index_mut().stop_rebuild();
+        st.dedup.index_mut().prepare_close();
         self.checkpoint(&mut st)?;
         let mut sb = self.sb.lock();
         sb.clean = true;
