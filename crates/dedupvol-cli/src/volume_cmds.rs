@@ -664,7 +664,7 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
         )?;
         let x = &r.index;
         outln!(
-            "index records       {} in {} chapters: {} live, stale {} freed / {} reused / {} damaged, {} beyond the data region, {} not audited, {} pages skipped (stale records are expected and never trusted); names of {} chapters compared, {} wrong",
+            "index records       {} in {} chapters: {} live, stale {} freed / {} reused / {} damaged, {} beyond the data region, {} not audited, {} pages skipped (stale records are expected and never trusted); names of {} chapters compared, {} wrong, {} stale",
             x.records,
             x.chapters,
             x.live,
@@ -675,7 +675,8 @@ fn check_report(a: &CheckArgs) -> anyhow::Result<ExitCode> {
             x.not_audited,
             x.pages_skipped,
             x.names_compared,
-            x.names_wrong
+            x.names_wrong,
+            x.names_stale
         )?;
         for n in &r.notes {
             outln!("note: {n}")?;

@@ -124,6 +124,11 @@ pub struct Coverage {
     pub index_rebuild_records: u64,
     /// Record pages of the chapter ring the rebuilds skipped (torn, stale, never written).
     pub index_rebuild_pages_skipped: u64,
+    /// Chapters the rebuilds covered (from their names, or their records).
+    pub index_rebuild_chapters: u64,
+    /// Of those, chapters rebuilt from their record pages: names incomplete (the chapter
+    /// open at a crash, torn or lost name pages).
+    pub index_rebuild_chapters_without_names: u64,
 }
 
 impl Coverage {
@@ -140,6 +145,8 @@ impl Coverage {
         self.woj_collisions += o.woj_collisions;
         self.index_rebuild_records += o.index_rebuild_records;
         self.index_rebuild_pages_skipped += o.index_rebuild_pages_skipped;
+        self.index_rebuild_chapters += o.index_rebuild_chapters;
+        self.index_rebuild_chapters_without_names += o.index_rebuild_chapters_without_names;
     }
 }
 
@@ -210,6 +217,8 @@ impl SimEngine for Volume {
             woj_collisions: s.woj.as_ref().map_or(0, |w| w.collisions),
             index_rebuild_records: s.index.rebuild_records,
             index_rebuild_pages_skipped: s.index.rebuild_pages_skipped,
+            index_rebuild_chapters: s.index.rebuild_chapters_done,
+            index_rebuild_chapters_without_names: s.index.rebuild_chapters_without_names,
         }
     }
     fn data_region(data: &dyn Storage, _has_meta: bool) -> Option<Range<u64>> {

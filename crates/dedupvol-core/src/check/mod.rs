@@ -260,11 +260,15 @@ pub struct IndexAudit {
     /// Records of the window not audited (past `INDEX_RECORDS_AUDITED_MAX`).
     pub not_audited: u64,
     /// Chapters whose name pages are complete and were compared with their records
-    /// (those whose record pages hold as many records as the names: none torn).
+    /// (those whose record pages are all of the names' session and hold as many records).
     pub names_compared: u64,
     /// Of those, chapters whose names disagree with their records (a problem: names are
     /// made from the records they sit beside).
     pub names_wrong: u64,
+    /// Chapters whose complete names do not describe the records beside them: another
+    /// session's names (a chapter number opened again after a crash lost the earlier
+    /// use's first record page), or records torn since. Costs that chapter's dedup.
+    pub names_stale: u64,
 }
 
 /// Result of auditing a volume.
@@ -491,14 +495,20 @@ impl Volume {
                 report.index.not_audited += source.chapter_records(vcn).0.len() as u64;
                 continue;
             }
-            let (recs, skipped) = source.chapter_records(vcn);
+            let (recs, skipped, epochs) = source.chapter_records(vcn);
             report.index.chapters += 1;
             report.index.pages_skipped += skipped;
-            if let Some(names) = source.chapter_names(vcn).filter(|n| n.len() == recs.len()) {
-                report.index.names_compared += 1;
-                if names.iter().zip(&recs).any(|(n, r)| *n != crate::dedup::chapter::Name::of(&r.hash)) {
-                    report.index.names_wrong += 1;
-                    report.problem(Problem::IndexNames { chapter: vcn });
+            if let Some((names, epoch)) = source.chapter_names(vcn) {
+                if names.len() == recs.len() && epochs.iter().all(|&e| e == epoch) {
+                    report.index.names_compared += 1;
+                    if names.iter().zip(&recs).any(|(n, r)| *n != crate::dedup::chapter::Name::of(&r.hash)) {
+                        report.index.names_wrong += 1;
+                        report.problem(Problem::IndexNames { chapter: vcn });
+                    }
+                } else {
+                    // Names of another session than the records (a chapter number used
+                    // again after a crash lost the first use's page 0), or records torn.
+                    report.index.names_stale += 1;
                 }
             }
             for r in recs {

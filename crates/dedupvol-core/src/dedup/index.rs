@@ -289,37 +289,41 @@ impl PageSource {
 
 impl PageSource {
     /// The records of closed chapter `vcn` as found on the device (pages that do not
-    /// check are skipped and counted), for `check`'s audit.
-    pub fn chapter_records(&self, vcn: u64) -> (Vec<Record>, u64) {
-        let Some(meta) = self.meta.as_ref() else { return (Vec::new(), 0) };
+    /// check are skipped and counted), and the epochs of the pages they came from, for
+    /// `check`'s audit.
+    pub fn chapter_records(&self, vcn: u64) -> (Vec<Record>, u64, Vec<u32>) {
+        let Some(meta) = self.meta.as_ref() else { return (Vec::new(), 0, Vec::new()) };
         let ppc = self.ring.pages_per_chapter;
         let mut buf = vec![0u8; (ppc * BLOCK_SIZE_U64) as usize];
         if meta.read(IoKind::Index, &mut buf, self.ring.page_offset(vcn, 0)).is_err() {
-            return (Vec::new(), ppc);
+            return (Vec::new(), ppc, Vec::new());
         }
         let mut all = Vec::new();
+        let mut epochs = Vec::new();
         let mut skipped = 0;
         for (i, b) in buf.chunks_exact(BLOCK_SIZE).enumerate() {
             match decode_page(b, self.uuid_lo).filter(|(h, _)| h.vcn == vcn && usize::from(h.page) == i) {
-                Some((_, recs)) => all.extend(recs),
+                Some((h, recs)) => {
+                    all.extend(recs);
+                    epochs.push(h.epoch);
+                }
                 None => skipped += 1,
             }
         }
-        (all, skipped)
+        (all, skipped, epochs)
     }
-}
 
-impl PageSource {
-    /// The names of closed chapter `vcn` as found on the device, if the ring keeps names
-    /// and they are complete (`check` compares them with the records).
-    pub fn chapter_names(&self, vcn: u64) -> Option<Vec<super::chapter::Name>> {
+    /// The names of closed chapter `vcn` as found on the device and their epoch, if the
+    /// ring keeps names and they are complete (`check` compares them with the records).
+    pub fn chapter_names(&self, vcn: u64) -> Option<(Vec<super::chapter::Name>, u32)> {
         let meta = self.meta.as_ref()?;
         if !self.ring.has_names() {
             return None;
         }
         let mut buf = vec![0u8; (self.ring.name_pages_per_chapter * BLOCK_SIZE_U64) as usize];
         meta.read(IoKind::Index, &mut buf, self.ring.name_offset(vcn, 0)).ok()?;
-        super::chapter::chapter_names(&buf, self.uuid_lo, vcn, u32::MAX)
+        let names = super::chapter::chapter_names(&buf, self.uuid_lo, vcn, u32::MAX)?;
+        Some((names, crate::codec::get_u32(&buf, 24)))
     }
 }
 
