@@ -391,18 +391,7 @@ mod tests {
 
     #[test]
     fn pages_round_trip_and_refuse_damage() {
-        let recs: Vec<Record> = (0..RECORDS_PER_PAGE as u64)
-            .map(|i| Record {
-                hash: *blake3::hash(&i.to_le_bytes()).as_bytes(),
-                loc: Location {
-                    pbn: i,
-                    state: 2,
-                    frag: crate::metadata::block_map::Frag::ZERO,
-                    stamp: 7,
-                    current: false,
-                },
-            })
-            .collect();
+        let recs = records(RECORDS_PER_PAGE as u64);
         let h = PageHeader { vcn: 9, epoch: 3, page: 2, count: RECORDS_PER_PAGE as u16 };
         let mut page = encode_page(42, h, &recs);
         assert_eq!(decode_page(&page, 42), Some((h, recs)));
@@ -413,6 +402,7 @@ mod tests {
         assert_eq!(decode_page(&page, 42), None, "torn page");
     }
 
+    /// `n` records of distinct fingerprints, with a reuse stamp to round-trip.
     fn records(n: u64) -> Vec<Record> {
         (0..n)
             .map(|i| Record {
@@ -421,7 +411,7 @@ mod tests {
                     pbn: i,
                     state: 2,
                     frag: crate::metadata::block_map::Frag::ZERO,
-                    stamp: 0,
+                    stamp: 7,
                     current: false,
                 },
             })
