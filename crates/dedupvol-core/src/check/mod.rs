@@ -498,7 +498,7 @@ impl Volume {
             let (recs, skipped, epochs) = source.chapter_records(vcn);
             report.index.chapters += 1;
             report.index.pages_skipped += skipped;
-            if let Some((names, epoch)) = source.chapter_names(vcn) {
+            if let Some((epoch, names)) = source.chapter_names(vcn) {
                 if names.len() == recs.len() && epochs.iter().all(|&e| e == epoch) {
                     report.index.names_compared += 1;
                     if names.iter().zip(&recs).any(|(n, r)| *n != crate::dedup::chapter::Name::of(&r.hash)) {

@@ -8,7 +8,7 @@
 //! to `RECORDS_PER_PAGE` records in the order they were made, so blocks written together
 //! share a page.
 //!
-//! A ring made with name pages (`RingLayout::names`) also keeps, after every slot's record
+//! A ring made with name pages (`RingLayout::has_names`) also keeps, after every slot's record
 //! pages, in an area of its own, the chapter's *names*: 10 bytes per record, the
 //! fingerprint bits the volume index is built from (`Name`), written once when the chapter
 //! closes. Why: rebuilding the volume index needs only those bits, so a rebuild that reads
@@ -24,8 +24,9 @@
 //! - Records are advisory: nothing read from a page is trusted for sharing without the
 //!   checks of `Deduper` (block in use; current stamp or byte verification).
 //! - Names are advisory too, and count only when complete: a chapter's name pages are used
-//!   when each of them checks and together they hold exactly the chapter's record total
-//!   (stored in each page); otherwise its record pages are read instead. Name `r` of a
+//!   when each of them checks, all are of one write (the same epoch and record total,
+//!   stored in each page) and together they hold exactly that total; otherwise its record
+//!   pages are read instead. Name `r` of a
 //!   chapter is record `r` (page `r / RECORDS_PER_PAGE`), as records fill pages in order.
 
 use crate::codec::{crc_ok, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, seal_crc};
@@ -156,8 +157,7 @@ impl RingLayout {
         }
         let pages_min = Self::pages_min(mode).min(blocks / 2).max(1);
         let pages = (blocks / RING_CHAPTERS_TARGET).clamp(pages_min, CHAPTER_PAGES_MAX);
-        let pages = pages.max(blocks.div_ceil(RING_CHAPTERS_MAX)).min(CHAPTER_PAGES_MAX);
-        let mut pages = pages;
+        let mut pages = pages.max(blocks.div_ceil(RING_CHAPTERS_MAX)).min(CHAPTER_PAGES_MAX);
         let mut name_pages = if names { Self::name_pages_for(pages) } else { 0 };
         // A small area whose name pages leave room for one chapter only: smaller chapters.
         while names && pages > 1 && blocks / (pages + name_pages) < 2 {
@@ -184,6 +184,16 @@ impl RingLayout {
             self.name_pages_per_chapter
         } else {
             self.pages_per_chapter
+        }
+    }
+
+    /// Device byte offset of what a rebuild reads of chapter `vcn`: its first name page,
+    /// else its first record page (`rebuild_pages` of them follow).
+    pub fn rebuild_offset(&self, vcn: u64) -> u64 {
+        if self.has_names() {
+            self.name_offset(vcn, 0)
+        } else {
+            self.page_offset(vcn, 0)
         }
     }
 
@@ -269,12 +279,8 @@ pub fn encode_names(uuid_lo: u64, vcn: u64, epoch: u32, records: &[Record]) -> V
     for (i, buf) in out.chunks_exact_mut(BLOCK_SIZE).enumerate() {
         let recs = records.get(i * NAMES_PER_PAGE..).unwrap_or_default();
         let recs = recs.get(..recs.len().min(NAMES_PER_PAGE)).unwrap_or_default();
-        put_u32(buf, 0, NAME_MAGIC);
-        put_u64(buf, 8, uuid_lo);
-        put_u64(buf, 16, vcn);
-        put_u32(buf, 24, epoch);
-        put_u16(buf, 28, i as u16);
-        put_u16(buf, 30, recs.len() as u16);
+        let h = PageHeader { vcn, epoch, page: i as u16, count: recs.len() as u16 };
+        put_header(buf, NAME_MAGIC, uuid_lo, &h);
         for (k, r) in recs.iter().enumerate() {
             let off = CHAPTER_PAGE_HEADER_BYTES + k * NAME_BYTES;
             if let Some(dst) = buf.get_mut(off..off + NAME_BYTES) {
@@ -287,28 +293,27 @@ pub fn encode_names(uuid_lo: u64, vcn: u64, epoch: u32, records: &[Record]) -> V
     out
 }
 
-/// The names of chapter `vcn` in its name pages `buf` (read from the chapter's name slot),
-/// if they are complete and all of an epoch below `epoch_below`: every page up to the one
-/// holding the last name checks, belongs to `vcn`, sits at its position and holds a full
-/// page of names but the last, which holds the rest of the chapter's record total.
-pub fn chapter_names(buf: &[u8], uuid_lo: u64, vcn: u64, epoch_below: u32) -> Option<Vec<Name>> {
-    let first = buf.get(..BLOCK_SIZE)?;
-    let total = usize::try_from(get_u32(first, NAME_TOTAL_OFFSET)).ok()?;
+/// The names of chapter `vcn` in its name pages `buf` (read from the chapter's name slot)
+/// and their epoch, if they are complete and of one epoch below `epoch_below`: every page
+/// up to the one holding the last name checks, belongs to `vcn`, sits at its position and
+/// holds a full page of names but the last, which holds the rest of the chapter's record
+/// total; all pages of one write (the same epoch and total).
+pub fn chapter_names(buf: &[u8], uuid_lo: u64, vcn: u64, epoch_below: u32) -> Option<(u32, Vec<Name>)> {
+    let first = read_header(buf.get(..BLOCK_SIZE)?, NAME_MAGIC, uuid_lo)?;
+    let total = usize::try_from(get_u32(buf, NAME_TOTAL_OFFSET)).ok()?;
     let pages = total.div_ceil(NAMES_PER_PAGE).max(1);
     // A total the pages given cannot hold is damage (or another layout's page).
-    if pages > buf.len() / BLOCK_SIZE {
+    if pages > buf.len() / BLOCK_SIZE || first.epoch >= epoch_below {
         return None;
     }
     let mut names = Vec::with_capacity(total);
     for (i, page) in buf.chunks_exact(BLOCK_SIZE).take(pages).enumerate() {
         let expect = total.saturating_sub(i * NAMES_PER_PAGE).min(NAMES_PER_PAGE);
-        let ok = get_u32(page, 0) == NAME_MAGIC
-            && get_u64(page, 8) == uuid_lo
-            && crc_ok(page, CHAPTER_CRC_OFFSET)
-            && get_u64(page, 16) == vcn
-            && get_u32(page, 24) < epoch_below
-            && usize::from(get_u16(page, 28)) == i
-            && usize::from(get_u16(page, 30)) == expect
+        let h = read_header(page, NAME_MAGIC, uuid_lo)?;
+        let ok = h.vcn == vcn
+            && h.epoch == first.epoch
+            && usize::from(h.page) == i
+            && usize::from(h.count) == expect
             && get_u32(page, NAME_TOTAL_OFFSET) as usize == total;
         if !ok {
             return None;
@@ -316,19 +321,40 @@ pub fn chapter_names(buf: &[u8], uuid_lo: u64, vcn: u64, epoch_below: u32) -> Op
         let body = page.get(CHAPTER_PAGE_HEADER_BYTES..CHAPTER_PAGE_HEADER_BYTES + expect * NAME_BYTES)?;
         names.extend(body.chunks_exact(NAME_BYTES).map(Name::decode));
     }
-    (names.len() == total).then_some(names)
+    (names.len() == total).then_some((first.epoch, names))
+}
+
+/// Writes the header of a record or name page (`magic`) of volume `uuid_lo`; the crc is
+/// sealed once the page is filled.
+fn put_header(buf: &mut [u8], magic: u32, uuid_lo: u64, h: &PageHeader) {
+    put_u32(buf, 0, magic);
+    put_u64(buf, 8, uuid_lo);
+    put_u64(buf, 16, h.vcn);
+    put_u32(buf, 24, h.epoch);
+    put_u16(buf, 28, h.page);
+    put_u16(buf, 30, h.count);
+}
+
+/// The header of a 4 KiB page of kind `magic` of volume `uuid_lo`, if the page checks
+/// (size, magic, volume, crc); the caller checks the fields against what it expects.
+fn read_header(buf: &[u8], magic: u32, uuid_lo: u64) -> Option<PageHeader> {
+    let ok = buf.len() == BLOCK_SIZE
+        && get_u32(buf, 0) == magic
+        && get_u64(buf, 8) == uuid_lo
+        && crc_ok(buf, CHAPTER_CRC_OFFSET);
+    ok.then(|| PageHeader {
+        vcn: get_u64(buf, 16),
+        epoch: get_u32(buf, 24),
+        page: get_u16(buf, 28),
+        count: get_u16(buf, 30),
+    })
 }
 
 /// Encodes a record page.
 pub fn encode_page(uuid_lo: u64, h: PageHeader, records: &[Record]) -> Vec<u8> {
     debug_assert!(records.len() <= RECORDS_PER_PAGE && usize::from(h.count) == records.len());
     let mut buf = vec![0u8; BLOCK_SIZE];
-    put_u32(&mut buf, 0, CHAPTER_MAGIC);
-    put_u64(&mut buf, 8, uuid_lo);
-    put_u64(&mut buf, 16, h.vcn);
-    put_u32(&mut buf, 24, h.epoch);
-    put_u16(&mut buf, 28, h.page);
-    put_u16(&mut buf, 30, h.count);
+    put_header(&mut buf, CHAPTER_MAGIC, uuid_lo, &h);
     for (i, r) in records.iter().enumerate() {
         let off = CHAPTER_PAGE_HEADER_BYTES + i * RECORD_BYTES;
         if let Some(dst) = buf.get_mut(off..off + 32) {
@@ -346,14 +372,7 @@ pub fn encode_page(uuid_lo: u64, h: PageHeader, records: &[Record]) -> Vec<u8> {
 /// its records in place (the rebuild's decoder: nothing is copied); `None` as for
 /// `decode_page`.
 pub fn page_records(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, impl Iterator<Item = &[u8; 32]>)> {
-    if buf.len() != BLOCK_SIZE || get_u32(buf, 0) != CHAPTER_MAGIC || get_u64(buf, 8) != uuid_lo {
-        return None;
-    }
-    if !crc_ok(buf, CHAPTER_CRC_OFFSET) {
-        return None;
-    }
-    let h =
-        PageHeader { vcn: get_u64(buf, 16), epoch: get_u32(buf, 24), page: get_u16(buf, 28), count: get_u16(buf, 30) };
+    let h = read_header(buf, CHAPTER_MAGIC, uuid_lo)?;
     let body = buf.get(CHAPTER_PAGE_HEADER_BYTES..CHAPTER_PAGE_HEADER_BYTES + usize::from(h.count) * RECORD_BYTES)?;
     if usize::from(h.count) > RECORDS_PER_PAGE {
         return None;
@@ -364,14 +383,7 @@ pub fn page_records(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, impl Iterat
 /// Decodes a record page of volume `uuid_lo`; `None` for a page that is torn, stale from
 /// another volume, never written, or whose count does not fit.
 pub fn decode_page(buf: &[u8], uuid_lo: u64) -> Option<(PageHeader, Vec<Record>)> {
-    if buf.len() != BLOCK_SIZE || get_u32(buf, 0) != CHAPTER_MAGIC || get_u64(buf, 8) != uuid_lo {
-        return None;
-    }
-    if !crc_ok(buf, CHAPTER_CRC_OFFSET) {
-        return None;
-    }
-    let h =
-        PageHeader { vcn: get_u64(buf, 16), epoch: get_u32(buf, 24), page: get_u16(buf, 28), count: get_u16(buf, 30) };
+    let h = read_header(buf, CHAPTER_MAGIC, uuid_lo)?;
     if usize::from(h.count) > RECORDS_PER_PAGE {
         return None;
     }
@@ -427,7 +439,7 @@ mod tests {
             assert_eq!(buf.len(), (n as usize).div_ceil(NAMES_PER_PAGE).max(1) * BLOCK_SIZE);
             // The slot is larger than the pages written: what follows is not read.
             buf.extend_from_slice(&[0xA5; BLOCK_SIZE]);
-            assert_eq!(chapter_names(&buf, 42, 9, 4).as_ref(), Some(&want), "{n} names");
+            assert_eq!(chapter_names(&buf, 42, 9, 4), Some((3, want.clone())), "{n} names");
             assert_eq!(chapter_names(&buf, 42, 9, 3), None, "an epoch not below the session's");
             assert_eq!(chapter_names(&buf, 42, 10, 4), None, "another chapter's names");
             assert_eq!(chapter_names(&buf, 43, 9, 4), None, "another volume's names");
@@ -444,6 +456,11 @@ mod tests {
         old.get_mut(..BLOCK_SIZE).expect("page").copy_from_slice(newer.get(..BLOCK_SIZE).expect("page"));
         old.extend_from_slice(&[0; BLOCK_SIZE]);
         assert_eq!(chapter_names(&old, 42, 9, 4), None, "pages of two different writes");
+        // Two sessions' names of the same chapter number and total, page 1 from the later.
+        let mut first = encode_names(42, 9, 3, &records(500));
+        let later = encode_names(42, 9, 5, &records(500));
+        first.get_mut(BLOCK_SIZE..).expect("page 1").copy_from_slice(later.get(BLOCK_SIZE..).expect("page 1"));
+        assert_eq!(chapter_names(&first, 42, 9, 6), None, "pages of two sessions");
         // A name keeps the bits the volume index needs.
         let h = *blake3::hash(b"x").as_bytes();
         let nm = Name::of(&h);

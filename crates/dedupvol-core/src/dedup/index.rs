@@ -313,17 +313,16 @@ impl PageSource {
         (all, skipped, epochs)
     }
 
-    /// The names of closed chapter `vcn` as found on the device and their epoch, if the
-    /// ring keeps names and they are complete (`check` compares them with the records).
-    pub fn chapter_names(&self, vcn: u64) -> Option<(Vec<super::chapter::Name>, u32)> {
+    /// The epoch and names of closed chapter `vcn` as found on the device, if the ring
+    /// keeps names and they are complete (`check` compares them with the records).
+    pub fn chapter_names(&self, vcn: u64) -> Option<(u32, Vec<super::chapter::Name>)> {
         let meta = self.meta.as_ref()?;
         if !self.ring.has_names() {
             return None;
         }
         let mut buf = vec![0u8; (self.ring.name_pages_per_chapter * BLOCK_SIZE_U64) as usize];
         meta.read(IoKind::Index, &mut buf, self.ring.name_offset(vcn, 0)).ok()?;
-        let names = super::chapter::chapter_names(&buf, self.uuid_lo, vcn, u32::MAX)?;
-        Some((names, crate::codec::get_u32(&buf, 24)))
+        super::chapter::chapter_names(&buf, self.uuid_lo, vcn, u32::MAX)
     }
 }
 

@@ -179,8 +179,9 @@ impl Runs {
     /// Reads the run of `n` chapters from `v0` into `buf`; false when the read failed.
     fn read(&self, meta: &Dev, v0: u64, n: u64, buf: &mut AlignedBuf) -> bool {
         let len = (n * self.chapter_bytes()) as usize;
-        let off = if self.ring.has_names() { self.ring.name_offset(v0, 0) } else { self.ring.page_offset(v0, 0) };
-        buf.as_mut_slice().get_mut(..len).is_some_and(|chunk| meta.read(IoKind::Index, chunk, off).is_ok())
+        buf.as_mut_slice()
+            .get_mut(..len)
+            .is_some_and(|chunk| meta.read(IoKind::Index, chunk, self.ring.rebuild_offset(v0)).is_ok())
     }
 }
 
@@ -236,7 +237,7 @@ impl Decoding {
                 self.records(pages, vcn, recs, &mut counts);
                 continue;
             }
-            if let Some(names) = chapter_names(pages, self.uuid_lo, vcn, self.epoch_first) {
+            if let Some((_, names)) = chapter_names(pages, self.uuid_lo, vcn, self.epoch_first) {
                 counts.0 += names.len() as u64;
                 for (r, name) in names.iter().enumerate() {
                     if self.mode == IndexMode::Dense || name.is_hook() {
@@ -248,28 +249,23 @@ impl Decoding {
                 }
                 continue;
             }
-            // Incomplete names: the chapter's record pages, read on their own.
+            // Incomplete names: the chapter's record pages, read on their own (one buffer
+            // for every such chapter of the run).
             let bytes = (self.ring.pages_per_chapter * BLOCK_SIZE_U64) as usize;
-            let buf = match fallback.take().or_else(|| AlignedBuf::new(bytes)) {
-                Some(mut b) => {
-                    let read = b
-                        .as_mut_slice()
-                        .get_mut(..bytes)
-                        .is_some_and(|c| self.meta.read(IoKind::Index, c, self.ring.page_offset(vcn, 0)).is_ok());
-                    shared.progress.bytes_read.fetch_add(bytes as u64, Ordering::Relaxed);
-                    shared.progress.chapters_without_names.fetch_add(1, Ordering::Relaxed);
-                    match b.as_slice().get(..bytes).filter(|_| read) {
-                        Some(pages) => self.records(pages, vcn, recs, &mut counts),
-                        None => counts.1 += self.ring.pages_per_chapter,
-                    }
-                    b
-                }
-                None => {
-                    counts.1 += self.ring.pages_per_chapter;
-                    continue;
-                }
-            };
-            fallback = Some(buf);
+            shared.progress.chapters_without_names.fetch_add(1, Ordering::Relaxed);
+            if fallback.is_none() {
+                fallback = AlignedBuf::new(bytes);
+            }
+            let read = fallback.as_mut().and_then(|b| {
+                let c = b.as_mut_slice().get_mut(..bytes)?;
+                shared.progress.bytes_read.fetch_add(bytes as u64, Ordering::Relaxed);
+                self.meta.read(IoKind::Index, c, self.ring.page_offset(vcn, 0)).ok()?;
+                Some(&*c)
+            });
+            match read {
+                Some(pages) => self.records(pages, vcn, recs, &mut counts),
+                None => counts.1 += self.ring.pages_per_chapter,
+            }
         }
         let p = &shared.progress;
         p.records.fetch_add(counts.0, Ordering::Relaxed);
