@@ -32,6 +32,11 @@ pub struct CpuPrimitives {
     pub lz4_decompress_mb_s: f64,
     /// zstd level 1 compression of 4 KiB chunks.
     pub zstd1_compress_mb_s: f64,
+    /// The write path's incompressibility probe on 4 KiB chunks (`dedupvol_core::incompressible`,
+    /// which every unique chunk passes through when the volume compresses).
+    pub probe_mb_s: f64,
+    /// Share of the chunks the probe turns away as incompressible, as a fraction.
+    pub probe_refused_fraction: f64,
     /// Mean LZ4 output / input over the data, as a fraction.
     pub lz4_size_fraction: f64,
     /// Mean zstd-1 output / input over the data, as a fraction.
@@ -56,7 +61,7 @@ fn time_chunks(data: &[u8], mut f: impl FnMut(&[u8]) -> usize) -> (f64, usize) {
     }
 }
 
-/// Measures BLAKE3, LZ4 and zstd-1 on one core over `data` (use the benchmark's own data:
+/// Measures BLAKE3, LZ4, zstd-1 and the incompressibility probe on one core over `data` (use the benchmark's own data:
 /// compressor speed depends on it). `data` should be a few MiB, whole 4 KiB chunks.
 pub fn measure_cpu(data: &[u8]) -> CpuPrimitives {
     assert!(data.len() >= PRIMITIVE_CHUNK_BYTES, "need at least one chunk");
@@ -85,12 +90,17 @@ pub fn measure_cpu(data: &[u8]) -> CpuPrimitives {
     }
     let (zstd1_compress_mb_s, _) =
         time_chunks(data, |c| zc.as_mut().and_then(|z| z.compress_to_buffer(c, &mut zbuf).ok()).unwrap_or(0));
+    let zstd = dedupvol_core::Compression::Zstd;
+    let (probe_mb_s, _) = time_chunks(data, |c| usize::from(dedupvol_core::incompressible(zstd, c)));
+    let refused = data.chunks_exact(PRIMITIVE_CHUNK_BYTES).filter(|c| dedupvol_core::incompressible(zstd, c)).count();
     let n = (data.len() / PRIMITIVE_CHUNK_BYTES * PRIMITIVE_CHUNK_BYTES) as f64;
     CpuPrimitives {
         blake3_mb_s,
         lz4_compress_mb_s,
         lz4_decompress_mb_s,
         zstd1_compress_mb_s,
+        probe_mb_s,
+        probe_refused_fraction: (refused * PRIMITIVE_CHUNK_BYTES) as f64 / n,
         lz4_size_fraction: lz4_total as f64 / n,
         zstd1_size_fraction: ztotal as f64 / n,
     }
@@ -159,6 +169,12 @@ mod tests {
         assert!(p.blake3_mb_s > 0.0 && p.lz4_compress_mb_s > 0.0 && p.zstd1_compress_mb_s > 0.0);
         assert!((p.lz4_size_fraction - 0.5).abs() < 0.05, "lz4 fraction {}", p.lz4_size_fraction);
         assert!(p.zstd1_size_fraction < 0.6);
+        assert!(p.probe_mb_s > 0.0);
+        assert_eq!(p.probe_refused_fraction, 0.0, "the probe refused half-compressible chunks");
+        let random = ContentModel::new(DataSpec::new(0.0, 0.0, 1)).expect("model");
+        random.fill_range(0, &mut data);
+        let r = measure_cpu(&data);
+        assert_eq!(r.probe_refused_fraction, 1.0, "the probe let random chunks through");
     }
 
     #[test]

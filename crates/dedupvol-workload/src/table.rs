@@ -141,6 +141,11 @@ pub fn render_bench(r: &BenchReport) -> String {
                 s.name.clone(),
                 num(Some(c.zstd1_compress_mb_s), 0),
             ]);
+            p.row(vec![
+                format!("incompressible probe ({:.0}% refused)", c.probe_refused_fraction * 100.0),
+                s.name.clone(),
+                num(Some(c.probe_mb_s), 0),
+            ]);
         }
     }
     if let Some(d) = &r.disk_seq_write {
