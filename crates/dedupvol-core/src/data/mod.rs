@@ -6,6 +6,7 @@ pub(crate) mod packer;
 pub(crate) mod placement;
 pub(crate) mod staging;
 pub(crate) mod writer;
+pub(crate) mod zstd_prefix;
 
 use crate::metadata::block_map::MapEntry;
 use packer::Packer;

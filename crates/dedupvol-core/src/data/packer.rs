@@ -96,6 +96,14 @@ pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -
                         // "Block map entry"): a fragment whose later blocks were reused
                         // since must fail to decode, not pass byte verification.
                         c.include_checksum(true).ok()?;
+                        // Extents in zstd blocks of 16 KiB: a read of one block decodes
+                        // the unit only up to the zstd block holding it
+                        // (`zstd_prefix`). Frames stay standard zstd whatever the block
+                        // size; single blocks are below it and unaffected.
+                        c.set_parameter(zstd::zstd_safe::CParameter::MaxBlockSize(
+                            super::zstd_prefix::EXTENT_ZSTD_BLOCK_BYTES,
+                        ))
+                        .ok()?;
                         *z = Some((level, c));
                     }
                     let (_, c) = z.as_mut()?;
@@ -275,64 +283,33 @@ fn decompress_with(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8], checked: boo
     }
 }
 
-/// Decodes the first `out.len() / 4096` blocks of fragment `f`'s unit into `out`: a read
-/// of block k of an extent needs only its first k + 1 blocks, and zstd stops there (a
-/// random 4 KiB read of 64 KiB extents then decompresses half a unit on average). LZ4
-/// blocks decode whole.
-pub fn decompress_prefix(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8]) -> Result<()> {
+/// Decodes the first `blocks` blocks of fragment `f`'s unit (at least; the decoded
+/// prefix is returned, a whole number of blocks): a read of block k of an extent needs
+/// only its first k + 1 blocks. A zstd unit is decoded zstd block by zstd block straight
+/// into the result and stops at the zstd block holding block k (`zstd_prefix`; extents
+/// are written in zstd blocks of 16 KiB, so a random 4 KiB read of 64 KiB extents
+/// decodes 40 KiB of a unit on average). LZ4 units, and units of one zstd block, decode
+/// whole. The frame's checksum is not computed (see `decompress`).
+pub fn decompress_prefix(pbn: u64, f: &Frag, frag: &[u8], blocks: usize) -> Result<Vec<u8>> {
     let unit = f.unit_blocks() * BLOCK_SIZE;
-    if out.len() == unit || f.compression() != Some(Compression::Zstd) {
-        if out.len() == unit {
-            return decompress(pbn, f, frag, out);
-        }
+    let want = blocks.clamp(1, f.unit_blocks()) * BLOCK_SIZE;
+    // A unit no larger than one zstd block decodes whole either way, and the one-shot
+    // decoder is the faster one for it.
+    if f.compression() != Some(Compression::Zstd) || unit <= super::zstd_prefix::EXTENT_ZSTD_BLOCK_BYTES as usize {
         let mut whole = vec![0u8; unit];
         decompress(pbn, f, frag, &mut whole)?;
-        return match whole.get(..out.len()) {
-            Some(p) => {
-                out.copy_from_slice(p);
-                Ok(())
-            }
-            None => Err(Error::internal("decompression prefix longer than its unit", format!("{} bytes", out.len()))),
-        };
+        return Ok(whole);
     }
-    thread_local! {
-        static DCTX: std::cell::RefCell<Option<zstd::zstd_safe::DCtx<'static>>> = const { std::cell::RefCell::new(None) };
-    }
-    let want = out.len();
-    let got = DCTX.with(|d| {
-        let mut d = d.borrow_mut();
-        if d.is_none() {
-            *d = zstd::zstd_safe::DCtx::try_create();
-            // The prefix's blocks are checked against their crc32c by the reader (see
-            // `decompress`): no checksum computed.
-            if let Some(dctx) = d.as_mut() {
-                dctx.set_parameter(zstd::zstd_safe::DParameter::ForceIgnoreChecksum(true))
-                    .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
-            }
+    match super::zstd_prefix::decode_prefix_vec(frag, unit, want) {
+        Ok(mut v) if v.len() >= want => {
+            // Whole blocks only: a zstd block need not end on one.
+            v.truncate(v.len() / BLOCK_SIZE * BLOCK_SIZE);
+            Ok(v)
         }
-        let Some(dctx) = d.as_mut() else { return Err("no zstd context".to_string()) };
-        dctx.reset(zstd::zstd_safe::ResetDirective::SessionOnly)
-            .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
-        let mut input = zstd::zstd_safe::InBuffer::around(frag);
-        let mut output = zstd::zstd_safe::OutBuffer::around(&mut *out);
-        loop {
-            let before = (input.pos(), output.pos());
-            let r = dctx
-                .decompress_stream(&mut output, &mut input)
-                .map_err(|c| zstd::zstd_safe::get_error_name(c).to_string())?;
-            // Done: the prefix is out, or the frame ended, or nothing moves any more (a
-            // truncated frame).
-            if output.pos() == want || r == 0 || (input.pos(), output.pos()) == before {
-                return Ok(output.pos());
-            }
-        }
-    });
-    match got {
-        Ok(n) if n == want => Ok(()),
-        Ok(n) => Err(damaged(
+        Ok(v) => Err(damaged(
             pbn,
             format!("a fragment at offset {} decoding to at least {want} bytes", f.off),
-            format!("{n} bytes"),
+            format!("{} bytes", v.len()),
         )),
         Err(e) => Err(damaged(pbn, format!("a fragment at offset {} that decodes (Zstd)", f.off), e)),
     }
@@ -357,8 +334,7 @@ pub fn decode_block(pbn: u64, f: &Frag, span: &[u8], out: &mut [u8]) -> Result<(
     if f.unit_blocks() == 1 {
         return decompress(pbn, f, bytes, out);
     }
-    let mut unit = vec![0u8; (f.sub() + 1) * BLOCK_SIZE];
-    decompress_prefix(pbn, f, bytes, &mut unit)?;
+    let unit = decompress_prefix(pbn, f, bytes, f.sub() + 1)?;
     let at = f.sub() * BLOCK_SIZE;
     match unit.get(at..at + BLOCK_SIZE) {
         Some(b) if out.len() == BLOCK_SIZE => {
@@ -716,8 +692,8 @@ mod tests {
         assert!(decompress_checked(7, &f, &frag, &mut out).is_err(), "a wrong checksum passed");
         decompress(7, &f, &frag, &mut out).expect("reads do not compute the checksum");
         assert_eq!(out, data);
-        let mut prefix = vec![0u8; BLOCK_SIZE];
-        decompress_prefix(7, &f, &frag, &mut prefix).expect("nor do prefix reads");
-        assert_eq!(prefix.as_slice(), data.get(..BLOCK_SIZE).expect("block 0"));
+        let prefix = decompress_prefix(7, &f, &frag, 1).expect("nor do prefix reads");
+        assert!(prefix.len() >= BLOCK_SIZE && prefix.len().is_multiple_of(BLOCK_SIZE));
+        assert_eq!(prefix.as_slice(), data.get(..prefix.len()).expect("a prefix of the unit"));
     }
 }

@@ -550,10 +550,7 @@ impl Volume {
         let Ok(bytes) = packer::fragment_bytes(pbn, f, &span) else { return false };
         // Decoded only as far as this request reads into it.
         let upto = upto.clamp(f.sub() + 1, f.unit_blocks());
-        let mut unit = vec![0u8; upto * BLOCK_SIZE];
-        if packer::decompress_prefix(pbn, f, bytes, &mut unit).is_err() {
-            return false;
-        }
+        let Ok(unit) = packer::decompress_prefix(pbn, f, bytes, upto) else { return false };
         let Some(b) = unit.get(sub..sub + BLOCK_SIZE) else { return false };
         dst.copy_from_slice(b);
         // The unit's other blocks, for the cache when it has room for them: their own map
