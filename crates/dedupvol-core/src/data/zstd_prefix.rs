@@ -30,6 +30,7 @@ use zstd::zstd_safe::zstd_sys as zs;
 pub const EXTENT_ZSTD_BLOCK_BYTES: u32 = 16 << 10;
 
 /// A decoder context of this thread's own (zstd contexts are not shared between threads).
+/// Why not `zstd_safe::DCtx`: it exposes no buffer-less calls nor its raw context.
 struct Dctx(*mut zs::ZSTD_DCtx);
 
 impl Drop for Dctx {
@@ -65,9 +66,7 @@ fn is_error(code: usize) -> bool {
 }
 
 fn error_name(code: usize) -> String {
-    // SAFETY: zstd returns a pointer to a static, NUL-terminated string for any code.
-    let name = unsafe { std::ffi::CStr::from_ptr(zs::ZSTD_getErrorName(code)) };
-    name.to_string_lossy().into_owned()
+    zstd::zstd_safe::get_error_name(code).to_string()
 }
 
 /// Decodes the zstd frame `frame` into `out` until at least `want` bytes are out or the
