@@ -84,6 +84,7 @@ macro_rules! usage_bail {
 }
 
 mod admin;
+mod affinity;
 mod copy;
 mod grow_cmd;
 mod interrupt;

@@ -332,13 +332,18 @@ fn bench_bad_input() {
     assert!(!r.stderr.contains("measuring the disk"), "{}", r.stderr);
     assert!(!r.stdout.contains("disk seq MB/s"), "{}", r.stdout);
     r.no_debug_names();
-    // The scaling table: a row per worker count, each beside the machine's limit.
+    // The scaling tables (every core, then confined to as many cores as workers): a row
+    // per worker count, each beside the machine's limit. Confined rows need the cores.
     let r = b(&["--mode", "scaling", "--size", "8M", "--request-size", "1M", "--workers", "2", "--rounds", "1"]);
     r.expect_ok("vs 1 worker");
     assert!(r.stdout.contains("machine limit per round"), "{}", r.stdout);
+    assert!(r.stdout.contains("workers with every core"), "{}", r.stdout);
+    assert!(r.stdout.contains("workers confined to as many cores"), "{}", r.stdout);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let rows: Vec<&str> = r.stdout.lines().filter(|l| l.starts_with("1 ") || l.starts_with("2 ")).collect();
-    assert_eq!(rows.len(), 2, "{}", r.stdout);
+    assert_eq!(rows.len(), if cores >= 2 { 4 } else { 3 }, "{}", r.stdout);
     assert!(rows[0].contains("1.00x"), "{}", r.stdout);
+    assert!(rows[2].contains("1.00x"), "{}", r.stdout);
 }
 
 #[test]
