@@ -60,7 +60,9 @@ pub fn compress(codec: Compression, level: i8, src: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// `compress`, with the incompressibility probe of a single block skipped when `probe`
-/// is false (the caller ran it already: `incompressible`).
+/// is false (the caller ran it already: `incompressible`). For LZ4, a `level` above 1 is
+/// the acceleration of LZ4's fast mode (`LZ4_ACCELERATION_MAX` at most): deferred
+/// compression uses it, trading ratio for speed until recompression.
 pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -> Option<Vec<u8>> {
     // Compress into a per-thread scratch buffer (sized for lz4_flex's worst case) and copy
     // out only the fragment: no zeroed allocation per chunk. zstd keeps one context per
@@ -82,6 +84,7 @@ pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -
         }
         let n = match codec {
             Compression::None => return None,
+            Compression::Lz4 if level > 1 => lz4_fast(src, level, out.get_mut(..limit)?)?,
             Compression::Lz4 => lz4_flex::block::compress_into(src, &mut out).ok()?,
             Compression::Zstd => {
                 if probe && src.len() == BLOCK_SIZE && cannot_fit(src, &mut out, FRAGMENT_BYTES_MAX) {
@@ -117,6 +120,20 @@ pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -
         }
         out.get(..n).map(<[u8]>::to_vec)
     })
+}
+
+/// The largest acceleration `compress_probed` gives LZ4's fast mode (the reference
+/// library's own bound is far higher; beyond this the ratio falls off with little speed
+/// left to gain).
+pub const LZ4_ACCELERATION_MAX: i8 = 64;
+
+/// `src` as one LZ4 block (the format lz4_flex decodes) from the reference library's fast
+/// mode at `acceleration`, into `out`; None when it does not fit there.
+fn lz4_fast(src: &[u8], acceleration: i8, out: &mut [u8]) -> Option<usize> {
+    let mode = lz4::block::CompressionMode::FAST(i32::from(acceleration.clamp(1, LZ4_ACCELERATION_MAX)));
+    // No size prefix: a fragment's length is in its map entry. An output that does not fit
+    // `out` is an error from the library: the unit is then stored raw.
+    lz4::block::compress_to_buffer(src, Some(mode), false, out).ok()
 }
 
 /// True when a 4 KiB block is worth no compression attempt, alone or in an extent (see
@@ -696,4 +713,25 @@ mod tests {
         assert!(prefix.len() >= BLOCK_SIZE && prefix.len().is_multiple_of(BLOCK_SIZE));
         assert_eq!(prefix.as_slice(), data.get(..prefix.len()).expect("a prefix of the unit"));
     }
+
+    /// LZ4's accelerated mode (deferred units) writes blocks the read path's decoder takes;
+    /// it never writes past the fragment limit, and what does not fit is stored raw.
+    #[test]
+    fn accelerated_lz4_fragments_decode_like_any_lz4_fragment() {
+        let text: Vec<u8> = (0..16 * BLOCK_SIZE).map(|i| b"deferred units, accelerated "[i % 28] ^ (i / 4096) as u8).collect();
+        for level in [2, crate::pipeline::defer::DEFER_LZ4_ACCELERATION, LZ4_ACCELERATION_MAX, i8::MAX] {
+            for blocks in [1usize, 4, 16] {
+                let data = text.get(..blocks * BLOCK_SIZE).expect("in range");
+                let frag = compress_probed(Compression::Lz4, level, data, false).expect("compressible");
+                assert!(frag.len() <= fragment_limit(blocks), "level {level}, {blocks} blocks");
+                let f = Frag::new(Compression::Lz4.code(), 0, frag.len() as u16, blocks as u8, 0);
+                let mut out = vec![0u8; data.len()];
+                decompress(3, &f, &frag, &mut out).expect("decodes");
+                assert_eq!(out, data, "level {level}, {blocks} blocks");
+            }
+        }
+        let random = crate::codec::test_random_bytes(7, 4 * BLOCK_SIZE);
+        assert_eq!(compress_probed(Compression::Lz4, 8, &random, false), None, "random data is stored raw");
+    }
+
 }

@@ -62,7 +62,8 @@ pub struct CompressUnit<'a> {
     pub data: &'a [u8],
     /// `Lz4` (an LZ4 block, no frame) or `Zstd` (one zstd frame).
     pub codec: Compression,
-    /// The zstd level (already resolved: never 0).
+    /// The zstd level (already resolved: never 0); for `Lz4`, above 1, the acceleration of
+    /// LZ4's fast mode (deferred units), else LZ4's default mode.
     pub level: i8,
     /// Report the time spent on this unit (`Compressed::busy_ns`): the deferral gauge
     /// measures what compression costs per chunk from it.

@@ -304,6 +304,9 @@ pub(crate) fn run_jobs(
             Some(data) => {
                 unit_of.push(Some(units.len()));
                 let timed = defer.is_some() && job.codec == volume_codec;
+                // A deferred job's LZ4 runs accelerated: what it stores is compressed
+                // again at idle, and its speed is what deferral is for.
+                let level = if job.codec == volume_codec { level } else { super::defer::DEFER_LZ4_ACCELERATION };
                 units.push(CompressUnit { data, codec: job.codec, level, timed });
             }
             None => unit_of.push(None),
