@@ -24,6 +24,17 @@ use crate::pipeline::segments;
 
 use crate::data::packer::fragments_reaching;
 
+/// The bytes of fragment `f` one of its mappings going away leaves dead, for the cleaner's
+/// dead-space hint: its share of the unit (an extent of n blocks, each block 1/n of the
+/// fragment), rounded up. Why not the whole fragment: a random overwrite of one block of a
+/// 16-block extent kills 1/16 of it, and counting the whole fragment for each block ran
+/// the cleaner's full-map passes up to 16 times as often as the space dying called for.
+/// (A fragment that dedup shares is still counted once per mapping: the hint is a trigger,
+/// and a pass sums the real live bytes before it moves anything.)
+fn dead_share(f: &crate::metadata::block_map::Frag) -> u64 {
+    u64::from(f.len).div_ceil(f.unit_blocks().max(1) as u64)
+}
+
 /// Blocks handled per state-lock hold for discard / write-zeroes of large ranges.
 const UNMAP_BLOCKS_PER_LOCK: u64 = 8192;
 
@@ -51,7 +62,7 @@ impl Volume {
         let same_fragment = old.pbn == new.pbn
             && old.fragment_of().zip(new.fragment_of()).is_some_and(|(o, n)| o.unmarked() == n.unmarked());
         if let Some(f) = old.fragment_of().filter(|_| !same_fragment) {
-            st.red.dead_fragment_bytes_hint += u64::from(f.len);
+            st.red.dead_fragment_bytes_hint += dead_share(&f);
         }
         if let Some(f) = new.fragment_of().filter(|f| !self.at_rest(f)) {
             st.fast_codec_hint = st.fast_codec_hint.saturating_add(u64::from(f.len));

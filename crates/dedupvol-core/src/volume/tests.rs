@@ -573,3 +573,36 @@ fn a_crash_with_nothing_to_replay_keeps_the_checkpoints_counters() {
     let report = crate::check::check_volume(storage, None, false).expect("check");
     assert!(report.is_clean(), "{:?}", report.problems);
 }
+
+/// Regression: the cleaner's dead-space hint added a whole extent's compressed length for
+/// every one of its blocks that was overwritten, so random overwrites of extent data
+/// counted up to 16 times the bytes that died and ran full-map cleaner passes that often.
+/// Each block overwritten now adds its share of the unit, and all of them add up to the
+/// fragment once.
+#[test]
+fn overwriting_one_block_of_an_extent_counts_its_share_as_dead() {
+    let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    Volume::format(dev.clone(), None, &small_format(), false).expect("format");
+    let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
+    let text: Vec<u8> = (0..16 * BLOCK_SIZE).map(|i| b"one extent of sixteen blocks "[i % 29] ^ (i / 512) as u8).collect();
+    vol.write(0, &text, false).expect("one 64 KiB extent");
+    vol.flush().expect("flush");
+    let frag = {
+        let mut st = vol.state.lock();
+        let e = st.map.get(3).expect("map");
+        e.fragment_of().expect("stored compressed")
+    };
+    assert_eq!(frag.unit_blocks(), 16, "the write is one extent");
+    let share = u64::from(frag.len).div_ceil(16);
+    let other = crate::codec::test_random_bytes(9, 16 * BLOCK_SIZE);
+    let before = vol.dead_bytes_hint();
+    vol.write(3 * BLOCK_SIZE as u64, other.get(..BLOCK_SIZE).expect("a block"), false).expect("one block");
+    assert_eq!(vol.dead_bytes_hint() - before, share, "one block of sixteen: its share of the extent");
+    for k in 0..16u64 {
+        let at = k as usize * BLOCK_SIZE;
+        vol.write(k * BLOCK_SIZE as u64, other.get(at..at + BLOCK_SIZE).expect("a block"), false).expect("write");
+    }
+    let all = vol.dead_bytes_hint() - before;
+    assert_eq!(all, 16 * share, "every block once: the fragment, rounded up per block");
+    assert!(all < u64::from(frag.len) + 16);
+}
