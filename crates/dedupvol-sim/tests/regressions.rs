@@ -227,23 +227,21 @@ fn a_chapter_number_used_again_after_a_crash_leaves_stale_names_not_a_problem() 
     }
 }
 
-/// Bug, not fixed (seed 840358 of the striped engine, `--faults crash,cache-loss,torn,
-/// destage,read-error,sb-copy,write-error --ops 1000`; fails the same way on the engine
-/// before this test was written): the LZ4 case of `a_fragment_running_into_a_reused_block_
-/// is_not_shared`. A three-block LZ4 fragment (physical block 514 at offset 2011) died; its
-/// tail blocks 515 and 516 were freed and reused as raw blocks of other logical blocks.
-/// After a crash, a duplicate of the fragment's first block found the record of the earlier
-/// session and verified it byte for byte: the whole unit, decoded from 514 and the two
-/// reused blocks, came out at exactly three blocks with the compared block intact (LZ4's
-/// block format has no checksum, and the reused blocks' data parsed), so the write shared
-/// the dead fragment and the audit of the clean volume found 515 and 516 used both raw and
-/// for compressed fragments. What it costs: no data (every read of a shared block is
-/// checked against its entry's crc32c, and the reference counts keep every block alive
-/// while either user maps it), but `check` reports damage on a healthy volume. The fix
-/// needs a check that survives a restart: a checksum in LZ4 fragments (a format change)
-/// or reuse stamps kept on disk.
+/// Bug (seed 840358 of the striped engine, `--faults crash,cache-loss,torn,destage,
+/// read-error,sb-copy,write-error --ops 1000`): the LZ4 case of
+/// `a_fragment_running_into_a_reused_block_is_not_shared`. A three-block LZ4 fragment
+/// (physical block 514 at offset 2011) died; its tail blocks 515 and 516 were freed and
+/// reused as raw blocks of other logical blocks. After a crash, a duplicate of the
+/// fragment's first block found the record of the earlier session and verified it byte for
+/// byte: the whole unit, decoded from 514 and the two reused blocks, came out at exactly
+/// three blocks with the compared block intact (LZ4's block format has no checksum, and the
+/// reused data parsed), so the write shared the dead fragment and the audit of the clean
+/// volume found 515 and 516 used both raw and for compressed fragments. No data was lost
+/// (reads check every block against its entry's crc32c). A multi-block LZ4 fragment is now
+/// shared only under a record of this session whose stamp still matches (stamps are kept
+/// in both verification modes); the unit test
+/// `a_multi_block_lz4_fragment_of_an_earlier_session_is_not_shared` pins the rule.
 #[test]
-#[ignore = "known engine bug: a dead LZ4 fragment whose tail blocks were reused can pass byte verification"]
 fn a_dead_lz4_fragment_running_into_reused_blocks_is_not_shared() {
     use dedupvol_sim::{run_seed, FaultKinds, SimOptions, StripedVolume};
     let faults = FaultKinds::parse("crash,cache-loss,torn,destage,read-error,sb-copy,write-error").expect("faults");

@@ -37,9 +37,11 @@
 //! - A block whose content failed its checksum is never a candidate until it is freed
 //!   (`damaged`, at most `DAMAGED_MAX` blocks; past that a new epoch makes every record
 //!   need byte verification).
+//! - A fragment that spans several blocks and whose decoding checks nothing end to end
+//!   (LZ4) is a candidate only under a record of this epoch whose stamp matches, in both
+//!   modes (`usable`): no decode can tell whether its later blocks were reused under it.
 //! - Every open-chapter record names a data block of this volume by a raw or packed-slot
-//!   state, and there is one reuse stamp per data block (hash verification; the `verify`
-//!   audit checks both).
+//!   state, and there is one reuse stamp per data block (the `verify` audit checks both).
 
 pub(crate) mod chapter;
 pub(crate) mod index;
@@ -55,14 +57,26 @@ use crate::metadata::refcount::Refcounts;
 use crate::obs::stats::ReductionCounters;
 use std::collections::HashSet;
 
+/// True when `loc` is a fragment whose decoding checks nothing end to end (LZ4: the block
+/// format has no checksum; a zstd frame carries its content checksum) and that runs over
+/// more than one block, so that its later blocks may have been reused under it.
+fn unchecked_span(loc: &Location) -> bool {
+    let e = loc.entry(0);
+    e.span() > 1 && e.fragment_of().is_some_and(|f| f.compression() == Some(crate::config::Compression::Lz4))
+}
+
 /// Most damaged blocks remembered one by one.
 const DAMAGED_MAX: usize = 1 << 16;
 
 /// The dedup decision's state (guarded by the volume's state lock).
 pub(crate) struct Deduper {
     index: Index,
-    /// Per-block reuse stamps (hash verification only).
+    /// Per-block reuse stamps. Hash verification proves records by them; with byte
+    /// verification they still tell whether an unchecked fragment's blocks were reused
+    /// (`unchecked_span`).
     stamps: Option<Vec<u16>>,
+    /// Hash verification: a record of this epoch whose stamp matches is proof.
+    hash: bool,
     /// Bumped whenever freed blocks become reusable; a byte verification done before a
     /// bump is stale.
     reuse_gen: u64,
@@ -94,8 +108,8 @@ pub(crate) struct Candidate {
 impl Deduper {
     /// A deduper over `index`; `hash_mode` keeps a reuse stamp per data block.
     pub(crate) fn new(index: Index, hash_mode: bool, data_blocks: u64) -> Self {
-        let stamps = hash_mode.then(|| crate::io::hugemem::zeroed(data_blocks as usize));
-        Deduper { index, stamps, reuse_gen: 0, damaged: HashSet::new(), distrusted: false }
+        let stamps = Some(crate::io::hugemem::zeroed(data_blocks as usize));
+        Deduper { index, stamps, hash: hash_mode, reuse_gen: 0, damaged: HashSet::new(), distrusted: false }
     }
 
     /// From now on every candidate is verified by its bytes, as with byte verification:
@@ -108,7 +122,7 @@ impl Deduper {
 
     /// True when fingerprints are trusted on full 256-bit equality plus the reuse stamp.
     pub(crate) fn hash_mode(&self) -> bool {
-        self.stamps.is_some()
+        self.hash
     }
 
     /// The reuse generation now; `claim` compares it with the one seen at lookup.
@@ -131,10 +145,21 @@ impl Deduper {
     /// True when `loc` may be offered at all: its block is in use now (a free block could
     /// be reallocated before placement without any generation bump), not damaged, and its
     /// stamp matches when the stamp can tell.
+    ///
+    /// A fragment without a checksum of its own that spans several blocks
+    /// (`unchecked_span`) is offered only under a record of this epoch whose stamp
+    /// matches, in either verification mode: a fragment that died may have had its later
+    /// blocks freed and reused while its first block lived on, and nothing in an LZ4 block
+    /// tells such a unit from an intact one (the reused data can parse, with the compared
+    /// block intact). The stamp tells: freeing a block that may hold such a tail gives the
+    /// fragment's first block a new one (`void_stamp`). Records of an earlier session or
+    /// epoch cannot tell, so those fragments are not shared again; the duplicate is stored
+    /// and recorded, and later duplicates share that copy.
     fn usable(&self, loc: &Location, rc: &Refcounts) -> bool {
         rc.min_of(&loc.entry(0)) > 0
             && !self.damaged.contains(&loc.pbn)
             && (!self.by_stamp(loc) || self.stamp_matches(loc))
+            && (!unchecked_span(loc) || (loc.current && self.stamp_matches(loc)))
     }
 
     /// Step 1: the candidate for `hash`, from memory. A record proven by its stamp comes
