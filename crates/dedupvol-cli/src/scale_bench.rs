@@ -45,10 +45,7 @@ pub fn run(
     let mut limits: Vec<Vec<f64>> = Vec::new();
     let cpus = affinity::allowed()?;
     if cpus.len() < workers_max {
-        eprintln!(
-            "  this process may use {} core(s): worker counts beyond that run with every core only",
-            cpus.len()
-        );
+        eprintln!("  this process may use {} core(s): worker counts beyond that run with every core only", cpus.len());
     }
     for round in 0..rounds {
         eprintln!("  round {} of {rounds}: the machine's limit …", round + 1);

@@ -718,7 +718,8 @@ mod tests {
     /// it never writes past the fragment limit, and what does not fit is stored raw.
     #[test]
     fn accelerated_lz4_fragments_decode_like_any_lz4_fragment() {
-        let text: Vec<u8> = (0..16 * BLOCK_SIZE).map(|i| b"deferred units, accelerated "[i % 28] ^ (i / 4096) as u8).collect();
+        let text: Vec<u8> =
+            (0..16 * BLOCK_SIZE).map(|i| b"deferred units, accelerated "[i % 28] ^ (i / 4096) as u8).collect();
         for level in [2, crate::pipeline::defer::DEFER_LZ4_ACCELERATION, LZ4_ACCELERATION_MAX, i8::MAX] {
             for blocks in [1usize, 4, 16] {
                 let data = text.get(..blocks * BLOCK_SIZE).expect("in range");
@@ -733,5 +734,4 @@ mod tests {
         let random = crate::codec::test_random_bytes(7, 4 * BLOCK_SIZE);
         assert_eq!(compress_probed(Compression::Lz4, 8, &random, false), None, "random data is stored raw");
     }
-
 }

@@ -584,7 +584,8 @@ fn overwriting_one_block_of_an_extent_counts_its_share_as_dead() {
     let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
     Volume::format(dev.clone(), None, &small_format(), false).expect("format");
     let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
-    let text: Vec<u8> = (0..16 * BLOCK_SIZE).map(|i| b"one extent of sixteen blocks "[i % 29] ^ (i / 512) as u8).collect();
+    let text: Vec<u8> =
+        (0..16 * BLOCK_SIZE).map(|i| b"one extent of sixteen blocks "[i % 29] ^ (i / 512) as u8).collect();
     vol.write(0, &text, false).expect("one 64 KiB extent");
     vol.flush().expect("flush");
     let frag = {
@@ -618,7 +619,8 @@ fn a_multi_block_lz4_fragment_of_an_earlier_session_is_not_shared() {
     use crate::config::Compression;
     // Half random, half repeated: compressible, and too large for one block.
     let noise = crate::codec::test_random_bytes(5, 4 * BLOCK_SIZE);
-    let text: Vec<u8> = noise.iter().enumerate().map(|(i, &r)| if i / 64 % 2 == 0 { r } else { b"extent"[i % 6] }).collect();
+    let text: Vec<u8> =
+        noise.iter().enumerate().map(|(i, &r)| if i / 64 % 2 == 0 { r } else { b"extent"[i % 6] }).collect();
     let block = |k: usize| text.get(k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE).expect("a block");
     for verify in [DedupVerify::Hash, DedupVerify::Bytes] {
         for (codec, shared_after_restart) in [(Compression::Lz4, false), (Compression::Zstd, true)] {
