@@ -219,12 +219,7 @@ fn a_fragment_running_into_a_reused_block_is_not_shared() {
 /// nothing else).
 #[test]
 fn a_chapter_number_used_again_after_a_crash_leaves_stale_names_not_a_problem() {
-    use dedupvol_sim::{run_seed, FaultKinds, SimOptions, StripedVolume};
-    let faults = FaultKinds::parse("crash,cache-loss,torn,destage,read-error,sb-copy,write-error").expect("faults");
-    let opts = SimOptions { ops: 1000, faults, ..SimOptions::default() };
-    if let Err(f) = run_seed::<StripedVolume>(240046, &opts) {
-        panic!("seed 240046: {f}");
-    }
+    striped_seed_passes(240046);
 }
 
 /// Bug (seed 840358 of the striped engine, `--faults crash,cache-loss,torn,destage,
@@ -243,10 +238,16 @@ fn a_chapter_number_used_again_after_a_crash_leaves_stale_names_not_a_problem() 
 /// `a_multi_block_lz4_fragment_of_an_earlier_session_is_not_shared` pins the rule.
 #[test]
 fn a_dead_lz4_fragment_running_into_reused_blocks_is_not_shared() {
+    striped_seed_passes(840358);
+}
+
+/// Runs one seed of the striped engine with 1,000 operations and every fault the striped
+/// engine takes (`--faults crash,cache-loss,torn,destage,read-error,sb-copy,write-error`).
+fn striped_seed_passes(seed: u64) {
     use dedupvol_sim::{run_seed, FaultKinds, SimOptions, StripedVolume};
     let faults = FaultKinds::parse("crash,cache-loss,torn,destage,read-error,sb-copy,write-error").expect("faults");
     let opts = SimOptions { ops: 1000, faults, ..SimOptions::default() };
-    if let Err(f) = run_seed::<StripedVolume>(840358, &opts) {
-        panic!("seed 840358: {f}");
+    if let Err(f) = run_seed::<StripedVolume>(seed, &opts) {
+        panic!("seed {seed}: {f}");
     }
 }
