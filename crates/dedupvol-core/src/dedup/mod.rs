@@ -55,14 +55,20 @@ use crate::dedup::index::{Fetch, Index, Location};
 use crate::metadata::block_map::MapEntry;
 use crate::metadata::refcount::Refcounts;
 use crate::obs::stats::ReductionCounters;
+use crate::read::cache::Block;
 use std::collections::HashSet;
 
-/// True when `loc` is a fragment whose decoding checks nothing end to end (LZ4: the block
-/// format has no checksum; a zstd frame carries its content checksum) and that runs over
-/// more than one block, so that its later blocks may have been reused under it.
+/// True when `loc` is a block of a fragment whose decoding checks nothing end to end (LZ4:
+/// the block format has no checksum; a zstd frame carries its content checksum), that runs
+/// over more than one block (its later blocks may have been reused under it) and that
+/// decodes to more than one block: comparing the one block with a chunk then leaves the
+/// others, which the reused bytes may have produced, unchecked. (A fragment of one block is
+/// compared whole.)
 fn unchecked_span(loc: &Location) -> bool {
     let e = loc.entry(0);
-    e.span() > 1 && e.fragment_of().is_some_and(|f| f.compression() == Some(crate::config::Compression::Lz4))
+    e.span() > 1
+        && e.fragment_of()
+            .is_some_and(|f| f.unit_blocks() > 1 && f.compression() == Some(crate::config::Compression::Lz4))
 }
 
 /// Most damaged blocks remembered one by one.
@@ -146,20 +152,56 @@ impl Deduper {
     /// be reallocated before placement without any generation bump), not damaged, and its
     /// stamp matches when the stamp can tell.
     ///
-    /// A fragment without a checksum of its own that spans several blocks
-    /// (`unchecked_span`) is offered only under a record of this epoch whose stamp
-    /// matches, in either verification mode: a fragment that died may have had its later
-    /// blocks freed and reused while its first block lived on, and nothing in an LZ4 block
-    /// tells such a unit from an intact one (the reused data can parse, with the compared
-    /// block intact). The stamp tells: freeing a block that may hold such a tail gives the
-    /// fragment's first block a new one (`void_stamp`). Records of an earlier session or
-    /// epoch cannot tell, so those fragments are not shared again; the duplicate is stored
-    /// and recorded, and later duplicates share that copy.
+    /// A block of an LZ4 fragment that spans several blocks (`unchecked_span`) needs more
+    /// than its own bytes compared: a fragment that died may have had its later blocks freed
+    /// and reused while its first block lived on, and nothing in an LZ4 block tells such a
+    /// unit from an intact one (the reused data can parse to the unit's length with the
+    /// compared block intact). A record of this epoch whose stamp no longer matches is such
+    /// a case (freeing a block that may hold a dead fragment's tail renews the stamp of the
+    /// block it starts in), in either verification mode; a record the stamp cannot speak for
+    /// (an earlier session or epoch) is vouched for at `claim` (`vouched`).
     fn usable(&self, loc: &Location, rc: &Refcounts) -> bool {
         rc.min_of(&loc.entry(0)) > 0
             && !self.damaged.contains(&loc.pbn)
             && (!self.by_stamp(loc) || self.stamp_matches(loc))
-            && (!unchecked_span(loc) || (loc.current && self.stamp_matches(loc)))
+            && !(unchecked_span(loc) && loc.current && !self.stamp_matches(loc))
+    }
+
+    /// True when `loc` must be vouched for by the rest of its unit before it is shared: a
+    /// block of an unchecked span whose record's stamp cannot tell (see `usable`).
+    fn needs_vouch(&self, loc: &Location) -> bool {
+        unchecked_span(loc) && !(loc.current && self.stamp_matches(loc))
+    }
+
+    /// The records that vouch for `loc`'s whole unit, or None. `unit` gives the unit's
+    /// decoded blocks in order (from the content cache: byte verification of `loc` put
+    /// them there), `loc`'s own already compared with the chunk. Every other block must
+    /// hash to a record naming exactly that block of the same fragment: then the whole
+    /// unit decoded to what was stored, which bytes reused under the fragment would not
+    /// give. A block without such a record (another copy recorded since, a sparse index,
+    /// a window that moved on) leaves the unit unvouched: the chunk is stored again, and
+    /// nothing is lost but the duplicate.
+    fn vouched(
+        &self,
+        loc: &Location,
+        unit: &impl Fn(Location) -> Option<Vec<Block>>,
+    ) -> Option<Vec<([u8; 32], Location)>> {
+        let f = loc.frag;
+        let blocks = unit(*loc)?;
+        if blocks.len() != f.unit_blocks() {
+            return None;
+        }
+        let mut records = Vec::with_capacity(blocks.len());
+        for (k, b) in blocks.iter().enumerate().filter(|&(k, _)| k != f.sub()) {
+            let h = *blake3::hash(b).as_bytes();
+            let l = self.index.lookup_cached(&h, false).loc?;
+            let same = l.pbn == loc.pbn && l.state == loc.state && l.frag.unmarked() == f.with_sub(k).unmarked();
+            if !same {
+                return None;
+            }
+            records.push((h, l));
+        }
+        Some(records)
     }
 
     /// Step 1: the candidate for `hash`, from memory. A record proven by its stamp comes
@@ -174,7 +216,12 @@ impl Deduper {
 
     /// Step 3: the final decision at placement, by the table in docs/design.md.
     /// `looked_up_at` is the generation `lookup` ran under; `in_memory` verifies a location
-    /// from memory only (unwritten blocks, the content cache), never with I/O.
+    /// from memory only (unwritten blocks, the content cache), never with I/O; `unit` gives
+    /// the decoded blocks of a location's unit from the content cache (`vouched`).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the chunk, its candidate, the state it is checked against and two views of memory"
+    )]
     pub(crate) fn claim(
         &mut self,
         hash: &[u8; 32],
@@ -183,6 +230,7 @@ impl Deduper {
         rc: &Refcounts,
         red: &mut ReductionCounters,
         in_memory: impl Fn(Location) -> bool,
+        unit: impl Fn(Location) -> Option<Vec<Block>>,
     ) -> Claim {
         let stale = self.reuse_gen != looked_up_at;
         match cand {
@@ -193,8 +241,15 @@ impl Deduper {
                 if c >= rc.cap() {
                     red.refcount_cap_copies += 1;
                 } else if live && !self.damaged.contains(&loc.pbn) && proven {
-                    self.refresh(hash, loc);
-                    return Claim::Share(loc);
+                    if let Some(others) = self.vouch_if_needed(&loc, &unit) {
+                        self.refresh(hash, loc);
+                        for (h, l) in others {
+                            self.refresh(&h, l);
+                        }
+                        return Claim::Share(loc);
+                    }
+                    // Not vouched for: as a failed verification.
+                    red.dedup_verify_failures += 1;
                 }
             }
             Candidate { loc: Some(_), verified: false } => {
@@ -212,11 +267,29 @@ impl Deduper {
             return Claim::Store;
         }
         let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { in_memory(loc) };
-        if proven {
-            self.refresh(hash, loc);
-            Claim::Share(loc)
+        match self.vouch_if_needed(&loc, &unit).filter(|_| proven) {
+            Some(others) => {
+                self.refresh(hash, loc);
+                for (h, l) in others {
+                    self.refresh(&h, l);
+                }
+                Claim::Share(loc)
+            }
+            None => Claim::Store,
+        }
+    }
+
+    /// The records to refresh with `loc` when its unit is vouched for (none needed: an
+    /// empty list), or None when it needs vouching and is not vouched for.
+    fn vouch_if_needed(
+        &self,
+        loc: &Location,
+        unit: &impl Fn(Location) -> Option<Vec<Block>>,
+    ) -> Option<Vec<([u8; 32], Location)>> {
+        if self.needs_vouch(loc) {
+            self.vouched(loc, unit)
         } else {
-            Claim::Store
+            Some(Vec::new())
         }
     }
 

@@ -99,7 +99,15 @@ impl Volume {
                     None => crate::dedup::verify::matches(&mut self.cache.lock(), &e, chunk).unwrap_or(false),
                 }
             };
-            if let Claim::Share(loc) = dedup.claim(&d.hash, d.cand, looked_up_at, rc, red, in_memory) {
+            // The decoded blocks of a candidate's unit, as byte verification left them in
+            // the content cache (`Deduper::vouched`).
+            let unit = |loc: crate::dedup::index::Location| {
+                let mut cache = self.cache.lock();
+                (0..loc.frag.unit_blocks())
+                    .map(|k| cache.get_fragment(loc.pbn, loc.frag.with_sub(k).key()).map(|(b, _)| b))
+                    .collect::<Option<Vec<_>>>()
+            };
+            if let Claim::Share(loc) = dedup.claim(&d.hash, d.cand, looked_up_at, rc, red, in_memory, unit) {
                 st.red.dedup_hits += 1;
                 return Ok(loc.entry(d.crc));
             }
