@@ -232,10 +232,12 @@ fn a_chapter_number_used_again_after_a_crash_leaves_stale_names_not_a_problem() 
 /// three blocks with the compared block intact (LZ4's block format has no checksum, and the
 /// reused data parsed), so the write shared the dead fragment and the audit of the clean
 /// volume found 515 and 516 used both raw and for compressed fragments. No data was lost
-/// (reads check every block against its entry's crc32c). A multi-block LZ4 fragment is now
-/// shared only under a record of this session whose stamp still matches (stamps are kept
-/// in both verification modes); the unit test
-/// `a_multi_block_lz4_fragment_of_an_earlier_session_is_not_shared` pins the rule.
+/// (reads check every block against its entry's crc32c). A block of a multi-block LZ4
+/// unit is now shared under an earlier session's record only when every other block of the
+/// decoded unit hashes to a record naming that block of the same fragment (the reused tail
+/// decoded to blocks no record names); the unit test
+/// `a_multi_block_lz4_fragment_of_an_earlier_session_is_shared_when_its_unit_vouches` pins
+/// the intact case.
 #[test]
 fn a_dead_lz4_fragment_running_into_reused_blocks_is_not_shared() {
     striped_seed_passes(840358);

@@ -37,9 +37,11 @@
 //! - A block whose content failed its checksum is never a candidate until it is freed
 //!   (`damaged`, at most `DAMAGED_MAX` blocks; past that a new epoch makes every record
 //!   need byte verification).
-//! - A fragment that spans several blocks and whose decoding checks nothing end to end
-//!   (LZ4) is a candidate only under a record of this epoch whose stamp matches, in both
-//!   modes (`usable`): no decode can tell whether its later blocks were reused under it.
+//! - A block of a fragment that spans several blocks, decodes to several and checks
+//!   nothing end to end (LZ4) is shared under a record of this epoch only while its stamp
+//!   matches, and under an older record only when every other block of its decoded unit
+//!   hashes to a record naming that block of the same fragment (`usable`, `vouched`), in
+//!   both modes: comparing one block cannot tell whether its later blocks were reused.
 //! - Every open-chapter record names a data block of this volume by a raw or packed-slot
 //!   state, and there is one reuse stamp per data block (the `verify` audit checks both).
 
