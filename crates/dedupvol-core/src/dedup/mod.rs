@@ -244,11 +244,7 @@ impl Deduper {
                     red.refcount_cap_copies += 1;
                 } else if live && !self.damaged.contains(&loc.pbn) && proven {
                     if let Some(others) = self.vouch_if_needed(&loc, &unit) {
-                        self.refresh(hash, loc);
-                        for (h, l) in others {
-                            self.refresh(&h, l);
-                        }
-                        return Claim::Share(loc);
+                        return self.share(hash, loc, others);
                     }
                     // Not vouched for: as a failed verification.
                     red.dedup_verify_failures += 1;
@@ -270,15 +266,18 @@ impl Deduper {
         }
         let proven = if self.by_stamp(&loc) { self.stamp_matches(&loc) } else { in_memory(loc) };
         match self.vouch_if_needed(&loc, &unit).filter(|_| proven) {
-            Some(others) => {
-                self.refresh(hash, loc);
-                for (h, l) in others {
-                    self.refresh(&h, l);
-                }
-                Claim::Share(loc)
-            }
+            Some(others) => self.share(hash, loc, others),
             None => Claim::Store,
         }
+    }
+
+    /// Shares `loc`, renewing its record and those that vouched for its unit (`others`).
+    fn share(&mut self, hash: &[u8; 32], loc: Location, others: Vec<([u8; 32], Location)>) -> Claim {
+        self.refresh(hash, loc);
+        for (h, l) in others {
+            self.refresh(&h, l);
+        }
+        Claim::Share(loc)
     }
 
     /// The records to refresh with `loc` when its unit is vouched for (none needed: an
