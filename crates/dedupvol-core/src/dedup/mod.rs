@@ -58,7 +58,7 @@ use crate::metadata::block_map::MapEntry;
 use crate::metadata::refcount::Refcounts;
 use crate::obs::stats::ReductionCounters;
 use crate::read::cache::Block;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// True when `loc` is a block of a fragment whose decoding checks nothing end to end (LZ4:
 /// the block format has no checksum; a zstd frame carries its content checksum), that runs
@@ -93,7 +93,16 @@ pub(crate) struct Deduper {
     /// Fingerprints come from a backend whose BLAKE3 is not proof (`distrust`): no
     /// candidate is proven by its stamp, every one is compared byte for byte.
     distrusted: bool,
+    /// Units already vouched for or not (`vouched`), by fragment (first block, offset), with
+    /// the first block's stamp then: the blocks of one unit arrive one after another, each
+    /// with the candidate its lookup found before the first was claimed. Valid while the
+    /// stamp is unchanged (a tail freed under the unit renews it); at most
+    /// `VOUCH_MEMO_MAX` entries, forgotten all at once when full.
+    vouches: HashMap<(u64, u16), (u16, bool)>,
 }
+
+/// Units `Deduper::vouches` remembers at most.
+const VOUCH_MEMO_MAX: usize = 1 << 16;
 
 /// What `claim` decided for a chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,7 +126,15 @@ impl Deduper {
     /// A deduper over `index`; `hash_mode` keeps a reuse stamp per data block.
     pub(crate) fn new(index: Index, hash_mode: bool, data_blocks: u64) -> Self {
         let stamps = Some(crate::io::hugemem::zeroed(data_blocks as usize));
-        Deduper { index, stamps, hash: hash_mode, reuse_gen: 0, damaged: HashSet::new(), distrusted: false }
+        Deduper {
+            index,
+            stamps,
+            hash: hash_mode,
+            reuse_gen: 0,
+            damaged: HashSet::new(),
+            distrusted: false,
+            vouches: HashMap::new(),
+        }
     }
 
     /// From now on every candidate is verified by its bytes, as with byte verification:
@@ -283,15 +300,26 @@ impl Deduper {
     /// The records to refresh with `loc` when its unit is vouched for (none needed: an
     /// empty list), or None when it needs vouching and is not vouched for.
     fn vouch_if_needed(
-        &self,
+        &mut self,
         loc: &Location,
         unit: &impl Fn(Location) -> Option<Vec<Block>>,
     ) -> Option<Vec<([u8; 32], Location)>> {
-        if self.needs_vouch(loc) {
-            self.vouched(loc, unit)
-        } else {
-            Some(Vec::new())
+        if !self.needs_vouch(loc) {
+            return Some(Vec::new());
         }
+        let key = (loc.pbn, loc.frag.off);
+        let stamp = self.stamps.as_ref().and_then(|s| s.get(loc.pbn as usize).copied()).unwrap_or(0);
+        if let Some(&(at, ok)) = self.vouches.get(&key) {
+            if at == stamp {
+                return ok.then(Vec::new);
+            }
+        }
+        let r = self.vouched(loc, unit);
+        if self.vouches.len() >= VOUCH_MEMO_MAX {
+            self.vouches.clear();
+        }
+        self.vouches.insert(key, (stamp, r.is_some()));
+        r
     }
 
     /// A record from an earlier epoch just proved right: records it again in the open
