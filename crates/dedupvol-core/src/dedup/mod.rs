@@ -359,7 +359,7 @@ impl Deduper {
             *s == 0
         });
         if wrapped {
-            self.index.new_epoch();
+            self.new_epoch();
         }
         wrapped
     }
@@ -372,7 +372,7 @@ impl Deduper {
         // the block is remembered until it is freed; the new stamp also voids its records.
         if self.damaged.len() >= DAMAGED_MAX {
             self.damaged.clear();
-            self.index.new_epoch();
+            self.new_epoch();
         }
         self.damaged.insert(pbn);
         let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
@@ -380,8 +380,15 @@ impl Deduper {
             *s == 0
         });
         if wrapped {
-            self.index.new_epoch();
+            self.new_epoch();
         }
+    }
+
+    /// A new index epoch (a stamp wrapped): no older record is proven by its stamp, and
+    /// no unit's remembered vouching outcome stands, its stamp having come round again.
+    fn new_epoch(&mut self) {
+        self.index.new_epoch();
+        self.vouches.clear();
     }
 
     /// A grow: the data region now holds `data_blocks` blocks (new ones at stamp 0).
