@@ -234,8 +234,8 @@ fn a_chapter_number_used_again_after_a_crash_leaves_stale_names_not_a_problem() 
 /// volume found 515 and 516 used both raw and for compressed fragments. No data was lost
 /// (reads check every block against its entry's crc32c). A block of a multi-block LZ4
 /// unit is now shared under an earlier session's record only when every other block of the
-/// decoded unit hashes to a record naming that block of the same fragment (the reused tail
-/// decoded to blocks no record names); the unit test
+/// decoded unit hashes to a record of the index (the reused tail decoded to blocks no record
+/// names); the unit test
 /// `a_multi_block_lz4_fragment_of_an_earlier_session_is_shared_when_its_unit_vouches` pins
 /// the intact case.
 #[test]

@@ -40,8 +40,8 @@
 //! - A block of a fragment that spans several blocks, decodes to several and checks
 //!   nothing end to end (LZ4) is shared under a record of this epoch only while its stamp
 //!   matches, and under an older record only when every other block of its decoded unit
-//!   hashes to a record naming that block of the same fragment (`usable`, `vouched`), in
-//!   both modes: comparing one block cannot tell whether its later blocks were reused.
+//!   hashes to a record of the index (`usable`, `vouched`), in both modes: comparing one
+//!   block cannot tell whether its later blocks were reused.
 //! - Every open-chapter record names a data block of this volume by a raw or packed-slot
 //!   state, and there is one reuse stamp per data block (the `verify` audit checks both).
 
@@ -195,11 +195,14 @@ impl Deduper {
     /// The records that vouch for `loc`'s whole unit, or None. `unit` gives the unit's
     /// decoded blocks in order (from the content cache: byte verification of `loc` put
     /// them there), `loc`'s own already compared with the chunk. Every other block must
-    /// hash to a record naming exactly that block of the same fragment: then the whole
-    /// unit decoded to what was stored, which bytes reused under the fragment would not
-    /// give. A block without such a record (another copy recorded since, a sparse index,
-    /// a window that moved on) leaves the unit unvouched: the chunk is stored again, and
-    /// nothing is lost but the duplicate.
+    /// hash to a record of the index: then the whole unit decoded to contents the volume
+    /// stored, which bytes reused under the fragment would not give (garbage that hashes to
+    /// a recorded fingerprint is as unlikely as a BLAKE3 collision). The record may name
+    /// another copy: a block of the unit stored again since (a duplicate that could not be
+    /// vouched for then) must not make its neighbours unprovable. A block without a record
+    /// (a sparse index, a window that moved on, a record page not in memory) leaves the
+    /// unit unvouched: the chunk is stored again, and nothing is lost but the duplicate.
+    /// The records returned are those naming this fragment, to renew.
     fn vouched(
         &self,
         loc: &Location,
@@ -214,11 +217,9 @@ impl Deduper {
         for (k, b) in blocks.iter().enumerate().filter(|&(k, _)| k != f.sub()) {
             let h = *blake3::hash(b).as_bytes();
             let l = self.index.lookup_cached(&h, false).loc?;
-            let same = l.pbn == loc.pbn && l.state == loc.state && l.frag.unmarked() == f.with_sub(k).unmarked();
-            if !same {
-                return None;
+            if l.pbn == loc.pbn && l.state == loc.state && l.frag.unmarked() == f.with_sub(k).unmarked() {
+                records.push((h, l));
             }
-            records.push((h, l));
         }
         Some(records)
     }

@@ -610,7 +610,7 @@ fn overwriting_one_block_of_an_extent_counts_its_share_as_dead() {
 
 /// A block of an LZ4 fragment that spans several blocks, recorded by an earlier session, is
 /// shared only when the rest of its unit vouches for it: every other decoded block hashes
-/// to a record naming that block of the same fragment (simulator seed 840358: a dead
+/// to a record of the index (simulator seed 840358: a dead
 /// fragment's reused tail parsed, with the compared block intact, and was shared). Written
 /// again block by block after a restart, an intact extent is vouched for and shared, and
 /// its records are renewed; zstd fragments are checked by their frame's checksum. Both
