@@ -53,7 +53,8 @@ pub enum BenchMode {
     Stripe,
     /// How the write pipeline scales with its stage threads: the --dup/--compress data
     /// (or --file) written with exactly 1, 2, … --workers stage threads (default: one per
-    /// core), --rounds rounds interleaved, beside the machine's own limit for the same work.
+    /// core), each count once with every core and once confined to as many cores, --rounds
+    /// rounds interleaved, beside the machine's own limit for the same work.
     Scaling,
 }
 

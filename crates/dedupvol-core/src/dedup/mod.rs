@@ -1,6 +1,7 @@
 //! Deduplication: one `Deduper` owns the whole decision to share a chunk with a stored
 //! copy — lookup, verification, claim — and the staleness rules it rests on: reuse
-//! stamps and epochs (hash verification) and the reuse generation (byte verification).
+//! stamps and epochs (hash verification; in both modes, for LZ4 units that span blocks)
+//! and the reuse generation (byte verification).
 //!
 //! A chunk's path (docs/design.md, "Sharing or storing a chunk"):
 //! 1. `lookup` (state lock): a candidate from the index, only if its block is in use and,
@@ -82,7 +83,7 @@ pub(crate) struct Deduper {
     /// Per-block reuse stamps. Hash verification proves records by them; with byte
     /// verification they still tell whether an unchecked fragment's blocks were reused
     /// (`unchecked_span`).
-    stamps: Option<Vec<u16>>,
+    stamps: Vec<u16>,
     /// Hash verification: a record of this epoch whose stamp matches is proof.
     hash: bool,
     /// Bumped whenever freed blocks become reusable; a byte verification done before a
@@ -123,12 +124,12 @@ pub(crate) struct Candidate {
 }
 
 impl Deduper {
-    /// A deduper over `index`; `hash_mode` keeps a reuse stamp per data block.
+    /// A deduper over `index`, with a reuse stamp per data block; `hash_mode` proves
+    /// records of this epoch by them.
     pub(crate) fn new(index: Index, hash_mode: bool, data_blocks: u64) -> Self {
-        let stamps = Some(crate::io::hugemem::zeroed(data_blocks as usize));
         Deduper {
             index,
-            stamps,
+            stamps: crate::io::hugemem::zeroed(data_blocks as usize),
             hash: hash_mode,
             reuse_gen: 0,
             damaged: HashSet::new(),
@@ -155,10 +156,15 @@ impl Deduper {
         self.reuse_gen
     }
 
-    /// True when `loc`'s reuse stamp is its block's current one (always, without stamps):
-    /// the block has not been freed since the index entry was made.
+    /// True when `loc`'s reuse stamp is its block's current one: the block has not been
+    /// freed since the index entry was made.
     fn stamp_matches(&self, loc: &Location) -> bool {
-        self.stamps.as_ref().is_none_or(|s| s.get(loc.pbn as usize) == Some(&loc.stamp))
+        self.stamps.get(loc.pbn as usize) == Some(&loc.stamp)
+    }
+
+    /// The current reuse stamp of `pbn` (0 beyond the data region).
+    fn stamp_of(&self, pbn: u64) -> u16 {
+        self.stamps.get(pbn as usize).copied().unwrap_or(0)
     }
 
     /// True when `loc`'s stamp decides whether its block changed since: hash verification
@@ -309,7 +315,7 @@ impl Deduper {
             return Some(Vec::new());
         }
         let key = (loc.pbn, loc.frag.off);
-        let stamp = self.stamps.as_ref().and_then(|s| s.get(loc.pbn as usize).copied()).unwrap_or(0);
+        let stamp = self.stamp_of(loc.pbn);
         if let Some(&(at, ok)) = self.vouches.get(&key) {
             if at == stamp {
                 return ok.then(Vec::new);
@@ -328,14 +334,14 @@ impl Deduper {
     /// verification and the hot fingerprint stays in the window.
     fn refresh(&mut self, hash: &[u8; 32], loc: Location) {
         if !loc.current {
-            let stamp = self.stamps.as_ref().and_then(|s| s.get(loc.pbn as usize).copied()).unwrap_or(0);
+            let stamp = self.stamp_of(loc.pbn);
             self.index.insert(hash, Location { stamp, current: true, ..loc });
         }
     }
 
     /// Records a newly stored chunk under its fingerprint, stamped with its block's stamp.
     pub(crate) fn record(&mut self, hash: &[u8; 32], e: &MapEntry) {
-        let stamp = self.stamps.as_ref().and_then(|s| s.get(e.pbn as usize).copied()).unwrap_or(0);
+        let stamp = self.stamp_of(e.pbn);
         self.index.insert(hash, Location { stamp, current: true, ..Location::of(e) });
     }
 
@@ -355,7 +361,7 @@ impl Deduper {
     /// Gives `pbn` a new reuse stamp, so records made under the old one need byte
     /// verification; true when the stamp wrapped (a new epoch began).
     pub(crate) fn void_stamp(&mut self, pbn: u64) -> bool {
-        let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
+        let wrapped = self.stamps.get_mut(pbn as usize).is_some_and(|s| {
             *s = s.wrapping_add(1);
             *s == 0
         });
@@ -376,13 +382,7 @@ impl Deduper {
             self.new_epoch();
         }
         self.damaged.insert(pbn);
-        let wrapped = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)).is_some_and(|s| {
-            *s = s.wrapping_add(1);
-            *s == 0
-        });
-        if wrapped {
-            self.new_epoch();
-        }
+        self.void_stamp(pbn);
     }
 
     /// A new index epoch (a stamp wrapped): no older record is proven by its stamp, and
@@ -394,10 +394,8 @@ impl Deduper {
 
     /// A grow: the data region now holds `data_blocks` blocks (new ones at stamp 0).
     pub(crate) fn grow(&mut self, data_blocks: u64) {
-        if let Some(s) = self.stamps.as_mut() {
-            assert!(s.len() as u64 <= data_blocks, "the data region never shrinks");
-            s.resize(data_blocks as usize, 0);
-        }
+        assert!(self.stamps.len() as u64 <= data_blocks, "the data region never shrinks");
+        self.stamps.resize(data_blocks as usize, 0);
     }
 
     /// True when `pbn` was found damaged and not freed since: nothing may be shared onto
@@ -410,11 +408,8 @@ impl Deduper {
     /// audit).
     #[cfg(any(test, feature = "verify"))]
     pub(crate) fn audit(&self, data_blocks: u64) -> Result<(), String> {
-        if self.stamps.as_ref().is_some_and(|s| s.len() as u64 != data_blocks) {
-            return Err(format!(
-                "{} reuse stamps for {data_blocks} data blocks",
-                self.stamps.as_ref().map_or(0, Vec::len)
-            ));
+        if self.stamps.len() as u64 != data_blocks {
+            return Err(format!("{} reuse stamps for {data_blocks} data blocks", self.stamps.len()));
         }
         self.index.audit(|l| {
             let e = l.entry(0);
@@ -442,19 +437,19 @@ impl Deduper {
 
     /// Memory of the reuse stamps in bytes.
     pub(crate) fn stamp_bytes(&self) -> u64 {
-        self.stamps.as_ref().map_or(0, |s| 2 * s.len() as u64)
+        2 * self.stamps.len() as u64
     }
 
     /// The current reuse stamp of `pbn` (tests).
     #[cfg(test)]
     pub(crate) fn stamp(&self, pbn: u64) -> Option<u16> {
-        self.stamps.as_ref().and_then(|s| s.get(pbn as usize).copied())
+        self.stamps.get(pbn as usize).copied()
     }
 
     /// Sets the reuse stamp of `pbn`, as if it had been reused that often (tests).
     #[cfg(test)]
     pub(crate) fn set_stamp(&mut self, pbn: u64, stamp: u16) {
-        if let Some(s) = self.stamps.as_mut().and_then(|s| s.get_mut(pbn as usize)) {
+        if let Some(s) = self.stamps.get_mut(pbn as usize) {
             *s = stamp;
         }
     }
