@@ -288,3 +288,68 @@ fn tune_sets_the_rest_level_closed_or_served() {
     let text = String::from_utf8_lossy(&tune(&["--rest-level", "5"]).stdout).to_string();
     assert!(text.contains("zstd level 5 -> zstd level 5"), "{text}");
 }
+
+/// `format --extent-max` and `tune --extent-max` on a closed volume, then on a served one
+/// (through its server), its refusals, and `info`/`stats` showing it; the rest level is
+/// left alone by a tune that names only the extent cap.
+#[test]
+fn the_extent_cap_is_set_at_format_and_tuned_closed_or_served() {
+    if !require_engine("the_extent_cap_is_set_at_format_and_tuned_closed_or_served", &[]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vol = dir.path().join("vol.img");
+    run(Command::new(dedupvol()).arg("format").arg(&vol).args([
+        "--logical-size",
+        "8M",
+        "--physical-size",
+        "32M",
+        "--extent-max",
+        "16K",
+    ]));
+    let tune = |args: &[&str]| {
+        Command::new(dedupvol())
+            .arg("tune")
+            .arg(&vol)
+            .args(args)
+            .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir.path()))
+            .output()
+            .expect("run tune")
+    };
+    let json = |o: &std::process::Output| -> serde_json::Value {
+        assert!(o.status.success(), "tune failed: {}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("tune json")
+    };
+    assert_eq!(stats_json(&vol, dir.path())["extent_blocks_max"], 4);
+    let closed = json(&tune(&["--extent-max", "32K", "--json"]));
+    assert_eq!(
+        (closed["extent_blocks_max_before"].as_u64(), closed["extent_blocks_max_after"].as_u64()),
+        (Some(4), Some(8))
+    );
+    assert!(closed.get("rest_level_after").is_none(), "{closed}");
+    let srv = ServerProc::start(&vol, dir.path(), false, &[]);
+    let served = json(&tune(&["--extent-max", "4K", "--json"]));
+    assert_eq!(
+        (served["extent_blocks_max_before"].as_u64(), served["extent_blocks_max_after"].as_u64()),
+        (Some(8), Some(1))
+    );
+    assert_eq!(served["online"], true);
+    assert_eq!(stats_json(&vol, dir.path())["extent_blocks_max"], 1);
+    for (args, why) in [
+        (&["--extent-max", "68K"][..], "from 4K to 64K"),
+        (&["--extent-max", "6K"][..], "in steps of 4K"),
+        (&["--extent-max", "0"][..], "from 4K"),
+        (&[][..], "required"),
+    ] {
+        let o = tune(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
+    }
+    assert!(srv.stop().success());
+    assert_eq!(stats_json(&vol, dir.path())["extent_blocks_max"], 1, "kept after the server stopped");
+    assert_eq!(stats_json(&vol, dir.path())["rest_level"], 6, "the rest level untouched");
+    let info = Command::new(dedupvol()).arg("info").arg(&vol).output().expect("info");
+    assert!(String::from_utf8_lossy(&info.stdout).contains("extents         up to 4 KiB"), "{info:?}");
+    let text = String::from_utf8_lossy(&tune(&["--extent-max", "64K"]).stdout).to_string();
+    assert!(text.contains("largest extent 4 KiB -> 64 KiB"), "{text}");
+}

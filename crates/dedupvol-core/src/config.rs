@@ -279,6 +279,12 @@ pub struct FormatOptions {
     /// Largest data device the reference counts get room for. `None`: four times the data
     /// device, within the default room.
     pub max_physical_size_bytes: Option<u64>,
+    /// Largest extent the volume forms, in 4 KiB blocks (1..=`UNIT_BLOCKS_MAX`; 1: every
+    /// block compressed alone). `None`: the largest. Larger extents compress better; a
+    /// random 4 KiB read of one decodes the extent up to the block it wants, so a volume
+    /// read mostly in small random requests may want smaller ones. Changeable later
+    /// (`Volume::set_extent_blocks_max`).
+    pub extent_blocks_max: Option<u8>,
 }
 
 impl Default for FormatOptions {
@@ -298,7 +304,21 @@ impl Default for FormatOptions {
             journal_size_bytes: None,
             max_logical_size_bytes: None,
             max_physical_size_bytes: None,
+            extent_blocks_max: None,
         }
+    }
+}
+
+/// Refuses an extent cap outside 1..=`UNIT_BLOCKS_MAX` blocks.
+pub fn check_extent_blocks_max(blocks: u8) -> Result<()> {
+    let max = crate::metadata::block_map::UNIT_BLOCKS_MAX;
+    if (1..=max).contains(&blocks) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "extent cap of {blocks} blocks: from 1 (every block alone) to {max} ({} KiB)",
+            usize::from(max) * BLOCK_SIZE / 1024
+        )))
     }
 }
 
@@ -361,6 +381,9 @@ impl FormatOptions {
                     self.compression_level
                 )));
             }
+        }
+        if let Some(b) = self.extent_blocks_max {
+            check_extent_blocks_max(b)?;
         }
         match self.rest_level {
             None | Some(0) => {}

@@ -76,6 +76,9 @@ const RECOMPRESS_CRASH_PCT: u32 = 25;
 /// Per mille of steps (zstd volumes formatted without a rest level, until they have 6)
 /// that give the volume a rest level (`op_tune`, its own stream `tune_rng`).
 const TUNE_STEP_PERMILLE: u32 = 4;
+/// Per mille of steps that give the volume another extent cap (`op_extent_cap`, its own
+/// stream `extent_rng`), a crash armed inside a quarter of them (`RECOMPRESS_CRASH_PCT`).
+const EXTENT_CAP_STEP_PERMILLE: u32 = 3;
 /// Largest allowed-set size before the driver forces a flush (keeps the model bounded).
 pub const ALLOWED_SET_FLUSH_AT: usize = 24;
 /// Percent of crash recoveries followed at once by a clean close and an audit.
@@ -126,6 +129,10 @@ pub struct SimOptions {
     /// Some writes are several small requests written as one batch (`Volume::write_many`,
     /// the batcher's path), with crashes anywhere in it as in any write.
     pub combined_writes: bool,
+    /// Volumes are formatted with a random extent cap (none, 1, 2, 4 or 8 blocks), and
+    /// caps change between operations, some with a crash armed inside (off by default, so
+    /// that a seed replays the layout it always had).
+    pub extent_caps: bool,
 }
 
 impl Default for SimOptions {
@@ -142,6 +149,7 @@ impl Default for SimOptions {
             woj_pct: WOJ_PCT_DEFAULT,
             recompress: false,
             combined_writes: false,
+            extent_caps: false,
         }
     }
 }
@@ -354,6 +362,13 @@ impl RunConfig {
         } else {
             0
         });
+        // The extent cap, from its own stream: none (the largest), or a smaller one.
+        if opts.extent_caps {
+            format.extent_blocks_max = pick(
+                &mut ChaCha8Rng::seed_from_u64(seed ^ 0x4558_7E47),
+                &[None, None, Some(1), Some(2), Some(4), Some(8)],
+            );
+        }
         let open = OpenOptions {
             read_only: false,
             write_policy: if r.gen_bool(0.15) {
@@ -531,7 +546,9 @@ pub struct RunStats {
     pub crashes_in_recompress: u64,
     /// Rest levels given to open volumes (`set_rest_level` acknowledged).
     pub rest_level_changes: u64,
-    /// Crashes armed inside a rest level change that struck.
+    /// Extent caps given to open volumes (`set_extent_blocks_max` acknowledged).
+    pub extent_cap_changes: u64,
+    /// Crashes armed inside a rest level or extent cap change that struck.
     pub crashes_in_tune: u64,
     /// Faults injected by kind.
     pub faults: FaultCounts,
@@ -574,6 +591,7 @@ impl RunStats {
         self.fragments_recompressed += o.fragments_recompressed;
         self.crashes_in_recompress += o.crashes_in_recompress;
         self.rest_level_changes += o.rest_level_changes;
+        self.extent_cap_changes += o.extent_cap_changes;
         self.crashes_in_tune += o.crashes_in_tune;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
@@ -708,6 +726,13 @@ struct Run<'a, E: SimEngine> {
     rest_now: i8,
     /// A rest level whose change failed or crashed: a reopen finds it or `rest_now`.
     rest_maybe: Option<i8>,
+    /// Draws of extent cap changes (`op_extent_cap`).
+    extent_rng: ChaCha8Rng,
+    /// The extent cap the volume has durably (the format's, then each acknowledged
+    /// `set_extent_blocks_max`'s).
+    extent_now: u8,
+    /// An extent cap whose change failed or crashed: a reopen finds it or `extent_now`.
+    extent_maybe: Option<u8>,
     model: Model,
     vol: Option<E>,
     stats: RunStats,
@@ -777,6 +802,9 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         tune_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x7E57_1E7E),
         rest_now: cfg.format.effective_rest_level(),
         rest_maybe: None,
+        extent_rng: ChaCha8Rng::seed_from_u64(seed ^ 0xE47E_2CA9),
+        extent_now: cfg.format.extent_blocks_max.unwrap_or(dedupvol_core::format::UNIT_BLOCKS_MAX),
+        extent_maybe: None,
         model: Model::new(),
         vol: None,
         stats: RunStats::default(),
@@ -903,6 +931,14 @@ impl<E: SimEngine> Run<'_, E> {
                 && self.tune_rng.gen_range(0..1000) < TUNE_STEP_PERMILLE
             {
                 self.op_tune()?;
+            }
+            if E::EXTENT_CAPS
+                && self.opts.extent_caps
+                && self.vol.is_some()
+                && !self.machine.is_crashed()
+                && self.extent_rng.gen_range(0..1000) < EXTENT_CAP_STEP_PERMILLE
+            {
+                self.op_extent_cap()?;
             }
             // Passes run when sessions store with the other codec, or when the volume has
             // a rest level (every write then leaves data for them to settle).
@@ -1362,6 +1398,43 @@ impl<E: SimEngine> Run<'_, E> {
         r
     }
 
+    /// Gives the volume another extent cap (1 to 16 blocks), a crash sometimes armed
+    /// inside: an acknowledged cap must be found by every later open; a failed one may be
+    /// found or not, never another (`recover` checks). What is written from then on is cut
+    /// by the new cap; reads and `check` meet extents of every size.
+    fn op_extent_cap(&mut self) -> Result<(), String> {
+        let blocks = self.extent_rng.gen_range(1..=dedupvol_core::format::UNIT_BLOCKS_MAX);
+        let armed = self.cfg.crash_ppm > 0 && self.extent_rng.gen_range(0..100) < RECOMPRESS_CRASH_PCT;
+        if armed {
+            let after = self.extent_rng.gen_range(0..8);
+            self.note(format!("arm crash after {after} I/O calls in an extent cap change"));
+            self.machine.arm_crash(after);
+        }
+        let before = self.machine.evidence();
+        let r = match self.vol().set_extent_blocks_max(blocks) {
+            Ok(old) if old == self.extent_now => {
+                self.note(format!("extent cap {old} -> {blocks} blocks"));
+                self.extent_now = blocks;
+                self.extent_maybe = None;
+                self.stats.extent_cap_changes += 1;
+                Ok(())
+            }
+            Ok(old) => {
+                Err(format!("set_extent_blocks_max replaced {old} blocks, but the volume had {}", self.extent_now))
+            }
+            Err(e) => {
+                self.extent_maybe = Some(blocks);
+                self.mutation_error("extent cap change", &e, &before)
+            }
+        };
+        if self.machine.is_crashed() {
+            self.stats.crashes_in_tune += 1;
+        } else if armed {
+            self.machine.disarm_crash();
+        }
+        r
+    }
+
     fn op_flush(&mut self) -> Result<(), String> {
         let before = self.machine.evidence();
         self.stats.flushes += 1;
@@ -1707,6 +1780,20 @@ impl<E: SimEngine> Run<'_, E> {
                     }
                     self.rest_now = rest;
                     self.rest_maybe = None;
+                    if E::EXTENT_CAPS {
+                        let cap = self.vol().extent_blocks_max();
+                        if cap != self.extent_now && Some(cap) != self.extent_maybe {
+                            return Err(format!(
+                                "the volume opened with an extent cap of {cap} blocks, but it had {}{}",
+                                self.extent_now,
+                                self.extent_maybe
+                                    .map(|m| format!(" (or {m}, from a failed change)"))
+                                    .unwrap_or_default()
+                            ));
+                        }
+                        self.extent_now = cap;
+                        self.extent_maybe = None;
+                    }
                     if self.verify_all()? {
                         return Ok(());
                     }

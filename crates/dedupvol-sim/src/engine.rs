@@ -80,6 +80,16 @@ pub trait SimEngine: Sized {
     fn rest_level(&self) -> i8 {
         0
     }
+    /// True when the engine has an extent cap that can change (`set_extent_blocks_max`).
+    const EXTENT_CAPS: bool = false;
+    /// Sets the open volume's extent cap; the cap it replaces.
+    fn set_extent_blocks_max(&self, _blocks: u8) -> Result<u8> {
+        Err(Error::InvalidArgument("this engine has no extent cap".into()))
+    }
+    /// The open volume's extent cap, in blocks.
+    fn extent_blocks_max(&self) -> u8 {
+        dedupvol_core::format::UNIT_BLOCKS_MAX
+    }
     /// Audits a closed volume.
     fn check(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>) -> Result<CheckReport>;
     /// The byte range of the data device that holds only data blocks (where persistent
@@ -198,6 +208,13 @@ impl SimEngine for Volume {
     }
     fn rest_level(&self) -> i8 {
         Volume::rest_level(self)
+    }
+    const EXTENT_CAPS: bool = true;
+    fn set_extent_blocks_max(&self, blocks: u8) -> Result<u8> {
+        Volume::set_extent_blocks_max(self, blocks)
+    }
+    fn extent_blocks_max(&self) -> u8 {
+        Volume::extent_max(self)
     }
     fn audit(&self) -> std::result::Result<(), String> {
         self.audit_memory()

@@ -62,6 +62,10 @@ struct Args {
     /// with crashes anywhere in them.
     #[arg(long)]
     combined_writes: bool,
+    /// Format volumes with random extent caps and change them between operations (some
+    /// changes with a crash inside).
+    #[arg(long)]
+    extent_caps: bool,
     /// Stop at the first failing seed.
     #[arg(long)]
     fail_fast: bool,
@@ -119,6 +123,7 @@ fn main() {
         woj_pct: args.woj_pct.min(100),
         recompress: args.recompress,
         combined_writes: args.combined_writes,
+        extent_caps: args.extent_caps,
     };
     if let Some(seed) = args.seed {
         let opts = SimOptions { verbose: args.verbose, ..opts };
@@ -207,7 +212,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) rest_level_changes={} (crashes in them {}) combined_writes={} io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) rest_level_changes={} extent_cap_changes={} (crashes in either {}) combined_writes={} io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -235,6 +240,7 @@ fn figures(s: &RunStats) -> String {
         s.fragments_recompressed,
         s.crashes_in_recompress,
         s.rest_level_changes,
+        s.extent_cap_changes,
         s.crashes_in_tune,
         s.combined_writes,
         s.io_calls

@@ -98,6 +98,13 @@ impl SimEngine for StripedVolume {
     fn open(data: Arc<dyn Storage>, meta: Option<Arc<dyn Storage>>, opts: &OpenOptions) -> Result<Self> {
         Volume::open(stripe(&data)?, meta, opts).map(StripedVolume)
     }
+    const EXTENT_CAPS: bool = true;
+    fn set_extent_blocks_max(&self, blocks: u8) -> Result<u8> {
+        self.0.set_extent_blocks_max(blocks)
+    }
+    fn extent_blocks_max(&self) -> u8 {
+        self.0.extent_max()
+    }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.0.read(offset, buf)
     }

@@ -125,7 +125,8 @@ pub struct SuperblockRaw {
     /// zstd level data at rest is recompressed to, as an i8 (versions 4 and 5; 0: off).
     pub rest_level: u8,
     /// Byte 212: 1 when the chapter ring keeps name pages, 0 for a ring of record pages
-    /// only (volumes made before name pages existed); bytes 213..216 reserved, zero.
+    /// only (volumes made before name pages existed); byte 213: the extent cap in blocks
+    /// (0: none set, the largest unit); bytes 214..216 reserved, zero.
     pub reserved1: [u8; 4],
     /// Path of the metadata device at format time (a hint for `open_path`).
     pub meta_path: [u8; META_PATH_BYTES_MAX],
@@ -208,6 +209,11 @@ pub struct Superblock {
     /// The chapter ring keeps name pages (`dedup::chapter`); false in volumes made before
     /// they existed, whose ring is read as record pages only.
     pub index_names: bool,
+    /// Largest extent the volume forms, in 4 KiB blocks (1..=`UNIT_BLOCKS_MAX`; 0 in
+    /// volumes formatted before the setting existed, which means the largest). A write
+    /// policy, not a layout: any build decodes extents of any size, and a build that
+    /// predates the setting ignores it.
+    pub extent_blocks_max: u8,
     /// Next journal entry sequence (when clean).
     pub next_entry_seq: u64,
     /// Next journal block sequence (when clean).
@@ -278,7 +284,7 @@ impl Superblock {
             meta_path_len: U16::new(n as u16),
             compression_level: self.compression_level.to_le_bytes()[0],
             rest_level: self.rest_level.to_le_bytes()[0],
-            reserved1: [u8::from(self.index_names), 0, 0, 0],
+            reserved1: [u8::from(self.index_names), self.extent_blocks_max, 0, 0],
             meta_path,
         };
         let mut buf = vec![0u8; BLOCK_SIZE];
@@ -411,6 +417,17 @@ impl Superblock {
                 ))
             }
         };
+        // Byte 213 was reserved (zero) before the extent cap existed: zero still means
+        // none set.
+        let extent_blocks_max = raw.reserved1[1];
+        if extent_blocks_max > crate::metadata::block_map::UNIT_BLOCKS_MAX {
+            return Err(Error::corruption(
+                "superblock copy",
+                0,
+                format!("an extent cap of at most {} blocks (byte 213)", crate::metadata::block_map::UNIT_BLOCKS_MAX),
+                format!("{extent_blocks_max} blocks"),
+            ));
+        }
         let geometry = Geometry {
             logical_blocks: raw.logical_blocks.get(),
             data_dev_blocks: raw.data_dev_blocks.get(),
@@ -452,6 +469,7 @@ impl Superblock {
             index_memory_bytes: raw.index_memory_bytes.get(),
             index_mode,
             index_names,
+            extent_blocks_max,
             next_entry_seq: raw.next_entry_seq.get(),
             next_block_seq: raw.next_block_seq.get(),
             mapped_blocks: raw.mapped_blocks.get(),
@@ -568,6 +586,7 @@ mod tests {
             index_memory_bytes: 1 << 20,
             index_mode: IndexMode::Sparse,
             index_names: true,
+            extent_blocks_max: 4,
             next_entry_seq: 77,
             next_block_seq: 5,
             mapped_blocks: 10,
@@ -625,6 +644,27 @@ mod tests {
         buf[12..16].copy_from_slice(&6u32.to_le_bytes());
         crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
         assert!(matches!(Superblock::decode(&buf, 0), Err(Error::NotAVolume(m)) if m.contains("version 6")));
+    }
+
+    /// The extent cap lives in byte 213 without a version change: zero (every volume
+    /// formatted before it existed) and 1..=16 decode, anything larger is refused.
+    #[test]
+    fn the_extent_cap_is_byte_213_and_checked() {
+        let sb = sample();
+        let mut buf = sb.encode(0);
+        assert_eq!(buf[12..16], FORMAT_VERSION.to_le_bytes());
+        assert_eq!(buf[213], 4);
+        assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
+        for (byte, ok) in [(0u8, true), (1, true), (16, true), (17, false), (255, false)] {
+            buf[213] = byte;
+            crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+            let got = Superblock::decode(&buf, 0);
+            match got {
+                Ok(Some(d)) => assert!(ok && d.extent_blocks_max == byte, "extent cap {byte} decoded as {d:?}"),
+                Err(Error::Corruption(_)) => assert!(!ok, "extent cap {byte} refused"),
+                other => panic!("extent cap {byte}: {other:?}"),
+            }
+        }
     }
 
     /// Volumes formatted before the lifetime record existed hold zeros in the block's

@@ -137,6 +137,9 @@ pub struct Stats {
     /// zstd level data at rest is recompressed to while idle (0: off).
     #[serde(default)]
     pub rest_level: i8,
+    /// Largest extent formed now, in 4 KiB blocks (`Volume::extent_max`).
+    #[serde(default)]
+    pub extent_blocks_max: u8,
     /// Dedup setting.
     pub dedup: bool,
     /// Verification mode.

@@ -118,8 +118,12 @@ pub struct Volume {
     pub(crate) reads_served: std::sync::atomic::AtomicU64,
     /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
     pub(crate) cache_writes: bool,
-    /// Largest extent formed, in blocks (`OpenOptions::extent_blocks_max`).
-    pub(crate) extent_blocks_max: u8,
+    /// The volume's extent cap in blocks (the superblock's, 0 read as the largest;
+    /// `FormatOptions::extent_blocks_max`). Changed only by `set_extent_blocks_max`.
+    pub(crate) extent_blocks_max: std::sync::atomic::AtomicU8,
+    /// This open's own cap (`OpenOptions::extent_blocks_max`): the smaller of the two is
+    /// the largest extent formed (`extent_max`).
+    pub(crate) extent_open_cap: u8,
     pub(crate) read_only: bool,
     pub(crate) health: Arc<Health>,
     /// Set under the state lock whenever entries are appended or a batch is taken: the
@@ -356,5 +360,14 @@ impl Volume {
             Ok(v) => Ok(v),
             Err(e) => self.fail(e),
         }
+    }
+}
+
+/// The extent cap a superblock's byte stands for: 0 (volumes formatted before the setting
+/// existed, or without one) is the largest unit.
+pub(crate) fn extent_setting(byte: u8) -> u8 {
+    match byte {
+        0 => crate::metadata::block_map::UNIT_BLOCKS_MAX,
+        b => b.min(crate::metadata::block_map::UNIT_BLOCKS_MAX),
     }
 }

@@ -386,6 +386,40 @@ impl Volume {
         Ok(old)
     }
 
+    /// The largest extent formed now, in blocks: the volume's cap
+    /// (`FormatOptions::extent_blocks_max`) or this open's (`OpenOptions::extent_blocks_max`),
+    /// the smaller.
+    pub fn extent_max(&self) -> u8 {
+        self.extent_blocks_max.load(std::sync::atomic::Ordering::Acquire).min(self.extent_open_cap)
+    }
+
+    /// Sets the volume's extent cap (see `FormatOptions::extent_blocks_max`), on an open
+    /// volume, durably (a new superblock generation), and returns the one it replaces
+    /// (the largest unit when the volume had none set). It applies to what is written
+    /// and settled from now on; extents already stored keep their size. No format version
+    /// changes: a build that predates the setting opens the volume and ignores it.
+    pub fn set_extent_blocks_max(&self, blocks: u8) -> Result<u8> {
+        self.check_writable()?;
+        crate::config::check_extent_blocks_max(blocks)?;
+        // The order every superblock writer takes (`grow`): commit, state, superblock.
+        let _c = self.commit_lock.lock();
+        let _st = self.state.lock();
+        let mut sb = self.sb.lock();
+        let old = sb.extent_blocks_max;
+        if old == blocks {
+            return Ok(blocks);
+        }
+        sb.extent_blocks_max = blocks;
+        if let Err(e) = super::lifecycle::write_superblock(self.data.dev(), self.separate_meta(), &mut sb) {
+            // What reached the device is unknown: the failed-volume rule (as
+            // `set_rest_level`).
+            sb.extent_blocks_max = old;
+            return self.fail(e);
+        }
+        self.extent_blocks_max.store(blocks, std::sync::atomic::Ordering::Release);
+        Ok(super::extent_setting(old))
+    }
+
     /// Fragment bytes not at rest mapped since the last pass that found none (`u64::MAX`:
     /// not known since the open). Zero: a pass has nothing to do.
     pub fn recompress_hint(&self) -> u64 {
@@ -448,7 +482,7 @@ impl Volume {
         };
         // (2) Groups.
         let compaction = settle && holey(&found);
-        let groups = group(found, usize::from(self.extent_blocks_max));
+        let groups = group(found, usize::from(self.extent_max()));
         // (3) and (4), a few groups at a time.
         let mut groups = groups.into_iter().peekable();
         while groups.peek().is_some() {

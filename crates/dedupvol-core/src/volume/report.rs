@@ -159,6 +159,7 @@ impl Volume {
             compression: sb.compression,
             compression_level: crate::config::effective_level(sb.compression, sb.compression_level),
             rest_level: sb.rest_level,
+            extent_blocks_max: self.extent_max(),
             dedup: sb.dedup,
             verify: sb.verify,
             write_policy: self.policy,

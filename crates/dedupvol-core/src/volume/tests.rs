@@ -659,3 +659,43 @@ fn a_multi_block_lz4_fragment_of_an_earlier_session_is_shared_when_its_unit_vouc
         }
     }
 }
+
+/// The extent cap is the volume's: formatted at 16 KiB, a 64 KiB write becomes extents of
+/// 4 blocks; raised while open, the next write forms 16-block extents; a reopen (with
+/// the open's own cap left at its default) keeps the raised cap; and an open's smaller cap
+/// wins over the volume's. Out-of-range caps are refused and change nothing.
+#[test]
+fn the_extent_cap_is_a_volume_setting_that_can_change() {
+    let text = |seed: usize| -> Vec<u8> {
+        (0..16 * BLOCK_SIZE).map(|i| b"extents capped by the volume "[i % 29] ^ ((i / 512 + seed) as u8)).collect()
+    };
+    let units = |vol: &Volume, lba0: u64| -> Vec<usize> {
+        let mut st = vol.state.lock();
+        (lba0..lba0 + 16)
+            .map(|l| st.map.get(l).expect("map").fragment_of().expect("stored compressed").unit_blocks())
+            .collect()
+    };
+    let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
+    let fmt = FormatOptions { extent_blocks_max: Some(4), ..small_format() };
+    Volume::format(dev.clone(), None, &fmt, false).expect("format");
+    let vol = Volume::open(dev.clone(), None, &OpenOptions::default()).expect("open");
+    assert_eq!(vol.extent_max(), 4);
+    assert_eq!(vol.stats().extent_blocks_max, 4);
+    vol.write(0, &text(0), false).expect("64 KiB");
+    assert!(units(&vol, 0).iter().all(|&u| u == 4), "capped at 4 blocks: {:?}", units(&vol, 0));
+    for bad in [0u8, 17] {
+        assert!(matches!(vol.set_extent_blocks_max(bad), Err(Error::InvalidArgument(_))), "cap {bad} taken");
+    }
+    assert_eq!(vol.set_extent_blocks_max(16).expect("raise"), 4);
+    vol.write(16 * BLOCK_SIZE as u64, &text(1), false).expect("64 KiB");
+    assert!(units(&vol, 16).iter().all(|&u| u == 16), "one extent now: {:?}", units(&vol, 16));
+    vol.close().expect("close");
+    let vol = Volume::open(dev.clone(), None, &OpenOptions::default()).expect("reopen");
+    assert_eq!(vol.extent_max(), 16, "the raised cap is the volume's");
+    vol.close().expect("close");
+    let vol = Volume::open(dev, None, &OpenOptions { extent_blocks_max: 2, ..OpenOptions::default() }).expect("open");
+    assert_eq!(vol.extent_max(), 2, "the open's smaller cap wins");
+    vol.write(32 * BLOCK_SIZE as u64, &text(2), false).expect("64 KiB");
+    assert!(units(&vol, 32).iter().all(|&u| u == 2), "{:?}", units(&vol, 32));
+    vol.close().expect("close");
+}
