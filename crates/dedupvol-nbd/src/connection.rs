@@ -539,7 +539,8 @@ impl Budget {
 struct Job {
     cookie: u64,
     cmd: Command,
-    payload: Vec<u8>,
+    /// Bytes of the worker's payload buffer this request's write payload fills.
+    payload_len: usize,
     cost_bytes: u64,
 }
 
@@ -716,6 +717,12 @@ const BLOCK_BYTES: usize = 4096;
 /// (a worker never keeps more than this between requests).
 const READ_SCRATCH_BYTES_MAX: usize = 4 << 20;
 
+/// Write payloads up to this size are read into their worker's buffer, kept between
+/// requests (as `READ_SCRATCH_BYTES_MAX` for reads): a fresh zeroed buffer per write cost
+/// the allocator, page faults and zeroing about 6 % of the server's CPU under random
+/// 8–128 KiB writes. A larger payload gets a buffer of its own, dropped after its request.
+const WRITE_PAYLOAD_BYTES_MAX: usize = 4 << 20;
+
 /// Runs one request. `scratch` is the worker's read buffer, kept between requests so a
 /// read neither allocates (a fresh 1 MiB buffer is a fresh mapping: 256 page faults) nor
 /// zeroes memory the backend overwrites anyway. A read reply sends only bytes the backend
@@ -723,6 +730,7 @@ const READ_SCRATCH_BYTES_MAX: usize = 4 << 20;
 fn execute(
     backend: &dyn Backend,
     job: &Job,
+    payload: &[u8],
     writer: &ReplyWriter,
     log: &ErrorLog,
     scratch: &mut Vec<u8>,
@@ -767,7 +775,7 @@ fn execute(
             parts.clear();
         }
         Command::Write { offset, fua, .. } => {
-            status(backend.write(offset, &job.payload, fua));
+            status(backend.write(offset, payload, fua));
         }
         Command::Flush => {
             status(backend.flush());
@@ -813,6 +821,7 @@ fn next_request(
     budget: &Budget,
     writer: &ReplyWriter,
     log: &ErrorLog,
+    payload: &mut Vec<u8>,
 ) -> Next {
     let mut hdr = [0u8; proto::REQUEST_HEADER_BYTES];
     match read_exact_or_eof(r, &mut hdr) {
@@ -850,9 +859,19 @@ fn next_request(
                 _ => (0, 0),
             };
             budget.acquire(cost_bytes);
-            let mut payload = vec![0u8; payload_len];
-            match read_exact_or_eof(r, &mut payload) {
-                Ok(true) => Next::Job(Job { cookie: req.cookie, cmd, payload, cost_bytes }),
+            if payload_len > WRITE_PAYLOAD_BYTES_MAX {
+                *payload = vec![0u8; payload_len];
+            } else if payload.len() < payload_len {
+                // Grown once to the largest payload seen; never shrunk below it, so a
+                // buffer already that large is not zeroed again (the read overwrites it).
+                payload.resize(payload_len, 0);
+            }
+            let Some(into) = payload.get_mut(..payload_len) else {
+                budget.release(cost_bytes);
+                return Next::End(Outcome::Dropped("write payload buffer shorter than its request".into()));
+            };
+            match read_exact_or_eof(r, into) {
+                Ok(true) => Next::Job(Job { cookie: req.cookie, cmd, payload_len, cost_bytes }),
                 // The client left mid-payload: the partial write is never applied.
                 Ok(false) => {
                     budget.release(cost_bytes);
@@ -904,6 +923,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
         move || {
             let mut scratch = Vec::new();
             let mut parts = Vec::new();
+            let mut payload = Vec::new();
             loop {
                 let job = {
                     let mut rq = requests.lock();
@@ -914,7 +934,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
                         rq.ended = Some(Outcome::Dropped("reply could not be written".into()));
                         break;
                     }
-                    match next_request(&mut rq.reader, &lim, &budget, &writer, &log) {
+                    match next_request(&mut rq.reader, &lim, &budget, &writer, &log, &mut payload) {
                         Next::Job(job) => job,
                         Next::Answered => continue,
                         Next::End(outcome) => {
@@ -926,8 +946,15 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
                 // An engine bug must cost one request (EIO), not the connection's accounting.
                 let started = std::time::Instant::now();
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    execute(backend.as_ref(), &job, &writer, &log, &mut scratch, &mut parts)
+                    // `next_request` sized the buffer to the payload it read into it.
+                    match payload.get(..job.payload_len) {
+                        Some(body) => execute(backend.as_ref(), &job, body, &writer, &log, &mut scratch, &mut parts),
+                        None => writer.status(proto::NBD_EIO, job.cookie),
+                    }
                 }));
+                if payload.len() > WRITE_PAYLOAD_BYTES_MAX {
+                    payload = Vec::new();
+                }
                 log.metrics.request(&job.cmd, started.elapsed());
                 if ran.is_err() {
                     log.log(format_args!("request {:#x} panicked in the backend; answering EIO", job.cookie));
