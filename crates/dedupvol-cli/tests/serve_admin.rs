@@ -244,45 +244,24 @@ fn tune_sets_the_rest_level_closed_or_served() {
     }
     let dir = tempfile::tempdir().unwrap();
     let vol = dir.path().join("vol.img");
-    run(Command::new(dedupvol()).arg("format").arg(&vol).args([
-        "--logical-size",
-        "8M",
-        "--physical-size",
-        "32M",
-        "--rest-level",
-        "off",
-    ]));
-    let tune = |args: &[&str]| {
-        Command::new(dedupvol())
-            .arg("tune")
-            .arg(&vol)
-            .args(args)
-            .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir.path()))
-            .output()
-            .expect("run tune")
-    };
-    let json = |o: &std::process::Output| -> serde_json::Value {
-        assert!(o.status.success(), "tune failed: {}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).expect("tune json")
-    };
+    let tune = small_volume_to_tune(&vol, dir.path(), &["--rest-level", "off"]);
     assert_eq!(stats_json(&vol, dir.path())["rest_level"], 0);
-    let closed = json(&tune(&["--rest-level", "3", "--json"]));
+    let closed = tune_json(&tune(&["--rest-level", "3", "--json"]));
     assert_eq!((closed["rest_level_before"].as_i64(), closed["rest_level_after"].as_i64()), (Some(0), Some(3)));
     assert_eq!(closed["online"], false);
     let srv = ServerProc::start(&vol, dir.path(), false, &[]);
-    let served = json(&tune(&["--rest-level", "5", "--json"]));
+    let served = tune_json(&tune(&["--rest-level", "5", "--json"]));
     assert_eq!((served["rest_level_before"].as_i64(), served["rest_level_after"].as_i64()), (Some(3), Some(5)));
     assert_eq!(served["online"], true);
     assert_eq!(stats_json(&vol, dir.path())["rest_level"], 5);
-    for (args, why) in [
-        (&["--rest-level", "off"][..], "cannot be taken away"),
-        (&["--rest-level", "20"][..], "from 1 to 19"),
-        (&["--rest-level", "fast"][..], "a zstd level"),
-    ] {
-        let o = tune(args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
-    }
+    refused(
+        &tune,
+        &[
+            (&["--rest-level", "off"], "cannot be taken away"),
+            (&["--rest-level", "20"], "from 1 to 19"),
+            (&["--rest-level", "fast"], "a zstd level"),
+        ],
+    );
     assert!(srv.stop().success());
     assert_eq!(stats_json(&vol, dir.path())["rest_level"], 5, "kept after the server stopped");
     let text = String::from_utf8_lossy(&tune(&["--rest-level", "5"]).stdout).to_string();
@@ -299,52 +278,31 @@ fn the_extent_cap_is_set_at_format_and_tuned_closed_or_served() {
     }
     let dir = tempfile::tempdir().unwrap();
     let vol = dir.path().join("vol.img");
-    run(Command::new(dedupvol()).arg("format").arg(&vol).args([
-        "--logical-size",
-        "8M",
-        "--physical-size",
-        "32M",
-        "--extent-max",
-        "16K",
-    ]));
-    let tune = |args: &[&str]| {
-        Command::new(dedupvol())
-            .arg("tune")
-            .arg(&vol)
-            .args(args)
-            .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir.path()))
-            .output()
-            .expect("run tune")
-    };
-    let json = |o: &std::process::Output| -> serde_json::Value {
-        assert!(o.status.success(), "tune failed: {}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).expect("tune json")
-    };
+    let tune = small_volume_to_tune(&vol, dir.path(), &["--extent-max", "16K"]);
     assert_eq!(stats_json(&vol, dir.path())["extent_blocks_max"], 4);
-    let closed = json(&tune(&["--extent-max", "32K", "--json"]));
+    let closed = tune_json(&tune(&["--extent-max", "32K", "--json"]));
     assert_eq!(
         (closed["extent_blocks_max_before"].as_u64(), closed["extent_blocks_max_after"].as_u64()),
         (Some(4), Some(8))
     );
     assert!(closed.get("rest_level_after").is_none(), "{closed}");
     let srv = ServerProc::start(&vol, dir.path(), false, &[]);
-    let served = json(&tune(&["--extent-max", "4K", "--json"]));
+    let served = tune_json(&tune(&["--extent-max", "4K", "--json"]));
     assert_eq!(
         (served["extent_blocks_max_before"].as_u64(), served["extent_blocks_max_after"].as_u64()),
         (Some(8), Some(1))
     );
     assert_eq!(served["online"], true);
     assert_eq!(stats_json(&vol, dir.path())["extent_blocks_max"], 1);
-    for (args, why) in [
-        (&["--extent-max", "68K"][..], "from 4K to 64K"),
-        (&["--extent-max", "6K"][..], "in steps of 4K"),
-        (&["--extent-max", "0"][..], "from 4K"),
-        (&[][..], "required"),
-    ] {
-        let o = tune(args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
-    }
+    refused(
+        &tune,
+        &[
+            (&["--extent-max", "68K"], "from 4K to 64K"),
+            (&["--extent-max", "6K"], "in steps of 4K"),
+            (&["--extent-max", "0"], "from 4K"),
+            (&[], "required"),
+        ],
+    );
     assert!(srv.stop().success());
     assert_eq!(stats_json(&vol, dir.path())["extent_blocks_max"], 1, "kept after the server stopped");
     assert_eq!(stats_json(&vol, dir.path())["rest_level"], 6, "the rest level untouched");
@@ -352,4 +310,44 @@ fn the_extent_cap_is_set_at_format_and_tuned_closed_or_served() {
     assert!(String::from_utf8_lossy(&info.stdout).contains("extents         up to 4 KiB"), "{info:?}");
     let text = String::from_utf8_lossy(&tune(&["--extent-max", "64K"]).stdout).to_string();
     assert!(text.contains("largest extent 4 KiB -> 64 KiB"), "{text}");
+}
+
+/// `dedupvol tune VOL ARGS`, reaching a server of `dir`'s runtime directory if one serves it.
+fn tune(vol: &std::path::Path, dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(dedupvol())
+        .arg("tune")
+        .arg(vol)
+        .args(args)
+        .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir))
+        .output()
+        .expect("run tune")
+}
+
+/// The JSON report of a `tune --json` that succeeded.
+fn tune_json(o: &std::process::Output) -> serde_json::Value {
+    assert!(o.status.success(), "tune failed: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("tune json")
+}
+
+/// Formats a small volume at `vol` with `extra` format arguments; returns `tune` on it.
+fn small_volume_to_tune<'a>(
+    vol: &'a std::path::Path,
+    dir: &'a std::path::Path,
+    extra: &[&str],
+) -> impl Fn(&[&str]) -> std::process::Output + 'a {
+    run(Command::new(dedupvol())
+        .arg("format")
+        .arg(vol)
+        .args(["--logical-size", "8M", "--physical-size", "32M"])
+        .args(extra));
+    move |args: &[&str]| tune(vol, dir, args)
+}
+
+/// Each `tune` argument list fails, its message naming why.
+fn refused(tune: &impl Fn(&[&str]) -> std::process::Output, cases: &[(&[&str], &str)]) {
+    for (args, why) in cases {
+        let o = tune(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(why), "{args:?}: {err}");
+    }
 }

@@ -1369,33 +1369,22 @@ impl<E: SimEngine> Run<'_, E> {
     /// be found or not, never another (`recover` checks).
     fn op_tune(&mut self) -> Result<(), String> {
         let level = if self.rest_now == 0 { 1 } else { 6 };
-        let armed = self.cfg.crash_ppm > 0 && self.tune_rng.gen_range(0..100) < RECOMPRESS_CRASH_PCT;
-        if armed {
-            let after = self.tune_rng.gen_range(0..8);
-            self.note(format!("arm crash after {after} I/O calls in a rest level change"));
-            self.machine.arm_crash(after);
-        }
-        let before = self.machine.evidence();
-        let r = match self.vol().set_rest_level(level) {
-            Ok(old) if old == self.rest_now => {
+        let crash_after = self.draw_crash(|r| &mut r.tune_rng);
+        match self.armed_change("a rest level change", crash_after, |v| v.set_rest_level(level)) {
+            Ok(Ok(old)) if old == self.rest_now => {
                 self.note(format!("rest level {old} -> {level}"));
                 self.rest_now = level;
                 self.rest_maybe = None;
                 self.stats.rest_level_changes += 1;
                 Ok(())
             }
-            Ok(old) => Err(format!("set_rest_level replaced level {old}, but the volume had {}", self.rest_now)),
-            Err(e) => {
+            Ok(Ok(old)) => Err(format!("set_rest_level replaced level {old}, but the volume had {}", self.rest_now)),
+            Ok(Err(())) => {
                 self.rest_maybe = Some(level);
-                self.mutation_error("rest level change", &e, &before)
+                Ok(())
             }
-        };
-        if self.machine.is_crashed() {
-            self.stats.crashes_in_tune += 1;
-        } else if armed {
-            self.machine.disarm_crash();
+            Err(e) => Err(e),
         }
-        r
     }
 
     /// Gives the volume another extent cap (1 to 16 blocks), a crash sometimes armed
@@ -1404,32 +1393,57 @@ impl<E: SimEngine> Run<'_, E> {
     /// by the new cap; reads and `check` meet extents of every size.
     fn op_extent_cap(&mut self) -> Result<(), String> {
         let blocks = self.extent_rng.gen_range(1..=dedupvol_core::format::UNIT_BLOCKS_MAX);
-        let armed = self.cfg.crash_ppm > 0 && self.extent_rng.gen_range(0..100) < RECOMPRESS_CRASH_PCT;
-        if armed {
-            let after = self.extent_rng.gen_range(0..8);
-            self.note(format!("arm crash after {after} I/O calls in an extent cap change"));
-            self.machine.arm_crash(after);
-        }
-        let before = self.machine.evidence();
-        let r = match self.vol().set_extent_blocks_max(blocks) {
-            Ok(old) if old == self.extent_now => {
+        let crash_after = self.draw_crash(|r| &mut r.extent_rng);
+        match self.armed_change("an extent cap change", crash_after, |v| v.set_extent_blocks_max(blocks)) {
+            Ok(Ok(old)) if old == self.extent_now => {
                 self.note(format!("extent cap {old} -> {blocks} blocks"));
                 self.extent_now = blocks;
                 self.extent_maybe = None;
                 self.stats.extent_cap_changes += 1;
                 Ok(())
             }
-            Ok(old) => {
+            Ok(Ok(old)) => {
                 Err(format!("set_extent_blocks_max replaced {old} blocks, but the volume had {}", self.extent_now))
             }
-            Err(e) => {
+            Ok(Err(())) => {
                 self.extent_maybe = Some(blocks);
-                self.mutation_error("extent cap change", &e, &before)
+                Ok(())
             }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether a setting change gets a crash armed inside it (`RECOMPRESS_CRASH_PCT` of
+    /// them, when crashes are on), and after how many I/O calls; drawn from the stream
+    /// `rng` picks, so each kind of change keeps its own.
+    fn draw_crash(&mut self, rng: impl Fn(&mut Self) -> &mut ChaCha8Rng) -> Option<u64> {
+        let armed = self.cfg.crash_ppm > 0 && rng(self).gen_range(0..100) < RECOMPRESS_CRASH_PCT;
+        armed.then(|| rng(self).gen_range(0..8))
+    }
+
+    /// Runs a superblock setting change on the open volume, with a crash armed after
+    /// `crash_after` I/O calls (`draw_crash`): Ok(Ok(old)) when acknowledged, Ok(Err(()))
+    /// when it failed for a reason the faults explain (the caller then allows the new
+    /// value at the next open), Err when nothing explains the failure. Counts a crash that
+    /// struck inside it; disarms one that did not.
+    fn armed_change<T>(
+        &mut self,
+        what: &str,
+        crash_after: Option<u64>,
+        change: impl FnOnce(&E) -> dedupvol_core::Result<T>,
+    ) -> Result<Result<T, ()>, String> {
+        if let Some(after) = crash_after {
+            self.note(format!("arm crash after {after} I/O calls in {what}"));
+            self.machine.arm_crash(after);
+        }
+        let before = self.machine.evidence();
+        let r = match change(self.vol()) {
+            Ok(old) => Ok(Ok(old)),
+            Err(e) => self.mutation_error(what, &e, &before).map(|()| Err(())),
         };
         if self.machine.is_crashed() {
             self.stats.crashes_in_tune += 1;
-        } else if armed {
+        } else if crash_after.is_some() {
             self.machine.disarm_crash();
         }
         r

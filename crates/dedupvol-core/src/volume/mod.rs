@@ -119,7 +119,8 @@ pub struct Volume {
     /// Newly written blocks enter the content cache (see `OpenOptions::cache_writes`).
     pub(crate) cache_writes: bool,
     /// The volume's extent cap in blocks (the superblock's, 0 read as the largest;
-    /// `FormatOptions::extent_blocks_max`). Changed only by `set_extent_blocks_max`.
+    /// `FormatOptions::extent_blocks_max`). Changed only by `set_extent_blocks_max`,
+    /// under the state lock.
     pub(crate) extent_blocks_max: std::sync::atomic::AtomicU8,
     /// This open's own cap (`OpenOptions::extent_blocks_max`): the smaller of the two is
     /// the largest extent formed (`extent_max`).

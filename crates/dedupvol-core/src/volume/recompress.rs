@@ -364,25 +364,45 @@ impl Volume {
                 crate::config::ZSTD_LEVEL_MAX
             )));
         }
-        // The order every superblock writer takes (`grow`): commit, state, superblock.
+        self.set_superblock_setting(
+            level,
+            |sb| &mut sb.rest_level,
+            |st| {
+                self.rest_level.store(level, std::sync::atomic::Ordering::Release);
+                // Fragments at rest under the old rule may not be under the new one: the next
+                // pass looks at every fragment.
+                st.fast_codec_hint = u64::MAX;
+            },
+        )
+    }
+
+    /// Changes one setting of the superblock durably (a new generation), under the locks
+    /// every superblock writer takes, in their order (`grow`): commit, state, superblock.
+    /// `field` picks the setting; a value already set writes nothing. A write that fails
+    /// puts the old value back and fails the volume (the failed-volume rule: what reached
+    /// the device is unknown, and the next open finds the old value or the new one, each
+    /// in a whole superblock). `then` runs under the state lock after a write (where the
+    /// volume's copy of the setting changes, so two changes cannot cross). Returns the old
+    /// value.
+    fn set_superblock_setting<T: Copy + PartialEq>(
+        &self,
+        value: T,
+        field: impl Fn(&mut super::Superblock) -> &mut T,
+        then: impl FnOnce(&mut super::state::State),
+    ) -> Result<T> {
         let _c = self.commit_lock.lock();
         let mut st = self.state.lock();
         let mut sb = self.sb.lock();
-        let old = sb.rest_level;
-        if old == level {
+        let old = *field(&mut sb);
+        if old == value {
             return Ok(old);
         }
-        sb.rest_level = level;
+        *field(&mut sb) = value;
         if let Err(e) = super::lifecycle::write_superblock(self.data.dev(), self.separate_meta(), &mut sb) {
-            // What reached the device is unknown: the failed-volume rule. The next open
-            // finds the old level or the new one, each in a whole superblock.
-            sb.rest_level = old;
+            *field(&mut sb) = old;
             return self.fail(e);
         }
-        self.rest_level.store(level, std::sync::atomic::Ordering::Release);
-        // Fragments at rest under the old rule may not be under the new one: the next
-        // pass looks at every fragment.
-        st.fast_codec_hint = u64::MAX;
+        then(&mut st);
         Ok(old)
     }
 
@@ -401,22 +421,13 @@ impl Volume {
     pub fn set_extent_blocks_max(&self, blocks: u8) -> Result<u8> {
         self.check_writable()?;
         crate::config::check_extent_blocks_max(blocks)?;
-        // The order every superblock writer takes (`grow`): commit, state, superblock.
-        let _c = self.commit_lock.lock();
-        let _st = self.state.lock();
-        let mut sb = self.sb.lock();
-        let old = sb.extent_blocks_max;
-        if old == blocks {
-            return Ok(blocks);
-        }
-        sb.extent_blocks_max = blocks;
-        if let Err(e) = super::lifecycle::write_superblock(self.data.dev(), self.separate_meta(), &mut sb) {
-            // What reached the device is unknown: the failed-volume rule (as
-            // `set_rest_level`).
-            sb.extent_blocks_max = old;
-            return self.fail(e);
-        }
-        self.extent_blocks_max.store(blocks, std::sync::atomic::Ordering::Release);
+        let old = self.set_superblock_setting(
+            blocks,
+            |sb| &mut sb.extent_blocks_max,
+            |_| {
+                self.extent_blocks_max.store(blocks, std::sync::atomic::Ordering::Release);
+            },
+        )?;
         Ok(super::extent_setting(old))
     }
 
