@@ -30,7 +30,7 @@ pub enum VolumeCommand {
     /// Grow a volume's logical size (also while served) or its data device (closed), or
     /// shrink its logical size when nothing mapped is lost.
     Grow(crate::grow_cmd::GrowArgs),
-    /// Change a setting of an existing volume (also while served): its rest level.
+    /// Change a setting of an existing volume (also while served): its rest level, its extent cap.
     Tune(crate::tune_cmd::TuneArgs),
     /// Read every stored block and metadata page and verify its checksum (a served volume
     /// is scrubbed by its server, throttled, while it serves); --repair rewrites damaged
