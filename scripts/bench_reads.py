@@ -113,7 +113,8 @@ def nbd_section(cfg, work, results):
         for p in (vol, raw):
             if p.exists():
                 p.unlink()
-        bs.run([DEDUPVOL, "format", vol, "--logical-size", size, "--physical-size", cfg["physical"], "--force"])
+        bs.run([DEDUPVOL, "format", vol, "--logical-size", size, "--physical-size", cfg["physical"], "--force",
+                *cfg["format_args"]])
         bs.run(["truncate", "-s", size, raw])
         servers = {
             "dedupvol": bs.Server("dedupvol", vol, work / "dv.sock", extra=cfg["serve_args"]),
@@ -201,7 +202,7 @@ def memory_section(cfg, work, results):
         if p.exists():
             p.unlink()
     bs.run([DEDUPVOL, "format", paths["dedupvol"], "--logical-size", size, "--physical-size",
-            cfg["memory_physical"], "--force"])
+            cfg["memory_physical"], "--force", *cfg["format_args"]])
     # The content cache takes what the RSS bound leaves in the group: the limit less the
     # fingerprint index, the block-map cache and 256 MiB for threads' buffers and
     # allocator slack (with less slack the group's limit can kill the server).
@@ -421,6 +422,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cache-size", default="auto", help="dedupvol serve --cache-size (default: the server's own)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for dedupvol serve")
+    ap.add_argument("--format-arg", action="append", default=[],
+                    help="extra argument for dedupvol format in the nbd and memory sections (e.g. --format-arg=--extent-max=16K)")
     ap.add_argument("--memory-limit", default="1536M")
     ap.add_argument("--memory-region", default="8G")
     ap.add_argument("--memory-physical", default="6G")
@@ -448,6 +451,7 @@ def main():
         "cache_size": a.cache_size,
         "serve_args": ["--cache-size", a.cache_size, *a.serve_arg],
         "serve_args_nocache": a.serve_arg,
+        "format_args": a.format_arg,
         "memory_limit": a.memory_limit,
         "memory_region": a.memory_region,
         "memory_physical": a.memory_physical,
