@@ -365,10 +365,11 @@ impl Volume {
 }
 
 /// The extent cap a superblock's byte stands for: 0 (volumes formatted before the setting
-/// existed, or without one) is the largest unit.
+/// existed, or without one) is the largest unit. (Decoding refuses a byte above it.)
 pub(crate) fn extent_setting(byte: u8) -> u8 {
-    match byte {
-        0 => crate::metadata::block_map::UNIT_BLOCKS_MAX,
-        b => b.min(crate::metadata::block_map::UNIT_BLOCKS_MAX),
+    if byte == 0 {
+        crate::metadata::block_map::UNIT_BLOCKS_MAX
+    } else {
+        byte
     }
 }
