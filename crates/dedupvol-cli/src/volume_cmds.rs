@@ -527,6 +527,8 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
             "compression_level": s.compression_level,
             "rest_level": s.rest_level,
             "extent_blocks_max": s.extent_blocks_max,
+            "dictionary_id": s.dictionary.map(|d| d.0),
+            "dictionary_bytes": s.dictionary.map(|d| d.1),
             "dedup": s.dedup,
             "verify": s.verify,
             "direct_io": vol.direct_io(),
@@ -593,6 +595,15 @@ fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
         if s.rest_level != 0 { format!(", at rest zstd:{} (while idle)", s.rest_level) } else { String::new() }
     )?;
     outln!("extents         up to {} KiB", u32::from(s.extent_blocks_max) * 4)?;
+    match (s.dictionary, s.dictionary_area, s.rest_level != 0) {
+        (Some((id, bytes)), _, _) => outln!(
+            "dictionary      {:.1} KiB (id {id}), trained from this volume's data: units of up to 16 KiB at rest use it",
+            f64::from(bytes) / 1024.0
+        )?,
+        (None, true, true) => outln!("dictionary      none yet (trained by the first settling of enough data)")?,
+        (None, true, false) => outln!("dictionary      none (trained only in volumes with a rest level)")?,
+        (None, false, _) => outln!("dictionary      none (no dictionary area: formatted before dictionaries)")?,
+    }
     outln!("dedup           {} (verify {})", if s.dedup { "on" } else { "off" }, s.verify)?;
     let io = if dedupvol_core::RadosUrl::parse(&a.path).is_some() {
         "RADOS objects of 4 MiB (no page cache)"

@@ -280,10 +280,13 @@ pub struct FormatOptions {
     /// device, within the default room.
     pub max_physical_size_bytes: Option<u64>,
     /// Largest extent the volume forms, in 4 KiB blocks (1..=`UNIT_BLOCKS_MAX`; 1: every
-    /// block compressed alone). `None`: the largest. Larger extents compress better; a
-    /// random 4 KiB read of one decodes the extent up to the block it wants, so a volume
-    /// read mostly in small random requests may want smaller ones. Changeable later
-    /// (`Volume::set_extent_blocks_max`).
+    /// block compressed alone). `None`: `DEFAULT_EXTENT_BLOCKS_DICT` (16 KiB) for a zstd
+    /// volume with a rest level, whose data at rest is compressed with a dictionary
+    /// trained from it (`data::dictionary`: small units then store nearly what 64 KiB
+    /// ones do without one, and read faster), else the largest
+    /// (`effective_extent_blocks_max`). Larger extents compress better;
+    /// a random 4 KiB read of one decodes the extent up to the block it wants. Changeable
+    /// later (`Volume::set_extent_blocks_max`).
     pub extent_blocks_max: Option<u8>,
 }
 
@@ -308,6 +311,10 @@ impl Default for FormatOptions {
         }
     }
 }
+
+/// The extent cap a zstd volume with a rest level gets by default, in blocks (see
+/// `FormatOptions::extent_blocks_max`).
+pub const DEFAULT_EXTENT_BLOCKS_DICT: u8 = 4;
 
 /// Refuses an extent cap outside 1..=`UNIT_BLOCKS_MAX` blocks.
 pub fn check_extent_blocks_max(blocks: u8) -> Result<()> {
@@ -338,6 +345,17 @@ impl FormatOptions {
             (Some(l), _) => l,
             (None, Compression::Zstd) => REST_LEVEL_DEFAULT,
             (None, _) => 0,
+        }
+    }
+
+    /// The extent cap this volume gets, in blocks: see `extent_blocks_max`.
+    pub fn effective_extent_blocks_max(&self) -> u8 {
+        match self.extent_blocks_max {
+            Some(b) => b,
+            None if self.compression == Compression::Zstd && self.effective_rest_level() != 0 => {
+                DEFAULT_EXTENT_BLOCKS_DICT
+            }
+            None => crate::metadata::block_map::UNIT_BLOCKS_MAX,
         }
     }
 
@@ -465,6 +483,9 @@ pub struct OpenOptions {
     /// extents compress better; a random 4 KiB read of one decompresses up to the block it
     /// wants (measured on a 256 MiB kernel tar: see docs/design.md).
     pub extent_blocks_max: u8,
+    /// Data a settling pass must find before it trains the volume's zstd dictionary
+    /// (`data::dictionary::TRAIN_MIN_BYTES` by default; tests and the simulator lower it).
+    pub dictionary_train_min_bytes: usize,
     /// How small writes are combined into batches for the pipeline's stages.
     pub batch: crate::pipeline::batcher::BatchOptions,
     /// Predict unique chunks from a cheap hash so that their compression runs in the same
@@ -549,6 +570,7 @@ impl Default for OpenOptions {
             background_writes: true,
             cache_writes: None,
             extent_blocks_max: crate::metadata::block_map::UNIT_BLOCKS_MAX,
+            dictionary_train_min_bytes: crate::data::dictionary::TRAIN_MIN_BYTES,
             batch: crate::pipeline::batcher::BatchOptions::default(),
             unique_predictor: false,
             defer_compression_micros: 0,

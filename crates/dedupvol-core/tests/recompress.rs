@@ -84,6 +84,9 @@ fn format_rest(dev: &Arc<MemStorage>, logical: u64, rest: i8) {
         slab_size_bytes: 1 << 20,
         compression: Compression::Zstd,
         rest_level: Some(rest),
+        // 64 KiB extents, as the inline volumes these are compared with (a rest level
+        // alone would make them 16 KiB, compressed at rest with a dictionary).
+        extent_blocks_max: Some(16),
         ..FormatOptions::default()
     };
     Volume::format(dev.clone() as Arc<dyn Storage>, None, &opts, false).expect("format");

@@ -386,6 +386,9 @@ impl RunConfig {
             // The driver runs the index rebuild's steps between operations (`rebuild_rng`),
             // so they interleave with writes and crashes reproducibly.
             index_rebuild: dedupvol_core::IndexRebuild::Manual,
+            // Small enough that a settling pass of a seed's few MiB trains the volume's
+            // dictionary (installing it is a superblock change a crash may cut).
+            dictionary_train_min_bytes: 128 << 10,
             ..OpenOptions::default()
         };
         // Write-once journaling, from its own stream so the seeds' other choices stay as
@@ -548,6 +551,8 @@ pub struct RunStats {
     pub rest_level_changes: u64,
     /// Extent caps given to open volumes (`set_extent_blocks_max` acknowledged).
     pub extent_cap_changes: u64,
+    /// Recompression passes that installed the volume's dictionary (acknowledged).
+    pub dictionaries_installed: u64,
     /// Crashes armed inside a rest level or extent cap change that struck.
     pub crashes_in_tune: u64,
     /// Faults injected by kind.
@@ -592,6 +597,7 @@ impl RunStats {
         self.crashes_in_recompress += o.crashes_in_recompress;
         self.rest_level_changes += o.rest_level_changes;
         self.extent_cap_changes += o.extent_cap_changes;
+        self.dictionaries_installed += o.dictionaries_installed;
         self.crashes_in_tune += o.crashes_in_tune;
         self.faults.add(&o.faults);
         self.coverage.add(&o.coverage);
@@ -803,7 +809,7 @@ pub fn run_seed<E: SimEngine>(seed: u64, opts: &SimOptions) -> Result<RunStats, 
         rest_now: cfg.format.effective_rest_level(),
         rest_maybe: None,
         extent_rng: ChaCha8Rng::seed_from_u64(seed ^ 0xE47E_2CA9),
-        extent_now: cfg.format.extent_blocks_max.unwrap_or(dedupvol_core::format::UNIT_BLOCKS_MAX),
+        extent_now: cfg.format.effective_extent_blocks_max(),
         extent_maybe: None,
         model: Model::new(),
         vol: None,
@@ -1343,10 +1349,15 @@ impl<E: SimEngine> Run<'_, E> {
         let budget = if self.recompress_rng.gen_bool(0.5) { 64 << 10 } else { 1 << 20 };
         let before = self.machine.evidence();
         self.stats.recompress_passes += 1;
+        let dict_before = self.vol().dictionary();
         let r = self.vol().recompress(budget);
         let r = match r {
             Ok(n) => {
                 self.note(format!("recompression pass: {n} fragments replaced"));
+                if let (None, Some(id)) = (dict_before, self.vol().dictionary()) {
+                    self.note(format!("dictionary {id} installed"));
+                    self.stats.dictionaries_installed += 1;
+                }
                 self.stats.fragments_recompressed += n;
                 if !self.machine.is_crashed() && self.recompress_rng.gen_bool(0.5) {
                     self.op_flush()

@@ -64,6 +64,10 @@ pub trait SimEngine: Sized {
     fn recompress(&self, _budget_bytes: u64) -> Result<u64> {
         Ok(0)
     }
+    /// The id of the volume's trained dictionary (None: none, or no such thing).
+    fn dictionary(&self) -> Option<u32> {
+        None
+    }
     /// True when the engine has rest levels (`set_rest_level`): the driver gives them only
     /// to such engines.
     const REST_LEVELS: bool = false;
@@ -202,6 +206,9 @@ impl SimEngine for Volume {
     }
     fn recompress(&self, budget_bytes: u64) -> Result<u64> {
         Volume::recompress(self, &dedupvol_core::RecompressOptions { budget_bytes }).map(|r| r.fragments_recompressed)
+    }
+    fn dictionary(&self) -> Option<u32> {
+        self.stats().dictionary.map(|d| d.0)
     }
     fn set_rest_level(&self, level: i8) -> Result<i8> {
         Volume::set_rest_level(self, level)

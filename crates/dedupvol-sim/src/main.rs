@@ -212,7 +212,7 @@ fn main() {
 
 fn figures(s: &RunStats) -> String {
     format!(
-        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) rest_level_changes={} extent_cap_changes={} (crashes in either {}) combined_writes={} io_calls={}",
+        "ops={} writes={} reads={} flushes={} zeroings={} crashes={} (in recovery {}, in close {}) recoveries={} read_only_recoveries={} clean_checks={} blocks_verified={} corruption_detected={} stale_dedup_after_fault={} heals={} no_space={} restarts={} rebuild_steps={} (crashes in them {}, records rebuilt {}, pages skipped {}) cleaner_passes={} (crashes in them {}) recompress_passes={} (fragments {}, crashes in them {}) rest_level_changes={} extent_cap_changes={} (crashes in either {}) dictionaries_installed={} combined_writes={} io_calls={}",
         s.ops,
         s.writes,
         s.reads,
@@ -242,6 +242,7 @@ fn figures(s: &RunStats) -> String {
         s.rest_level_changes,
         s.extent_cap_changes,
         s.crashes_in_tune,
+        s.dictionaries_installed,
         s.combined_writes,
         s.io_calls
     )

@@ -141,6 +141,9 @@ impl SimEngine for StripedVolume {
     fn recompress(&self, budget_bytes: u64) -> Result<u64> {
         <Volume as SimEngine>::recompress(&self.0, budget_bytes)
     }
+    fn dictionary(&self) -> Option<u32> {
+        <Volume as SimEngine>::dictionary(&self.0)
+    }
     const REST_LEVELS: bool = true;
     fn set_rest_level(&self, level: i8) -> Result<i8> {
         self.0.set_rest_level(level)

@@ -2,6 +2,7 @@
 //! written (staging), the writer of data blocks, and the placement layer that maps
 //! physical blocks to devices.
 
+pub(crate) mod dictionary;
 pub(crate) mod packer;
 pub(crate) mod placement;
 pub(crate) mod staging;

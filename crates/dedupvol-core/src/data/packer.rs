@@ -122,6 +122,31 @@ pub fn compress_probed(codec: Compression, level: i8, src: &[u8], probe: bool) -
     })
 }
 
+/// `compress`, with the volume's dictionary `dict` for zstd units small enough to use it
+/// (`dictionary::DICT_UNIT_BYTES_MAX`): how data at rest is compressed.
+pub fn compress_with(
+    codec: Compression,
+    level: i8,
+    src: &[u8],
+    dict: Option<&super::dictionary::Dictionary>,
+) -> Option<Vec<u8>> {
+    match dict {
+        Some(d)
+            if codec == Compression::Zstd
+                && !src.is_empty()
+                && src.len() <= super::dictionary::DICT_UNIT_BYTES_MAX
+                && src.len().is_multiple_of(BLOCK_SIZE) =>
+        {
+            if src.len() == BLOCK_SIZE && incompressible(src) {
+                return None;
+            }
+            let level = crate::config::effective_level(codec, level);
+            super::dictionary::compress(d, level, src, fragment_limit(src.len() / BLOCK_SIZE)).filter(|f| !f.is_empty())
+        }
+        _ => compress(codec, level, src),
+    }
+}
+
 /// The largest acceleration `compress_probed` gives LZ4's fast mode (the reference
 /// library's own bound is far higher; beyond this the ratio falls off with little speed
 /// left to gain).
@@ -269,6 +294,11 @@ fn decompress_with(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8], checked: boo
     let decoded = match codec {
         Compression::None => return Err(damaged(pbn, "a compression codec", format!("codec {}", f.codec))),
         Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| e.to_string()),
+        Compression::Zstd if super::dictionary::frame_id(frag).is_some() => {
+            // Compressed with the volume's dictionary (`data::dictionary`).
+            let id = super::dictionary::frame_id(frag).unwrap_or(0);
+            super::dictionary::decompress(id, frag, out, checked)
+        }
         Compression::Zstd => {
             thread_local! {
                 // One context per thread and mode: [checksum ignored, checked].

@@ -3,7 +3,7 @@
 //! ```text
 //! metadata device (or the data device when there is none):
 //!   [0] superblock A  [1] superblock B  [journal] [refcount pages ×2 slots]
-//!   [block map pages ×2 slots] [fingerprint index: chapter ring]
+//!   [block map pages ×2 slots] [fingerprint index: chapter ring] [dictionary area]
 //! data device:
 //!   [0] superblock A  [1] superblock B  (metadata here when no metadata device)
 //!   [data region: slabs of slab_blocks data blocks, the last one possibly short]
@@ -15,7 +15,8 @@
 //! nothing needed for correctness (`Geometry::plan_resize`).
 //!
 //! Invariants:
-//! - Regions (journal, refcount pages, block map pages, chapter ring) do not overlap and
+//! - Regions (journal, refcount pages, block map pages, chapter ring, dictionary area) do
+//!   not overlap and
 //!   lie inside the metadata area of their device, after the superblocks
 //!   (`Geometry::validate`); they may lie in any order and with free blocks between them.
 //! - A page count never decreases over a volume's life, so the slots of a page index
@@ -39,6 +40,9 @@ pub const DATA_BLOCKS_MIN: u64 = 64;
 pub const JOURNAL_BLOCKS_MIN: u64 = 64;
 /// Largest automatically chosen journal (32 MiB).
 pub const JOURNAL_BLOCKS_AUTO_MAX: u64 = 8192;
+/// Blocks of the dictionary area a volume gets at format: two copies of a dictionary of
+/// at most `data::dictionary::DICT_BYTES_MAX` (`data::dictionary`).
+pub const DICT_AREA_BLOCKS: u64 = 64;
 
 /// The placement of every region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +69,11 @@ pub struct Geometry {
     pub index_start: u64,
     /// Length of the chapter ring area in blocks.
     pub index_blocks: u64,
+    /// First block of the dictionary area (metadata device; 0 with `dict_blocks` 0: a
+    /// volume formatted before dictionaries existed, or whose metadata device had no room).
+    pub dict_start: u64,
+    /// Blocks of the dictionary area (`DICT_AREA_BLOCKS`, or 0: none).
+    pub dict_blocks: u64,
     /// First data block (data device).
     pub data_start: u64,
     /// Data blocks in the data region.
@@ -123,7 +132,16 @@ impl Geometry {
         let refcount_start = journal_start + journal_blocks;
         let block_map_start = refcount_start + 2 * refcount_room_pages;
         let index_start = block_map_start + 2 * block_map_room_pages;
-        let meta_end = index_start + index_blocks;
+        // The dictionary area after the ring; on a metadata device only if it has room
+        // (a volume without one compresses without a dictionary).
+        let dict_start = index_start + index_blocks;
+        let dict_blocks = if meta_dev_bytes.is_some() && dict_start + DICT_AREA_BLOCKS > meta_dev_blocks {
+            0
+        } else {
+            DICT_AREA_BLOCKS
+        };
+        let dict_start = if dict_blocks == 0 { 0 } else { dict_start };
+        let meta_end = index_start + index_blocks + dict_blocks;
         let data_start = if meta_dev_bytes.is_some() {
             if meta_end > meta_dev_blocks {
                 return Err(Error::InvalidArgument(format!(
@@ -156,6 +174,8 @@ impl Geometry {
             block_map_pages,
             index_start,
             index_blocks,
+            dict_start,
+            dict_blocks,
             data_start,
             data_blocks: data_dev_blocks - data_start,
             slab_blocks,
@@ -169,7 +189,9 @@ impl Geometry {
     /// one is corruption of a "superblock copy" (address 0: `Superblock::read` names the copy).
     pub fn validate(&self) -> Result<()> {
         let regions = self.regions();
-        let inside = regions.iter().all(|r| r.start >= SUPERBLOCK_BLOCKS && r.end <= self.meta_end_limit());
+        let inside = regions
+            .iter()
+            .all(|r| r.is_empty() && r.start == 0 || r.start >= SUPERBLOCK_BLOCKS && r.end <= self.meta_end_limit());
         let apart = regions.iter().enumerate().all(|(i, a)| regions.iter().skip(i + 1).all(|b| !overlaps(a, b)));
         let ok = self.logical_blocks > 0
             && self.journal_blocks >= JOURNAL_BLOCKS_MIN
@@ -208,15 +230,23 @@ impl Geometry {
     }
 
     /// The metadata regions as block ranges of the metadata device: journal, refcount
-    /// slots, block map slots, chapter ring (ends saturate: `validate` refuses them).
-    pub fn regions(&self) -> [std::ops::Range<u64>; 4] {
+    /// slots, block map slots, chapter ring, dictionary area (empty when none; ends
+    /// saturate: `validate` refuses them).
+    pub fn regions(&self) -> [std::ops::Range<u64>; 5] {
         let span = |start: u64, len: u64| start..start.saturating_add(len);
         [
             span(self.journal_start, self.journal_blocks),
             span(self.refcount_start, self.refcount_pages.saturating_mul(2)),
             span(self.block_map_start, self.block_map_pages.saturating_mul(2)),
             span(self.index_start, self.index_blocks),
+            span(self.dict_start, self.dict_blocks),
         ]
+    }
+
+    /// The dictionary area (empty when the volume has none). It never moves: a resize
+    /// plans around it.
+    pub fn dict_area(&self) -> std::ops::Range<u64> {
+        self.regions()[4].clone()
     }
 
     /// Where the metadata area ends: the metadata device's end, or the data region's start
@@ -330,6 +360,8 @@ impl Geometry {
         g.refcount_pages = self.refcount_pages.max(data_dev_blocks.div_ceil(RC_ENTRIES_PER_PAGE));
         let limit = g.meta_end_limit();
         let journal = g.journal_start..g.journal_start + g.journal_blocks;
+        // Fixed regions: the journal and the dictionary area never move.
+        let dict = g.dict_area();
         let mut copies = Vec::new();
         // The ring is left out while the two page regions find their place.
         let (old_rc, old_bm) = (self.regions()[1].clone(), self.regions()[2].clone());
@@ -342,20 +374,28 @@ impl Geometry {
         let rc_len = 2 * g.refcount_pages;
         let bm_len = 2 * g.block_map_pages;
         let bm_in_place = g.block_map_start..g.block_map_start.saturating_add(bm_len);
-        let bm_keep =
-            if fits(g.block_map_start, bm_len, std::slice::from_ref(&journal)) { bm_in_place } else { old_bm.clone() };
+        let bm_keep = if fits(g.block_map_start, bm_len, &[journal.clone(), dict.clone()]) {
+            bm_in_place
+        } else {
+            old_bm.clone()
+        };
         // Refcount region: in place if its extension meets nothing but the ring.
-        if !fits(g.refcount_start, rc_len, &[journal.clone(), bm_keep.clone()]) {
-            let start = first_free(limit, rc_len, &[journal.clone(), old_bm.clone(), old_rc.clone(), bm_keep])
-                .ok_or_else(|| no_room("reference counts", rc_len, limit))?;
+        if !fits(g.refcount_start, rc_len, &[journal.clone(), dict.clone(), bm_keep.clone()]) {
+            let start =
+                first_free(limit, rc_len, &[journal.clone(), dict.clone(), old_bm.clone(), old_rc.clone(), bm_keep])
+                    .ok_or_else(|| no_room("reference counts", rc_len, limit))?;
             copies.push(RegionCopy { from: old_rc.start, to: start, blocks: old_rc.end - old_rc.start });
             g.refcount_start = start;
         }
         let rc_now = g.refcount_start..g.refcount_start + rc_len;
-        if !fits(g.block_map_start, bm_len, &[journal.clone(), rc_now.clone()]) {
+        if !fits(g.block_map_start, bm_len, &[journal.clone(), dict.clone(), rc_now.clone()]) {
             // Never over a copy's source: the old geometry stays whole until the switch.
-            let start = first_free(limit, bm_len, &[journal.clone(), rc_now.clone(), old_bm.clone(), old_rc.clone()])
-                .ok_or_else(|| no_room("block map", bm_len, limit))?;
+            let start = first_free(
+                limit,
+                bm_len,
+                &[journal.clone(), dict.clone(), rc_now.clone(), old_bm.clone(), old_rc.clone()],
+            )
+            .ok_or_else(|| no_room("block map", bm_len, limit))?;
             copies.push(RegionCopy { from: old_bm.start, to: start, blocks: old_bm.end - old_bm.start });
             g.block_map_start = start;
         }
@@ -365,6 +405,9 @@ impl Geometry {
         // leave the old geometry pointing at them while they are unchanged anyway, but the
         // copies' sources must stay intact until then).
         let mut taken = vec![journal, rc_now, bm_now];
+        if !dict.is_empty() {
+            taken.push(dict);
+        }
         taken.extend(copies.iter().map(|c| c.from..c.from + c.blocks));
         let ring = g.index_start..g.index_start + g.index_blocks;
         if taken.iter().any(|t| overlaps(t, &ring)) || ring.end > limit {

@@ -20,6 +20,13 @@
 //!   `FORMAT_VERSION_REST_STRIPED` when striped, and its level in byte 211: a build that
 //!   does not know the mark refuses the volume by its version instead of failing on the
 //!   first marked entry. A volume without one keeps version 2 or 3 and byte 211 zero.
+//! - A volume formatted with a dictionary area carries a dictionary record at
+//!   `DICT_RECORD_OFFSET` (the area's place; without the record, or with an area of zero
+//!   blocks, the volume has none). Once a dictionary is installed (`data::dictionary`) the
+//!   record names it and the version is `FORMAT_VERSION_DICT` (`FORMAT_VERSION_DICT_STRIPED`
+//!   when striped): fragments may then need the dictionary to decode, and a build that
+//!   does not know dictionaries refuses the volume by its version. Dictionaries are only
+//!   trained in volumes with a rest level, so versions 6 and 7 carry one too.
 
 use crate::config::{Compression, DedupVerify, IndexMode, WritePolicy, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{Corruption, Error, Result};
@@ -41,6 +48,10 @@ pub const FORMAT_VERSION_STRIPED: u32 = 3;
 pub const FORMAT_VERSION_REST: u32 = 4;
 /// Version 3 (striped) plus a rest level and fragments marked settled.
 pub const FORMAT_VERSION_REST_STRIPED: u32 = 5;
+/// Version 4 (rest level) plus an installed zstd dictionary (the dictionary record).
+pub const FORMAT_VERSION_DICT: u32 = 6;
+/// Version 5 (rest level, striped) plus an installed zstd dictionary.
+pub const FORMAT_VERSION_DICT_STRIPED: u32 = 7;
 /// Offset of the checksum field.
 pub const SUPERBLOCK_CRC_OFFSET: usize = 8;
 /// Longest metadata-device path remembered in the superblock.
@@ -157,6 +168,51 @@ const _: () = assert!(std::mem::size_of::<LifetimeRaw>() == 152);
 const _: () = assert!(LIFETIME_RECORD_OFFSET >= std::mem::size_of::<SuperblockRaw>());
 const _: () = assert!(LIFETIME_RECORD_OFFSET + std::mem::size_of::<LifetimeRaw>() <= BLOCK_SIZE);
 
+/// Offset of the dictionary record in each superblock copy (after the stripe record).
+pub const DICT_RECORD_OFFSET: usize = 3072;
+/// Magic of the dictionary record.
+pub const DICT_MAGIC: [u8; 4] = *b"DVDI";
+
+/// The dictionary record: where the dictionary area is, and the dictionary installed in
+/// it (id 0: none yet).
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct DictRaw {
+    /// `DICT_MAGIC`.
+    pub magic: [u8; 4],
+    /// Blocks of the area (two copies of the dictionary, each in the first or the second
+    /// half).
+    pub area_blocks: U32,
+    /// First block of the area (metadata device).
+    pub area_start: U64,
+    /// The installed dictionary's zstd id (0: none installed).
+    pub id: U32,
+    /// Its length in bytes.
+    pub len: U32,
+    /// crc32c of its bytes.
+    pub crc: U32,
+    /// Zero.
+    pub reserved: U32,
+}
+
+const _: () = assert!(std::mem::size_of::<DictRaw>() == 32);
+const _: () = assert!(
+    crate::metadata::stripe::STRIPE_RECORD_OFFSET + std::mem::size_of::<crate::metadata::stripe::StripeRaw>()
+        <= DICT_RECORD_OFFSET
+);
+const _: () = assert!(DICT_RECORD_OFFSET + std::mem::size_of::<DictRaw>() <= BLOCK_SIZE);
+
+/// The dictionary a volume has installed (`data::dictionary`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DictInfo {
+    /// zstd dictionary id, as frames compressed with it carry it (never 0).
+    pub id: u32,
+    /// Bytes.
+    pub len: u32,
+    /// crc32c of the bytes.
+    pub crc: u32,
+}
+
 impl LifetimeRaw {
     fn encode(c: &LifetimeCounters) -> Self {
         LifetimeRaw {
@@ -177,6 +233,38 @@ impl LifetimeRaw {
             raw.words.get(i).filter(|_| i < count).map_or(0, |w| w.get())
         }))
     }
+}
+
+/// The dictionary record of a superblock copy of `version`: (area start, area blocks,
+/// the installed dictionary). No record: no area. Versions 6 and 7 must name a
+/// dictionary that fits its area's halves; older ones must not name one.
+fn decode_dict(buf: &[u8], version: u32) -> Result<(u64, u64, Option<DictInfo>)> {
+    let bad = |expected: String, found: String| Err(Error::corruption("superblock copy", 0, expected, found));
+    let raw = buf.get(DICT_RECORD_OFFSET..).and_then(|b| DictRaw::read_from_prefix(b).ok()).map(|(r, _)| r);
+    let with_dict = version >= FORMAT_VERSION_DICT;
+    let Some(raw) = raw.filter(|r| r.magic == DICT_MAGIC) else {
+        if with_dict {
+            return bad(format!("a dictionary record in a version {version} superblock"), "none".into());
+        }
+        return Ok((0, 0, None));
+    };
+    let (start, blocks) = (raw.area_start.get(), u64::from(raw.area_blocks.get()));
+    let id = raw.id.get();
+    if !with_dict {
+        if id != 0 {
+            return bad(format!("no dictionary in a version {version} volume"), format!("dictionary {id}"));
+        }
+        return Ok((start, blocks, None));
+    }
+    let len = raw.len.get();
+    let half_bytes = blocks / 2 * BLOCK_SIZE_U64;
+    if id == 0 || len == 0 || len as usize > crate::data::dictionary::DICT_BYTES_MAX || u64::from(len) > half_bytes {
+        return bad(
+            format!("an installed dictionary that fits half of a {blocks}-block area"),
+            format!("dictionary {id} of {len} bytes"),
+        );
+    }
+    Ok((start, blocks, Some(DictInfo { id, len, crc: raw.crc.get() })))
 }
 
 /// A decoded superblock.
@@ -230,6 +318,8 @@ pub struct Superblock {
     pub lifetime: LifetimeCounters,
     /// The data region's stripe over several devices (None: one data device).
     pub stripe: Option<StripeLayout>,
+    /// The installed zstd dictionary (None: none yet, or no dictionary area).
+    pub dictionary: Option<DictInfo>,
 }
 
 impl Superblock {
@@ -245,11 +335,13 @@ impl Superblock {
         let raw = SuperblockRaw {
             magic: SUPERBLOCK_MAGIC,
             checksum: U32::new(0),
-            version: U32::new(match (self.stripe.is_some(), self.rest_level != 0) {
-                (false, false) => FORMAT_VERSION,
-                (true, false) => FORMAT_VERSION_STRIPED,
-                (false, true) => FORMAT_VERSION_REST,
-                (true, true) => FORMAT_VERSION_REST_STRIPED,
+            version: U32::new(match (self.stripe.is_some(), self.rest_level != 0, self.dictionary.is_some()) {
+                (false, _, true) => FORMAT_VERSION_DICT,
+                (true, _, true) => FORMAT_VERSION_DICT_STRIPED,
+                (false, false, false) => FORMAT_VERSION,
+                (true, false, false) => FORMAT_VERSION_STRIPED,
+                (false, true, false) => FORMAT_VERSION_REST,
+                (true, true, false) => FORMAT_VERSION_REST_STRIPED,
             }),
             uuid: self.uuid,
             generation: U64::new(self.generation),
@@ -295,6 +387,21 @@ impl Superblock {
         if let Some(stripe) = &self.stripe {
             stripe.encode_into(&mut buf);
         }
+        if g.dict_blocks > 0 {
+            let d = self.dictionary.unwrap_or(DictInfo { id: 0, len: 0, crc: 0 });
+            let raw = DictRaw {
+                magic: DICT_MAGIC,
+                area_blocks: U32::new(u32::try_from(g.dict_blocks).unwrap_or(0)),
+                area_start: U64::new(g.dict_start),
+                id: U32::new(d.id),
+                len: U32::new(d.len),
+                crc: U32::new(d.crc),
+                reserved: U32::new(0),
+            };
+            if let Some(tail) = buf.get_mut(DICT_RECORD_OFFSET..) {
+                let _ = raw.write_to_prefix(tail);
+            }
+        }
         crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
         buf
     }
@@ -328,13 +435,14 @@ impl Superblock {
             ));
         }
         let version = raw.version.get();
-        if !(FORMAT_VERSION..=FORMAT_VERSION_REST_STRIPED).contains(&version) {
+        if !(FORMAT_VERSION..=FORMAT_VERSION_DICT_STRIPED).contains(&version) {
             return Err(Error::NotAVolume(format!(
                 "unsupported format version {version} (this build reads versions {FORMAT_VERSION} to \
-                 {FORMAT_VERSION_REST_STRIPED})"
+                 {FORMAT_VERSION_DICT_STRIPED})"
             )));
         }
-        let striped = version == FORMAT_VERSION_STRIPED || version == FORMAT_VERSION_REST_STRIPED;
+        let striped =
+            matches!(version, FORMAT_VERSION_STRIPED | FORMAT_VERSION_REST_STRIPED | FORMAT_VERSION_DICT_STRIPED);
         if raw.role == MEMBER_ROLE {
             // Block 0 of an extra data device: say which device it is.
             let what = match MemberHeader::decode(buf) {
@@ -428,6 +536,7 @@ impl Superblock {
                 format!("{extent_blocks_max} blocks"),
             ));
         }
+        let (dict_start, dict_blocks, dictionary) = decode_dict(buf, version)?;
         let geometry = Geometry {
             logical_blocks: raw.logical_blocks.get(),
             data_dev_blocks: raw.data_dev_blocks.get(),
@@ -440,6 +549,8 @@ impl Superblock {
             block_map_pages: raw.block_map_pages.get(),
             index_start: raw.index_start.get(),
             index_blocks: raw.index_blocks.get(),
+            dict_start,
+            dict_blocks,
             data_start: raw.data_start.get(),
             data_blocks: raw.data_blocks.get(),
             slab_blocks: raw.slab_blocks.get(),
@@ -478,6 +589,7 @@ impl Superblock {
             meta_path,
             lifetime: LifetimeRaw::decode(buf),
             stripe,
+            dictionary,
         }))
     }
 
@@ -595,7 +707,50 @@ mod tests {
             meta_path: Some("/dev/fast".into()),
             lifetime: LifetimeCounters { read_write_opens: 3, blocks_written: 1 << 40, syncs: 9, ..Default::default() },
             stripe: None,
+            dictionary: None,
         }
+    }
+
+    /// A dictionary area is recorded at byte 3072 without a version change; an installed
+    /// dictionary makes the volume version 6 (7 striped), and every inconsistency between
+    /// version and record is refused.
+    #[test]
+    fn a_dictionary_is_version_6_and_its_record_checked() {
+        let mut sb = sample();
+        assert_eq!(sb.geometry.dict_blocks, crate::metadata::layout::DICT_AREA_BLOCKS);
+        sb.rest_level = 6;
+        let buf = sb.encode(0);
+        assert_eq!(u32::from_le_bytes(buf[12..16].try_into().expect("4")), FORMAT_VERSION_REST);
+        assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
+        sb.dictionary = Some(DictInfo { id: 70_000, len: 100 << 10, crc: 0xdead_beef });
+        let buf = sb.encode(0);
+        assert_eq!(u32::from_le_bytes(buf[12..16].try_into().expect("4")), FORMAT_VERSION_DICT);
+        assert_eq!(Superblock::decode(&buf, 0).expect("decode"), Some(sb.clone()));
+        // A version 6 block whose record names no dictionary, or one larger than half the
+        // area, or without the record at all.
+        for (at, bytes) in [(3072 + 16, 0u32), (3072 + 20, 200 << 10)] {
+            let mut bad = buf.clone();
+            bad[at..at + 4].copy_from_slice(&bytes.to_le_bytes());
+            crate::codec::seal_crc(&mut bad, SUPERBLOCK_CRC_OFFSET);
+            assert!(matches!(Superblock::decode(&bad, 0), Err(Error::Corruption(_))), "byte {at} = {bytes} accepted");
+        }
+        let mut bad = buf.clone();
+        bad[3072..3076].fill(0);
+        crate::codec::seal_crc(&mut bad, SUPERBLOCK_CRC_OFFSET);
+        assert!(matches!(Superblock::decode(&bad, 0), Err(Error::Corruption(_))));
+        // A version 4 block naming a dictionary.
+        let mut bad = buf.clone();
+        bad[12..16].copy_from_slice(&FORMAT_VERSION_REST.to_le_bytes());
+        crate::codec::seal_crc(&mut bad, SUPERBLOCK_CRC_OFFSET);
+        assert!(matches!(Superblock::decode(&bad, 0), Err(Error::Corruption(_))));
+        // A block without the record (a volume formatted before dictionaries): no area.
+        let mut old = sample();
+        old.rest_level = 6;
+        let mut buf = old.encode(0);
+        buf[3072..3104].fill(0);
+        crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
+        let got = Superblock::decode(&buf, 0).expect("decode").expect("a volume");
+        assert_eq!((got.geometry.dict_blocks, got.dictionary), (0, None));
     }
 
     #[test]
@@ -641,9 +796,9 @@ mod tests {
         lz4.rest_level = 6;
         assert!(Superblock::decode(&lz4.encode(0), 0).is_err());
         // Unknown versions are refused by name.
-        buf[12..16].copy_from_slice(&6u32.to_le_bytes());
+        buf[12..16].copy_from_slice(&8u32.to_le_bytes());
         crate::codec::seal_crc(&mut buf, SUPERBLOCK_CRC_OFFSET);
-        assert!(matches!(Superblock::decode(&buf, 0), Err(Error::NotAVolume(m)) if m.contains("version 6")));
+        assert!(matches!(Superblock::decode(&buf, 0), Err(Error::NotAVolume(m)) if m.contains("version 8")));
     }
 
     /// The extent cap lives in byte 213 without a version change: zero (every volume

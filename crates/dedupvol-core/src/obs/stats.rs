@@ -140,6 +140,12 @@ pub struct Stats {
     /// Largest extent formed now, in 4 KiB blocks (`Volume::extent_max`).
     #[serde(default)]
     pub extent_blocks_max: u8,
+    /// The volume's zstd dictionary (`data::dictionary`), as (id, bytes); None: none yet.
+    #[serde(default)]
+    pub dictionary: Option<(u32, u32)>,
+    /// The volume has a dictionary area (volumes formatted before dictionaries have none).
+    #[serde(default)]
+    pub dictionary_area: bool,
     /// Dedup setting.
     pub dedup: bool,
     /// Verification mode.

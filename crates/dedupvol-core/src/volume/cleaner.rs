@@ -315,9 +315,11 @@ impl Volume {
         };
         let settle = settle && !self.at_rest(&f.frag);
         let (rest_codec, rest_level, _) = self.rest_target();
+        // Data stored at rest is compressed with the volume's dictionary where it applies.
+        let dict = if settle { self.dictionary.lock().clone() } else { None };
         if subs.len() == f.frag.unit_blocks() {
             if settle {
-                match packer::compress(rest_codec, rest_level, &unit) {
+                match packer::compress_with(rest_codec, rest_level, &unit, dict.as_deref()) {
                     Some(z) if z.len() < bytes.len() => {
                         let moved = Moved::Rewrite { blocks: unit, subs, frag: Some(z), settled: true };
                         return Ok(Some(Read { moved, hashes }));
@@ -333,7 +335,7 @@ impl Volume {
         let live: Vec<u8> =
             subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
         let (codec, level) = if settle { (rest_codec, rest_level) } else { self.volume_codec };
-        let frag = packer::compress(codec, level, &live);
+        let frag = packer::compress_with(codec, level, &live, dict.as_deref());
         Ok(Some(Read { moved: Moved::Rewrite { blocks: live, subs, frag, settled: settle }, hashes }))
     }
 

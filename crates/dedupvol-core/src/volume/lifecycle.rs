@@ -216,7 +216,11 @@ impl Volume {
             index_memory_bytes: opts.index_memory_bytes,
             index_mode: opts.index_mode,
             index_names: true,
-            extent_blocks_max: opts.extent_blocks_max.unwrap_or(0),
+            // 0 (none set: the largest) stays what volumes without a choice record.
+            extent_blocks_max: match opts.effective_extent_blocks_max() {
+                crate::metadata::block_map::UNIT_BLOCKS_MAX if opts.extent_blocks_max.is_none() => 0,
+                b => b,
+            },
             next_entry_seq: 1,
             next_block_seq: 0,
             mapped_blocks: 0,
@@ -225,6 +229,7 @@ impl Volume {
             meta_path,
             lifetime: LifetimeCounters::default(),
             stripe,
+            dictionary: None,
         };
         if let Some(m) = &meta {
             write_copies(m, &sb, 1)?;
@@ -413,6 +418,16 @@ impl Volume {
         let (data, meta, mut sb, mut notes) = open_devices(data, meta, &io)?;
         let geo = sb.geometry;
         let ulo = uuid_lo(&sb.uuid);
+        // Before anything decodes a fragment (recovery, the tier, reads): fragments at rest
+        // may need the volume's dictionary.
+        let dictionary = match sb.dictionary {
+            Some(info) => {
+                let d = Arc::new(crate::data::dictionary::read(&meta, &geo.dict_area(), &info)?);
+                crate::data::dictionary::register(&d)?;
+                Some(d)
+            }
+            None => None,
+        };
         // Allocated before anything is written: an index this machine cannot hold is a
         // clear error that leaves the volume exactly as it was, and `index_memory_bytes`
         // can lower it.
@@ -502,6 +517,9 @@ impl Volume {
             cache_writes: opts.writes_cached(sb.verify),
             extent_blocks_max: std::sync::atomic::AtomicU8::new(super::extent_setting(sb.extent_blocks_max)),
             extent_open_cap: opts.extent_blocks_max.clamp(1, crate::metadata::block_map::UNIT_BLOCKS_MAX),
+            dictionary: Mutex::new(dictionary),
+            dictionary_tried: AtomicBool::new(false),
+            dictionary_train_min: opts.dictionary_train_min_bytes,
             lifetime_base: sb.lifetime,
             sb: Mutex::new(sb),
             state: Mutex::new(state),

@@ -125,6 +125,14 @@ pub struct Volume {
     /// This open's own cap (`OpenOptions::extent_blocks_max`): the smaller of the two is
     /// the largest extent formed (`extent_max`).
     pub(crate) extent_open_cap: u8,
+    /// The volume's zstd dictionary (None: not trained yet, or no dictionary area), used
+    /// for units at rest (`data::dictionary`). Set once, by `install_dictionary`; taken
+    /// alone (innermost).
+    pub(crate) dictionary: Mutex<Option<Arc<crate::data::dictionary::Dictionary>>>,
+    /// A settling pass of this session has trained (or tried to): one attempt per session.
+    pub(crate) dictionary_tried: AtomicBool,
+    /// `OpenOptions::dictionary_train_min_bytes`.
+    pub(crate) dictionary_train_min: usize,
     pub(crate) read_only: bool,
     pub(crate) health: Arc<Health>,
     /// Set under the state lock whenever entries are appended or a batch is taken: the

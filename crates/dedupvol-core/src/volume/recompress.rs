@@ -67,6 +67,7 @@ use super::scan::{scan_entries, Found, SCAN_LBAS_PER_HOLD};
 use super::Volume;
 use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
+use crate::data::dictionary::Dictionary;
 use crate::data::packer;
 use crate::error::{Error, Result};
 use crate::metadata::block_map::{Frag, MapEntry};
@@ -494,6 +495,14 @@ impl Volume {
         // (2) Groups.
         let compaction = settle && holey(&found);
         let groups = group(found, usize::from(self.extent_max()));
+        // Data at rest is compressed with the volume's dictionary, trained from the first
+        // pass that finds enough of it.
+        let dict = if settle {
+            self.train_dictionary(&groups)?;
+            self.dictionary.lock().clone()
+        } else {
+            None
+        };
         // (3) and (4), a few groups at a time.
         let mut groups = groups.into_iter().peekable();
         while groups.peek().is_some() {
@@ -502,7 +511,7 @@ impl Volume {
                 break;
             }
             let batch: Vec<Group> = groups.by_ref().take(GROUPS_PER_HOLD).collect();
-            let ready = self.read_groups(&batch, codec, level)?;
+            let ready = self.read_groups(&batch, codec, level, dict.as_deref())?;
             let moving = if settle { moves(&batch, &ready, compaction) } else { vec![true; batch.len()] };
             let mut st = self.state.lock();
             for ((g, ready), moving) in batch.iter().zip(ready).zip(moving) {
@@ -611,6 +620,61 @@ impl Volume {
         Ok(total)
     }
 
+    /// Trains the volume's dictionary from the groups a settling pass found and installs
+    /// it (`data::dictionary`): when the volume has a dictionary area and no dictionary,
+    /// no pass of this session tried yet, and the groups hold at least
+    /// `OpenOptions::dictionary_train_min_bytes`. Samples: every n-th group's blocks (about
+    /// `TRAIN_SAMPLE_BYTES` in all), decoded and checked as for the move, in pieces of
+    /// the units the dictionary is used for. A trainer that finds nothing to keep leaves
+    /// the volume without one until the next session.
+    fn train_dictionary(&self, groups: &[Group]) -> Result<()> {
+        use crate::data::dictionary;
+        use std::sync::atomic::Ordering;
+        if self.geo.dict_blocks == 0
+            || self.dictionary_tried.load(Ordering::Acquire)
+            || self.dictionary.lock().is_some()
+        {
+            return Ok(());
+        }
+        let total: usize = groups.iter().map(|g| g.blocks() * BLOCK_SIZE).sum();
+        if total < self.dictionary_train_min.max(1) || self.dictionary_tried.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let stride = total.div_ceil(dictionary::TRAIN_SAMPLE_BYTES).max(1);
+        let mut data: Vec<Vec<u8>> = Vec::new();
+        for g in groups.iter().step_by(stride) {
+            if let Some(blocks) = self.gather_group(g)? {
+                data.push(blocks);
+            }
+        }
+        let samples: Vec<&[u8]> = data.iter().flat_map(|b| b.chunks(dictionary::DICT_UNIT_BYTES_MAX)).collect();
+        let uuid = self.sb.lock().uuid;
+        let id = dictionary::fresh_id(&uuid, samples.first().copied().unwrap_or(&[]));
+        let Some(d) = dictionary::train(&samples, id) else { return Ok(()) };
+        self.install_dictionary(d)
+    }
+
+    /// Makes `d` the volume's dictionary, durably: both copies written to the dictionary
+    /// area and synced, then a superblock naming it (format version 6, 7 when striped);
+    /// only then is it used. A failed write fails the volume (what reached the metadata
+    /// device is unknown); a crash before the superblock leaves the area unnamed, and the
+    /// next session trains again.
+    pub(crate) fn install_dictionary(&self, d: Dictionary) -> Result<()> {
+        self.check_writable()?;
+        let area = self.geo.dict_area();
+        if area.is_empty() {
+            return Err(Error::InvalidArgument("this volume has no dictionary area (formatted before them)".into()));
+        }
+        let d = std::sync::Arc::new(d);
+        crate::data::dictionary::register(&d)?;
+        if let Err(e) = crate::data::dictionary::write_copies(&self.meta, &area, &d) {
+            return self.fail(e);
+        }
+        self.set_superblock_setting(Some(d.info), |sb| &mut sb.dictionary, |_| {})?;
+        *self.dictionary.lock() = Some(d);
+        Ok(())
+    }
+
     /// Marks a group's fragments settled where they are (state lock held): every mapping
     /// still as scanned gets the same entry with `FRAG_SETTLED` set, and the index records
     /// of the group's blocks name the marked entries, so later duplicates share the marked
@@ -646,7 +710,13 @@ impl Volume {
     /// fixed order: the simulator replays a seed's I/O calls exactly), then compressed
     /// side by side on the volume's pool (no lock). An error when the device gave no
     /// answer in time (`Volume::decode_found`).
-    fn read_groups(&self, batch: &[Group], codec: Compression, level: i8) -> Result<Vec<Option<Ready>>> {
+    fn read_groups(
+        &self,
+        batch: &[Group],
+        codec: Compression,
+        level: i8,
+        dict: Option<&Dictionary>,
+    ) -> Result<Vec<Option<Ready>>> {
         let gathered: Vec<Option<Vec<u8>>> = batch.iter().map(|g| self.gather_group(g)).collect::<Result<_>>()?;
         let mut out: Vec<Option<Ready>> = batch.iter().map(|_| None).collect();
         {
@@ -654,7 +724,7 @@ impl Volume {
                 .into_iter()
                 .zip(out.iter_mut())
                 .map(|(blocks, slot)| {
-                    Box::new(move || *slot = blocks.map(|b| self.compress_group(b, codec, level)))
+                    Box::new(move || *slot = blocks.map(|b| self.compress_group(b, codec, level, dict)))
                         as Box<dyn FnOnce() + Send + '_>
                 })
                 .collect();
@@ -680,8 +750,8 @@ impl Volume {
 
     /// A group's blocks compressed with the target codec, and their fingerprints when
     /// dedup is on (no lock, no I/O).
-    fn compress_group(&self, blocks: Vec<u8>, codec: Compression, level: i8) -> Ready {
-        let frag = packer::compress(codec, level, &blocks);
+    fn compress_group(&self, blocks: Vec<u8>, codec: Compression, level: i8, dict: Option<&Dictionary>) -> Ready {
+        let frag = packer::compress_with(codec, level, &blocks, dict);
         let hashes = if self.dedup {
             // Side by side, as stage 1 hashes (`blake3_many`): the same digests.
             let inputs: Vec<&[u8]> = blocks.chunks_exact(BLOCK_SIZE).collect();

@@ -160,6 +160,8 @@ impl Volume {
             compression_level: crate::config::effective_level(sb.compression, sb.compression_level),
             rest_level: sb.rest_level,
             extent_blocks_max: self.extent_max(),
+            dictionary: sb.dictionary.map(|d| (d.id, d.len)),
+            dictionary_area: self.geo.dict_blocks > 0,
             dedup: sb.dedup,
             verify: sb.verify,
             write_policy: self.policy,
