@@ -89,8 +89,10 @@ pub struct FormatArgs {
     /// Largest extent: a run of blocks written together (a large request) is compressed
     /// as units of up to this size (4K..64K, a multiple of 4K; 4K compresses every block
     /// alone). Larger units compress better; a random 4 KiB read of one decodes the unit
-    /// up to the block it wants, so a volume read mostly in small random requests
-    /// (databases, VDI) may want 16K. Changeable later with `tune`. Default: 64K.
+    /// up to the block it wants, so smaller units read faster. Changeable later with
+    /// `tune`. Default: 16K for zstd volumes with a rest level (data at rest is then
+    /// compressed with a dictionary trained from the volume's own data, and 16 KiB units
+    /// store nearly what 64 KiB ones do), 64K for the others.
     #[arg(long, value_parser = extent_size)]
     extent_max: Option<u8>,
     /// Deduplicate: on or off.

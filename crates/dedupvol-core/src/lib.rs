@@ -105,6 +105,7 @@ pub fn incompressible(codec: Compression, block: &[u8]) -> bool {
 /// devices. `docs/format.md` describes every byte; a test checks it against these names.
 pub mod format {
     pub use crate::config::REST_LEVEL_DEFAULT;
+    pub use crate::data::dictionary::{DICT_BYTES_MAX, DICT_UNIT_BYTES_MAX};
     pub use crate::data::packer::RUN_BLOCKS_MAX;
     pub use crate::dedup::chapter::{
         CHAPTER_MAGIC, CHAPTER_PAGES_MAX, CHAPTER_PAGE_HEADER_BYTES, RECORDS_PER_PAGE, RECORD_BYTES, RING_CHAPTERS_MAX,
@@ -116,14 +117,15 @@ pub mod format {
     pub use crate::metadata::journal::{
         JOURNAL_ENTRIES_PER_BLOCK, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES, JOURNAL_MAGIC,
     };
-    pub use crate::metadata::layout::{BM_ENTRIES_PER_PAGE, RC_ENTRIES_PER_PAGE};
+    pub use crate::metadata::layout::{BM_ENTRIES_PER_PAGE, DICT_AREA_BLOCKS, RC_ENTRIES_PER_PAGE};
     pub use crate::metadata::refcount::REFCOUNT_MAX;
     pub use crate::metadata::stripe::{
         MemberHeader, MemberHeaderRaw, StripeLayout, StripeRaw, DATA_DEVICES_MAX, MEMBER_DATA_START_BLOCKS,
         STRIPE_PATH_BYTES_MAX, STRIPE_RECORD_OFFSET, STRIPE_UNIT_BLOCKS,
     };
     pub use crate::metadata::superblock::{
-        LifetimeRaw, Superblock, SuperblockRaw, FORMAT_VERSION, FORMAT_VERSION_REST, FORMAT_VERSION_REST_STRIPED,
+        DictRaw, LifetimeRaw, Superblock, SuperblockRaw, DICT_MAGIC, DICT_RECORD_OFFSET, FORMAT_VERSION,
+        FORMAT_VERSION_DICT, FORMAT_VERSION_DICT_STRIPED, FORMAT_VERSION_REST, FORMAT_VERSION_REST_STRIPED,
         FORMAT_VERSION_STRIPED, LIFETIME_RECORD_OFFSET, SUPERBLOCK_MAGIC,
     };
     pub use crate::tier::layout::{
