@@ -234,7 +234,10 @@ pub fn frame_id(frame: &[u8]) -> Option<u32> {
 /// it does not fit.
 pub fn compress(d: &Dictionary, level: i8, src: &[u8], limit: usize) -> Option<Vec<u8>> {
     thread_local! {
-        static CTX: std::cell::RefCell<Option<(u32, i8, zstd::bulk::Compressor<'static>)>> =
+        // Keyed by the dictionary's bytes' address and crc as well as its id: a context is
+        // never reused for another dictionary that drew the same id.
+        #[allow(clippy::type_complexity)]
+        static CTX: std::cell::RefCell<Option<((u32, u32, usize), i8, zstd::bulk::Compressor<'static>)>> =
             const { std::cell::RefCell::new(None) };
         static OUT: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
@@ -243,10 +246,11 @@ pub fn compress(d: &Dictionary, level: i8, src: &[u8], limit: usize) -> Option<V
     }
     CTX.with(|c| {
         let mut c = c.borrow_mut();
-        if c.as_ref().is_none_or(|(id, l, _)| *id != d.info.id || *l != level) {
+        let key = (d.info.id, d.info.crc, d.bytes.as_ptr() as usize);
+        if c.as_ref().is_none_or(|(k, l, _)| *k != key || *l != level) {
             let mut z = zstd::bulk::Compressor::with_dictionary(i32::from(level), &d.bytes).ok()?;
             z.include_checksum(true).ok()?;
-            *c = Some((d.info.id, level, z));
+            *c = Some((key, level, z));
         }
         let (_, _, z) = c.as_mut()?;
         OUT.with(|o| {
@@ -263,13 +267,17 @@ pub fn compress(d: &Dictionary, level: i8, src: &[u8], limit: usize) -> Option<V
 /// no open volume has.
 pub fn decompress(id: u32, frame: &[u8], out: &mut [u8], checked: bool) -> std::result::Result<usize, String> {
     thread_local! {
-        // A few dictionaries at most per thread (one per open volume): (id, checked).
-        static CTX: std::cell::RefCell<Vec<(u32, bool, zstd::bulk::Decompressor<'static>)>> =
+        // A few dictionaries at most per thread (one per open volume), each context with
+        // the dictionary it was made from: a context whose dictionary died (its volume
+        // closed) is made again, since another volume may have registered the id since.
+        #[allow(clippy::type_complexity)]
+        static CTX: std::cell::RefCell<Vec<(u32, bool, Weak<Dictionary>, zstd::bulk::Decompressor<'static>)>> =
             const { std::cell::RefCell::new(Vec::new()) };
     }
     CTX.with(|c| {
         let mut c = c.borrow_mut();
-        let at = match c.iter().position(|(i, k, _)| *i == id && *k == checked) {
+        c.retain(|(_, _, d, _)| d.strong_count() > 0);
+        let at = match c.iter().position(|(i, k, _, _)| *i == id && *k == checked) {
             Some(at) => at,
             None => {
                 let d = lookup(id).ok_or_else(|| format!("needs dictionary {id}, which no open volume has"))?;
@@ -280,11 +288,11 @@ pub fn decompress(id: u32, frame: &[u8], out: &mut [u8], checked: bool) -> std::
                 if c.len() >= 8 {
                     c.remove(0);
                 }
-                c.push((id, checked, z));
+                c.push((id, checked, Arc::downgrade(&d), z));
                 c.len() - 1
             }
         };
-        let (_, _, z) = c.get_mut(at).ok_or("no zstd context")?;
+        let (_, _, _, z) = c.get_mut(at).ok_or("no zstd context")?;
         z.decompress_to_buffer(frame, out).map_err(|e| e.to_string())
     })
 }
@@ -352,12 +360,21 @@ mod tests {
         let samples: Vec<&[u8]> = units.iter().map(Vec::as_slice).collect();
         let a = Arc::new(train(&samples, 4_242_424).expect("trained"));
         let b = Arc::new(train(&samples[100..], 4_242_424).expect("trained"));
+        assert_ne!(a.bytes, b.bytes, "two trainings on different samples");
         register(&a).expect("first");
-        if a.bytes != b.bytes {
-            assert!(register(&b).is_err());
-        }
+        assert!(register(&b).is_err());
+        // This thread decodes with `a`, which then goes (its volume closed) and `b` takes
+        // the id: frames of `b` must decode with `b`, not with a context kept for `a`.
+        let unit = &units[0];
+        let mut out = vec![0u8; unit.len()];
+        let fa = compress(&a, 6, unit, unit.len()).expect("fits");
+        assert_eq!(decompress(4_242_424, &fa, &mut out, true), Ok(unit.len()));
         drop(a);
         register(&b).expect("the first one is gone");
+        let fb = compress(&b, 6, unit, unit.len()).expect("fits");
+        out.fill(0);
+        assert_eq!(decompress(4_242_424, &fb, &mut out, true), Ok(unit.len()));
+        assert_eq!(&out, unit);
     }
 
     #[test]
