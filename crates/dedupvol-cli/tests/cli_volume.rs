@@ -174,3 +174,67 @@ fn import_export_stats_check_and_repair() {
     let o = dedupvol(&["check", dir.path().join("missing.img").to_str().expect("utf8")]);
     assert_eq!(o.status.code(), Some(8), "{}", text(&o));
 }
+
+/// A default (zstd, rest level 6) volume forms 16 KiB extents; `import --settle` of a few
+/// MiB of text trains the volume's dictionary, `info` and `stats --json` name it, the data
+/// exports unchanged and `check` is clean, also after a reopen. A volume without a rest
+/// level keeps 64 KiB extents and says it trains none.
+#[test]
+fn settling_trains_a_dictionary_that_info_and_stats_name() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let img = dir.path().join("v.img");
+    let p = img.to_str().expect("utf8");
+    let fmt = |extra: &[&str]| {
+        let mut args = vec!["format", p, "--logical-size", "64M", "--physical-size", "64M", "--force"];
+        args.extend_from_slice(extra);
+        let o = dedupvol(&args);
+        assert!(o.status.success(), "{}", text(&o));
+    };
+    fmt(&[]);
+    let stats = |p: &str| -> serde_json::Value {
+        let o = dedupvol(&["stats", p, "--json"]);
+        assert!(o.status.success(), "{}", text(&o));
+        serde_json::from_slice(&o.stdout).expect("json")
+    };
+    let s = stats(p);
+    assert_eq!(s["extent_blocks_max"], 4, "{s}");
+    assert!(s["dictionary"].is_null(), "{s}");
+    assert!(text(&dedupvol(&["info", p])).contains("dictionary      none yet"));
+    // 6 MiB of text sharing a vocabulary, every block different.
+    let words = ["fn ", "let ", "mut ", "self", ".map(", "|x| ", "Result<", "Option<", "impl ", "pub ", "{\n", "}\n"];
+    let mut data = Vec::new();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    while data.len() < 6 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        data.extend_from_slice(words[(x % words.len() as u64) as usize].as_bytes());
+        data.extend_from_slice(format!("{}", x % 1000).as_bytes());
+    }
+    data.truncate(6 << 20);
+    let src = dir.path().join("text.bin");
+    std::fs::write(&src, &data).expect("write");
+    let o = dedupvol(&["import", p, src.to_str().expect("utf8"), "--settle"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let s = stats(p);
+    // `stats --json`: [id, bytes]; `info --json`: named fields.
+    assert!(s["dictionary"][0].as_u64().is_some_and(|id| id >= 1 << 16), "{s}");
+    assert!(s["dictionary"][1].as_u64().is_some_and(|b| b > 0 && b <= 112 << 10), "{s}");
+    let o = dedupvol(&["info", p, "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("info json");
+    assert_eq!(j["dictionary_id"], s["dictionary"][0], "{j}");
+    let info = text(&dedupvol(&["info", p]));
+    assert!(info.contains("dictionary      ") && info.contains("(id "), "{info}");
+    let out = dir.path().join("out.bin");
+    let o = dedupvol(&["export", p, out.to_str().expect("utf8")]);
+    assert!(o.status.success(), "{}", text(&o));
+    let back = std::fs::read(&out).expect("read");
+    assert!(back.get(..data.len()) == Some(&data[..]), "exported data differs");
+    let o = dedupvol(&["check", p]);
+    assert!(o.status.success() && text(&o).contains("clean"), "{}", text(&o));
+    // Without a rest level: 64 KiB extents, and no dictionary is ever trained.
+    fmt(&["--rest-level", "off"]);
+    let s = stats(p);
+    assert_eq!(s["extent_blocks_max"], 16, "{s}");
+    assert!(text(&dedupvol(&["info", p])).contains("trained only in volumes with a rest level"));
+}

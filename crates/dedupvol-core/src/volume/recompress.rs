@@ -62,6 +62,13 @@
 //!   one group) and holds the state lock for at most `SCAN_LBAS_PER_HOLD` map entries or
 //!   `GROUPS_PER_HOLD` groups at a time.
 //! - Everything it writes goes through the commit path of client writes.
+//! - When settling, groups of at most `dictionary::DICT_UNIT_BYTES_MAX` are compressed
+//!   with the volume's dictionary. The first settling pass of a session that finds enough
+//!   data trains and installs one first (`train_dictionary`, once a session); it is used
+//!   only after `install_dictionary` returned, so a durable superblock names it before
+//!   any fragment compressed with it is written. Training runs on the pass's thread, no
+//!   lock held (about a second for its 8 MiB of samples; a client arriving meanwhile
+//!   waits for the pass as for any other).
 
 use super::scan::{scan_entries, Found, SCAN_LBAS_PER_HOLD};
 use super::Volume;
