@@ -5,8 +5,9 @@
 //! Steps (`Volume::scrub`):
 //! 1. metadata: both slots of every refcount and block map page, `SCRUB_PAGES_PER_LOCK`
 //!    pages per hold of the state lock (a checkpoint or an eviction writes pages under
-//!    that lock, so a page is never read half-written), and both superblock copies of
-//!    each device;
+//!    that lock, so a page is never read half-written), both superblock copies of each
+//!    device, and both copies of the volume's dictionary (with `repair`, a damaged copy
+//!    is written again from the dictionary in use);
 //! 2. data: the block map is walked `SCRUB_LBAS_PER_LOCK` entries per hold of the state
 //!    lock; blocks not on the device yet (staged, in an open packed block) are skipped;
 //!    the others are read without the lock, straight from the device (never the content
@@ -264,6 +265,7 @@ impl Run<'_> {
             }
             self.read_bytes(2 * BLOCK_SIZE_U64);
         }
+        self.dictionary()?;
         let geo = vol.geometry();
         let ulo = crate::volume::uuid_lo(&vol.sb.lock().uuid);
         let regions = [
@@ -310,6 +312,34 @@ impl Run<'_> {
                 self.publish();
                 self.throttle();
             }
+        }
+        Ok(())
+    }
+
+    /// Step 1, the dictionary: both copies of the installed dictionary checked against
+    /// the superblock's length, crc32c and id. With `repair`, a damaged copy is written
+    /// again from the dictionary in use (checked the same way when the volume opened) and
+    /// synced; a failed write fails the volume, as any failed metadata write.
+    fn dictionary(&mut self) -> Result<()> {
+        let vol = self.vol;
+        let Some(info) = vol.sb.lock().dictionary else { return Ok(()) };
+        let area = vol.geo.dict_area();
+        let copies = crate::data::dictionary::check_copies(&vol.meta, &area, &info);
+        self.read_bytes(2 * u64::from(info.len));
+        let in_use = vol.dictionary.lock().clone();
+        for (copy, state) in copies.into_iter().enumerate() {
+            let Err(found) = state else { continue };
+            let name = if copy == 0 { "A" } else { "B" };
+            if let (true, Some(d)) = (self.opts.repair, &in_use) {
+                if let Err(e) = crate::data::dictionary::rewrite_copy(&vol.meta, &area, copy, d) {
+                    return vol.fail(e);
+                }
+                if self.report.metadata.len() < METADATA_LISTED_MAX {
+                    self.report.metadata.push(format!("dictionary copy {name}: damaged ({found}), rewritten"));
+                }
+                continue;
+            }
+            self.metadata_finding(format!("dictionary copy {name}: damaged ({found})"));
         }
         Ok(())
     }

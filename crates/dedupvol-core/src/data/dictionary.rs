@@ -168,32 +168,64 @@ pub fn write_copies(dev: &Dev, area: &std::ops::Range<u64>, d: &Dictionary) -> R
     dev.sync()
 }
 
+/// Copy `copy` (0: A, 1: B) of the installed dictionary `info` in `area` of `dev`, read
+/// with I/O kind `kind`: its bytes when length, crc32c and header id match, else what was
+/// found.
+fn read_copy(
+    dev: &Dev,
+    area: &std::ops::Range<u64>,
+    copy: usize,
+    info: &DictInfo,
+    kind: IoKind,
+) -> std::result::Result<Vec<u8>, String> {
+    let len = info.len as usize;
+    let off = copy_offsets(area).get(copy).copied().ok_or("no such copy")?;
+    let mut buf = vec![0u8; len.div_ceil(BLOCK_SIZE) * BLOCK_SIZE];
+    dev.read(kind, &mut buf, off).map_err(|e| format!("copy at byte {off}: {e}"))?;
+    buf.truncate(len);
+    let crc = crc32c::crc32c(&buf);
+    if crc == info.crc && header_id(&buf) == Some(info.id) {
+        Ok(buf)
+    } else {
+        Err(format!("copy at byte {off}: crc {crc:#010x}"))
+    }
+}
+
 /// Reads the installed dictionary `info` from `area` of `dev`: the first copy whose
 /// header id, length and crc32c match. Both damaged: corruption (fragments compressed
 /// with it cannot be decoded).
 pub fn read(dev: &Dev, area: &std::ops::Range<u64>, info: &DictInfo) -> Result<Dictionary> {
-    let len = info.len as usize;
     let mut found = Vec::new();
-    for off in copy_offsets(area) {
-        let mut buf = vec![0u8; len.div_ceil(BLOCK_SIZE) * BLOCK_SIZE];
-        match dev.read(IoKind::Superblock, &mut buf, off) {
-            Ok(()) => {
-                buf.truncate(len);
-                let crc = crc32c::crc32c(&buf);
-                if crc == info.crc && header_id(&buf) == Some(info.id) {
-                    return Dictionary::new(buf);
-                }
-                found.push(format!("copy at byte {off}: crc {crc:#010x}"));
-            }
-            Err(e) => found.push(format!("copy at byte {off}: {e}")),
+    for copy in 0..2 {
+        match read_copy(dev, area, copy, info, IoKind::Superblock) {
+            Ok(bytes) => return Dictionary::new(bytes),
+            Err(e) => found.push(e),
         }
     }
     Err(Error::corruption(
         "dictionary area",
         area.start,
-        format!("dictionary {} of {len} bytes with crc {:#010x}", info.id, info.crc),
+        format!("dictionary {} of {} bytes with crc {:#010x}", info.id, info.len, info.crc),
         found.join("; "),
     ))
+}
+
+/// For a scrub: whether each copy (A, B) of `info` in `area` is intact, or what is wrong
+/// with it.
+pub fn check_copies(dev: &Dev, area: &std::ops::Range<u64>, info: &DictInfo) -> [std::result::Result<(), String>; 2] {
+    [0, 1].map(|copy| read_copy(dev, area, copy, info, IoKind::Scrub).map(|_| ()))
+}
+
+/// Writes copy `copy` (0: A, 1: B) of `d` into `area` of `dev` and syncs: a scrub's
+/// repair of a damaged copy from the dictionary in use (which matched the superblock's
+/// crc when it was read at open).
+pub fn rewrite_copy(dev: &Dev, area: &std::ops::Range<u64>, copy: usize, d: &Dictionary) -> Result<()> {
+    let off = copy_offsets(area)
+        .get(copy)
+        .copied()
+        .ok_or_else(|| Error::internal("a dictionary copy that does not exist", format!("copy {copy}")))?;
+    dev.write(IoKind::Scrub, &padded(&d.bytes), off)?;
+    dev.sync()
 }
 
 /// Dictionaries of the open volumes, by id.
