@@ -219,7 +219,9 @@ pub struct EstimateArgs {
     #[arg(long, default_value = "zstd")]
     compression: String,
     /// Also price other ways of storing the compressed data: 4 KiB fragments in 512-byte
-    /// sectors or byte for byte, and 16/64/128 KiB compressed extents (4K chunks only).
+    /// sectors or byte for byte, 16/64/128 KiB compressed extents, and (zstd) data at rest:
+    /// 64 KiB extents, and 16 KiB extents with a dictionary trained from the data (4K
+    /// chunks only).
     #[arg(long)]
     policies: bool,
     /// Also import the data into a temporary volume and compare with the engine's stats.

@@ -95,6 +95,36 @@ pub fn extent_size(codec: Compression, level: i8, blocks: &[u8]) -> Option<usize
     data::packer::compress_probed(codec, level, blocks, false).map(|f| f.len())
 }
 
+/// A zstd dictionary trained from data as a volume trains its own at rest
+/// (`data::dictionary`), for estimators.
+pub struct TrainedDictionary(data::dictionary::Dictionary);
+
+impl TrainedDictionary {
+    /// Trains one from `samples` (pieces of data of up to 16 KiB, as a volume samples
+    /// its units); None when the trainer keeps nothing (too few samples, or nothing
+    /// common to them).
+    pub fn train(samples: &[&[u8]]) -> Option<TrainedDictionary> {
+        data::dictionary::train(samples, 1 << 16).map(TrainedDictionary)
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.0.bytes.len()
+    }
+
+    /// Never true: a trained dictionary holds at least its header.
+    pub fn is_empty(&self) -> bool {
+        self.0.bytes.is_empty()
+    }
+
+    /// The size of the fragment a volume stores at rest for whole 4 KiB `blocks` (at
+    /// most 16 KiB of them: larger units are compressed without the dictionary) at zstd
+    /// `level`, or None when it would store them raw.
+    pub fn fragment_size(&self, level: i8, blocks: &[u8]) -> Option<usize> {
+        data::packer::compress_with(Compression::Zstd, level, blocks, Some(&self.0)).map(|f| f.len())
+    }
+}
+
 /// True when the write path's probe takes the 4 KiB `block` for incompressible: it is
 /// then stored raw and never joins an extent. For estimators.
 pub fn incompressible(codec: Compression, block: &[u8]) -> bool {

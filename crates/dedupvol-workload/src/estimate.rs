@@ -28,7 +28,12 @@
 //! rounded up to 512-byte sectors, or byte for byte; and runs of consecutive unique chunks
 //! (in scan order, up to an extent's size, within one 8 MiB batch; duplicates and zeros in
 //! between are skipped, as a write of them would share them) compressed as one unit and
-//! rounded to sectors, at most their raw size. Dedup stays at 4 KiB in every policy.
+//! rounded to sectors, at most their raw size. Dedup stays at 4 KiB in every policy. For
+//! zstd it also prices data at rest as this engine stores it, byte for byte at the
+//! default rest level ([`POLICY_REST_LEVEL`]): 64 KiB extents, and 16 KiB extents
+//! compressed with a dictionary trained from the first batch's unique data (as a volume
+//! trains one from the first data it settles; the default extent size of a volume with a
+//! rest level).
 //!
 //! Invariants:
 //! - Exact fingerprinting: a 128-bit BLAKE3 prefix per unique chunk, no sampling.
@@ -60,6 +65,9 @@ const BATCH_BYTES: usize = 8 << 20;
 pub const POLICY_SECTOR_BYTES: u64 = 512;
 /// Extent sizes the policy table prices, in bytes.
 pub const POLICY_EXTENT_BYTES: [usize; 3] = [16 << 10, 64 << 10, 128 << 10];
+
+/// zstd level the at-rest policies compress with (the engine's default rest level).
+pub const POLICY_REST_LEVEL: i8 = 6;
 
 /// Physical bytes of the unique data under one storage policy (`EstimateOptions::policies`).
 #[derive(Debug, Clone, Default, Serialize)]
@@ -204,13 +212,23 @@ pub struct Estimator {
     run_bytes: u64,
     /// Physical bytes per policy, in the order of `policy_names`.
     policy_bytes: Vec<u64>,
+    /// The dictionary the at-rest policy uses, trained from the first batch (None: not
+    /// yet, or the trainer kept nothing: units are then priced without one).
+    dictionary: Option<dedupvol_core::TrainedDictionary>,
+    /// The first batch has been seen (the dictionary is trained once).
+    dictionary_tried: bool,
     started: Instant,
 }
 
-/// The policies priced, in order: 4 KiB sectors, 4 KiB bytes, then each extent size.
-fn policy_names() -> Vec<String> {
+/// The policies priced, in order: 4 KiB sectors, 4 KiB bytes, each extent size, then (zstd
+/// only) the two at rest.
+fn policy_names(zstd: bool) -> Vec<String> {
     let mut v = vec!["4K fragments in 512-B sectors".to_string(), "4K fragments, byte-granular".to_string()];
     v.extend(POLICY_EXTENT_BYTES.iter().map(|e| format!("{}K extents in 512-B sectors", e >> 10)));
+    if zstd {
+        v.push(format!("at rest (zstd:{POLICY_REST_LEVEL}), 64K extents, byte-granular"));
+        v.push(format!("at rest (zstd:{POLICY_REST_LEVEL}), 16K extents + dictionary (default)"));
+    }
     v
 }
 
@@ -231,7 +249,13 @@ impl Estimator {
             ..Default::default()
         };
         Ok(Estimator {
-            policy_bytes: if opts.policies { vec![0; policy_names().len()] } else { Vec::new() },
+            policy_bytes: if opts.policies {
+                vec![0; policy_names(opts.compression == dedupvol_core::Compression::Zstd).len()]
+            } else {
+                Vec::new()
+            },
+            dictionary: None,
+            dictionary_tried: false,
             opts,
             seen: HashSet::default(),
             report,
@@ -370,6 +394,38 @@ impl Estimator {
             });
             totals.push(stored.iter().sum());
         }
+        if codec == dedupvol_core::Compression::Zstd {
+            let raw = |unit: &[u8], n: Option<usize>| n.map_or(unit.len() as u64, |n| n as u64);
+            let runs: Vec<Vec<u8>> = unique.chunks(16).map(|r| r.concat()).collect();
+            let at_rest = par_map(&runs, self.opts.threads, |u| {
+                raw(
+                    u,
+                    dedupvol_core::extent_size(codec, POLICY_REST_LEVEL, u)
+                        .or_else(|| dedupvol_core::fragment_size(codec, POLICY_REST_LEVEL, u)),
+                )
+            });
+            totals.push(at_rest.iter().sum());
+            if !self.dictionary_tried {
+                self.dictionary_tried = true;
+                let samples: Vec<&[u8]> = runs.iter().flat_map(|u| u.chunks(16 << 10)).collect();
+                self.dictionary = dedupvol_core::TrainedDictionary::train(&samples);
+            }
+            let small: Vec<Vec<u8>> = unique.chunks(4).map(|r| r.concat()).collect();
+            let dict = self.dictionary.as_ref();
+            let with_dict = par_map(&small, self.opts.threads, |u| {
+                raw(
+                    u,
+                    match dict {
+                        Some(d) => d.fragment_size(POLICY_REST_LEVEL, u),
+                        None if u.len() == PHYSICAL_BLOCK_BYTES as usize => {
+                            dedupvol_core::fragment_size(codec, POLICY_REST_LEVEL, u)
+                        }
+                        None => dedupvol_core::extent_size(codec, POLICY_REST_LEVEL, u),
+                    },
+                )
+            });
+            totals.push(with_dict.iter().sum());
+        }
         for (t, add) in self.policy_bytes.iter_mut().zip(totals) {
             *t += add;
         }
@@ -419,7 +475,7 @@ impl Estimator {
         let r = &mut self.report;
         r.savings_compression_bytes = (r.unique_chunks * r.chunk_bytes).saturating_sub(r.physical_bytes);
         let logical = r.scanned_bytes - r.savings_zero_bytes;
-        r.policies = policy_names()
+        r.policies = policy_names(self.opts.compression == dedupvol_core::Compression::Zstd)
             .into_iter()
             .zip(&self.policy_bytes)
             .map(|(policy, &physical_bytes)| PolicyFigure {
@@ -638,7 +694,8 @@ mod tests {
         let mut e = Estimator::new(opts.clone()).expect("estimator");
         e.feed(&generated(0.5, 0.6, 3000));
         let r = e.finish();
-        assert_eq!(r.policies.len(), 2 + POLICY_EXTENT_BYTES.len());
+        assert_eq!(opts.compression, dedupvol_core::Compression::Zstd);
+        assert_eq!(r.policies.len(), 2 + POLICY_EXTENT_BYTES.len() + 2, "zstd adds the two at rest");
         let b: Vec<u64> = r.policies.iter().map(|p| p.physical_bytes).collect();
         assert!(b[1] <= b[0], "{:?}", r.policies);
         assert!(b[0] <= r.physical_bytes + r.unique_chunks * POLICY_SECTOR_BYTES, "{:?}", r.policies);

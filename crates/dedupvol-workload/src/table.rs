@@ -403,7 +403,7 @@ pub fn render_estimate(r: &EstimateReport) -> String {
     if !r.policies.is_empty() {
         let mut p = Table::new(&["storage policy (dedup at 4 KiB)", "physical MiB", "reduction"]);
         p.row(vec![
-            "4K fragments in 4 KiB packed blocks (this engine)".into(),
+            "as written: extents of up to 64K, byte-granular (the estimate above)".into(),
             format!("{:.1}", mib(r.physical_bytes)),
             format!("{:.2}x", r.reduction_ratio),
         ]);
