@@ -359,6 +359,7 @@ impl Volume {
                 OpenNote::SuperblockCopy(m) => report.problem(Problem::Open { message: m.clone() }),
             }
         }
+        self.audit_dictionary(repair, &mut report)?;
         let geo = self.geometry();
         let nblocks = geo.data_blocks as usize;
         let mut refs = vec![0u32; nblocks];
@@ -683,6 +684,29 @@ impl Volume {
             }
         }
         Ok(report)
+    }
+
+    /// Both copies of the volume's dictionary against the superblock's length, crc32c and
+    /// id: a damaged copy is a problem, and with `repair` it is written again from the
+    /// dictionary in use (which matched them when the volume opened) and synced.
+    fn audit_dictionary(&self, repair: bool, report: &mut CheckReport) -> Result<()> {
+        let Some(info) = self.sb.lock().dictionary else { return Ok(()) };
+        let area = self.geo.dict_area();
+        let copies = crate::data::dictionary::check_copies(&self.meta, &area, &info);
+        for (copy, state) in copies.into_iter().enumerate() {
+            let Err(found) = state else { continue };
+            let what = format!("dictionary copy {}: damaged ({found})", if copy == 0 { "A" } else { "B" });
+            report.problem(Problem::Open { message: what.clone() });
+            let in_use = self.dictionary.lock().clone();
+            match (repair && !self.read_only, in_use) {
+                (true, Some(d)) => {
+                    crate::data::dictionary::rewrite_copy(&self.meta, &area, copy, &d)?;
+                    report.repaired.push(format!("{what}: written again from the dictionary in use"));
+                }
+                _ => report.unrepaired.push(what),
+            }
+        }
+        Ok(())
     }
 
     /// Every logical block mapped to a damaged location, as merged runs of block numbers.

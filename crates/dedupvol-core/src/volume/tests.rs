@@ -791,30 +791,44 @@ fn settling_trains_a_dictionary_that_survives_reopen_and_one_damaged_copy() {
     }
 }
 
-/// Scrub checks both copies of the volume's dictionary: a damaged copy is reported, and
-/// with repair written again from the dictionary in use (the device's copy then matches
-/// the other), after which a scrub finds nothing.
-#[test]
-fn scrub_reports_and_repairs_a_damaged_dictionary_copy() {
+/// A zstd volume with a rest level holding `vocabulary_text(1024, seed)`, settled (so with
+/// its dictionary), closed: the device and the data.
+fn settled_with_dictionary(seed: u64) -> (Arc<dyn Storage>, Vec<u8>, OpenOptions) {
     let dev: Arc<dyn Storage> = Arc::new(MemStorage::new(64 << 20));
     let fmt = FormatOptions { rest_level: Some(6), ..small_format() };
     Volume::format(dev.clone(), None, &fmt, false).expect("format");
     let opts = OpenOptions { dictionary_train_min_bytes: 1 << 20, ..OpenOptions::default() };
     let vol = Volume::open(dev.clone(), None, &opts).expect("open");
-    let data = vocabulary_text(1024, 11);
+    let data = vocabulary_text(1024, seed);
     vol.write(0, &data, false).expect("write");
     vol.flush().expect("flush");
     vol.settle(&crate::volume::recompress::RecompressOptions::default(), &|| false).expect("settle");
+    assert!(vol.stats().dictionary.is_some(), "settling trained a dictionary");
+    vol.close().expect("close");
+    (dev, data, opts)
+}
+
+/// Copy `c` (0: A, 1: B) of the dictionary of the volume on `dev` (`len` bytes).
+fn dictionary_copy(dev: &Arc<dyn Storage>, area: &std::ops::Range<u64>, c: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    let half = (area.end - area.start) / 2;
+    dev.read_at(&mut b, (area.start + c * half) * BLOCK_SIZE as u64).expect("read");
+    b
+}
+
+/// Scrub checks both copies of the volume's dictionary: a damaged copy is reported, and
+/// with repair written again from the dictionary in use (the device's copy then matches
+/// the other), after which a scrub finds nothing.
+#[test]
+fn scrub_reports_and_repairs_a_damaged_dictionary_copy() {
+    let (dev, data, opts) = settled_with_dictionary(11);
+    let vol = Volume::open(dev.clone(), None, &opts).expect("open");
     let (_, len) = vol.stats().dictionary.expect("a dictionary");
     let area = vol.geo.dict_area();
-    let half = (area.end - area.start) / 2;
-    let copy = |c: u64| {
-        let mut b = vec![0u8; len as usize];
-        dev.read_at(&mut b, (area.start + c * half) * BLOCK_SIZE as u64).expect("read");
-        b
-    };
+    let copy = |c| dictionary_copy(&dev, &area, c, len as usize);
     assert!(copy(0) == copy(1), "two equal copies");
     let good = copy(1);
+    let half = (area.end - area.start) / 2;
     dev.write_at(&vec![0xa5; BLOCK_SIZE], (area.start + half) * BLOCK_SIZE as u64).expect("damage copy B");
     let scrub = |repair| vol.scrub(&crate::check::scrub::ScrubOptions { repair, ..Default::default() }).expect("scrub");
     let found = scrub(false);
@@ -824,6 +838,34 @@ fn scrub_reports_and_repairs_a_damaged_dictionary_copy() {
     assert!(repaired.is_clean(), "{:?}", repaired.metadata);
     assert!(copy(1) == good, "copy B written again");
     assert!(scrub(false).is_clean());
+    let mut back = vec![0u8; data.len()];
+    vol.read(0, &mut back).expect("read");
+    assert!(back == data);
+    vol.close().expect("close");
+}
+
+/// `check` audits both copies of the dictionary too: a damaged copy is a problem, `check
+/// --repair` writes it again, and the next check is clean.
+#[test]
+fn check_reports_and_repairs_a_damaged_dictionary_copy() {
+    let (dev, data, _) = settled_with_dictionary(13);
+    let (sb, _) = crate::metadata::superblock::Superblock::read(
+        &crate::io::Dev::new(dev.clone(), Arc::new(crate::io::IoCounters::default())),
+        0,
+    )
+    .expect("superblock");
+    let (area, len) = (sb.geometry.dict_area(), sb.dictionary.expect("a dictionary").len as usize);
+    let good = dictionary_copy(&dev, &area, 0, len);
+    dev.write_at(&vec![0x3c; BLOCK_SIZE], area.start * BLOCK_SIZE as u64).expect("damage copy A");
+    let found = crate::check::check_volume(dev.clone(), None, false).expect("check");
+    assert!(!found.is_clean());
+    assert!(found.problems.iter().any(|p| p.to_string().contains("dictionary copy A")), "{:?}", found.problems);
+    let repaired = crate::check::check_volume(dev.clone(), None, true).expect("check --repair");
+    assert!(repaired.repaired.iter().any(|r| r.contains("dictionary copy A")), "{:?}", repaired.repaired);
+    assert!(dictionary_copy(&dev, &area, 0, len) == good, "copy A written again");
+    let again = crate::check::check_volume(dev.clone(), None, false).expect("check");
+    assert!(again.is_clean(), "{:?}", again.problems);
+    let vol = Volume::open(dev, None, &OpenOptions::default()).expect("open");
     let mut back = vec![0u8; data.len()];
     vol.read(0, &mut back).expect("read");
     assert!(back == data);
