@@ -10,14 +10,19 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::process::Command;
 
-fn stats(vol: &Path, dir: &Path, args: &[&str]) -> std::process::Output {
+/// `dedupvol CMD VOL ARGS`, reaching a server of `dir`'s runtime directory if one serves it.
+fn run_on(cmd: &str, vol: &Path, dir: &Path, args: &[&str]) -> std::process::Output {
     Command::new(dedupvol())
-        .arg("stats")
+        .arg(cmd)
         .arg(vol)
         .args(args)
         .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir))
         .output()
-        .expect("run stats")
+        .unwrap_or_else(|e| panic!("run {cmd}: {e}"))
+}
+
+fn stats(vol: &Path, dir: &Path, args: &[&str]) -> std::process::Output {
+    run_on("stats", vol, dir, args)
 }
 
 fn stats_json(vol: &Path, dir: &Path) -> serde_json::Value {
@@ -313,14 +318,8 @@ fn the_extent_cap_is_set_at_format_and_tuned_closed_or_served() {
 }
 
 /// `dedupvol tune VOL ARGS`, reaching a server of `dir`'s runtime directory if one serves it.
-fn tune(vol: &std::path::Path, dir: &std::path::Path, args: &[&str]) -> std::process::Output {
-    Command::new(dedupvol())
-        .arg("tune")
-        .arg(vol)
-        .args(args)
-        .env("DEDUPVOL_RUNTIME_DIR", runtime_dir(dir))
-        .output()
-        .expect("run tune")
+fn tune(vol: &Path, dir: &Path, args: &[&str]) -> std::process::Output {
+    run_on("tune", vol, dir, args)
 }
 
 /// The JSON report of a `tune --json` that succeeded.

@@ -223,11 +223,14 @@ impl Volume {
             (first..first + f.frag.span()).filter_map(|p| live.get(&p).filter(|_| victims.contains(&p))).min().copied()
         };
         moving.sort_by_key(|f| (emptiest(f), f.uses.first().map(|(_, e)| (e.pbn, e.frag.off))));
+        // Data stored at rest is compressed with the volume's dictionary where it applies.
+        let dict = if settle { self.dictionary.lock().clone() } else { None };
         for batch in moving.chunks(MOVES_PER_HOLD) {
             if report.bytes_moved >= opts.budget_bytes {
                 break;
             }
-            let read: Vec<Option<Read>> = batch.iter().map(|f| self.read_fragment(f, settle)).collect::<Result<_>>()?;
+            let read: Vec<Option<Read>> =
+                batch.iter().map(|f| self.read_fragment(f, settle, dict.as_deref())).collect::<Result<_>>()?;
             let mut st = self.state.lock();
             for (f, read) in batch.iter().zip(read) {
                 let Some(Read { moved, hashes }) = read else { continue };
@@ -299,7 +302,13 @@ impl Volume {
     /// the rest level and marked settled: a whole unit compressed again when that shrinks
     /// it, else its bytes copied and marked (zstd only; other codecs are copied as they
     /// are, for the recompressor).
-    fn read_fragment(&self, f: &Found, settle: bool) -> Result<Option<Read>> {
+    /// `dict`: the volume's dictionary, for what is stored at rest.
+    fn read_fragment(
+        &self,
+        f: &Found,
+        settle: bool,
+        dict: Option<&crate::data::dictionary::Dictionary>,
+    ) -> Result<Option<Read>> {
         let Some((bytes, unit)) = self.decode_found(f)? else { return Ok(None) };
         let subs = f.live_subs();
         let hashes = if self.dedup {
@@ -315,11 +324,10 @@ impl Volume {
         };
         let settle = settle && !self.at_rest(&f.frag);
         let (rest_codec, rest_level, _) = self.rest_target();
-        // Data stored at rest is compressed with the volume's dictionary where it applies.
-        let dict = if settle { self.dictionary.lock().clone() } else { None };
+        let dict = dict.filter(|_| settle);
         if subs.len() == f.frag.unit_blocks() {
             if settle {
-                match packer::compress_with(rest_codec, rest_level, &unit, dict.as_deref()) {
+                match packer::compress_with(rest_codec, rest_level, &unit, dict) {
                     Some(z) if z.len() < bytes.len() => {
                         let moved = Moved::Rewrite { blocks: unit, subs, frag: Some(z), settled: true };
                         return Ok(Some(Read { moved, hashes }));
@@ -335,7 +343,7 @@ impl Volume {
         let live: Vec<u8> =
             subs.iter().filter_map(|&s| unit.get(s * BLOCK_SIZE..(s + 1) * BLOCK_SIZE)).flatten().copied().collect();
         let (codec, level) = if settle { (rest_codec, rest_level) } else { self.volume_codec };
-        let frag = packer::compress_with(codec, level, &live, dict.as_deref());
+        let frag = packer::compress_with(codec, level, &live, dict);
         Ok(Some(Read { moved: Moved::Rewrite { blocks: live, subs, frag, settled: settle }, hashes }))
     }
 
