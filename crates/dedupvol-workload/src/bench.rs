@@ -66,6 +66,26 @@ pub struct FinalRecompress {
     pub seconds: f64,
 }
 
+/// The data an overwrite run's volume wrote on its own, against what its client wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackgroundWrites {
+    /// Data bytes the client's writes stored in the timed phase (device data writes in the
+    /// phase less the cleaner's moves in it).
+    pub client_bytes: u64,
+    /// Bytes the cleaner moved during the timed phase.
+    pub cleaner_timed_bytes: u64,
+    /// Device data writes after the timed phase: the final cleaner pass and the settling
+    /// passes (with their cleaner passes).
+    pub after_bytes: u64,
+}
+
+impl BackgroundWrites {
+    /// Background data writes over the client's.
+    pub fn ratio(&self) -> f64 {
+        (self.cleaner_timed_bytes + self.after_bytes) as f64 / self.client_bytes.max(1) as f64
+    }
+}
+
 /// How often the engine run's cleaner looks at the dead-space hint, and the hint that
 /// starts a pass (as `serve` runs it).
 const CLEANER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
@@ -284,6 +304,10 @@ pub struct ScenarioResult {
     pub final_clean: Option<FinalClean>,
     /// Runs with deferred compression: recompression after the timed phase.
     pub final_recompress: Option<FinalRecompress>,
+    /// Overwrite runs: the device writes of data the volume made on its own (cleaner and
+    /// settling) against the client's, from the start of the timed phase to the end of the
+    /// passes after it.
+    pub background: Option<BackgroundWrites>,
     /// Estimator on the same bytes (the ideal).
     pub estimate: Option<EstimateReport>,
     /// Ideal bytes of the timed phase: unique chunks at their stored (compressed) size.
@@ -491,6 +515,23 @@ fn prefill(vol: &Volume, model: &ContentModel, range: u64) -> Result<(), String>
     vol.flush().map_err(|e| format!("prefill flush: {e}"))
 }
 
+/// Settles the volume (recompression passes until one finds nothing to do), untimed.
+fn settle_now(vol: &Volume) -> Result<FinalRecompress, String> {
+    let before = vol.stats();
+    let t = std::time::Instant::now();
+    let r = vol
+        .settle(&dedupvol_core::RecompressOptions::default(), &|| false)
+        .map_err(|e| format!("recompression: {e}"))?;
+    Ok(FinalRecompress {
+        reduction_before: before.reduction_ratio,
+        reduction_after: vol.stats().reduction_ratio,
+        bytes_recompressed: r.bytes_recompressed,
+        bytes_written: r.bytes_after,
+        fragments_marked: r.fragments_marked,
+        seconds: t.elapsed().as_secs_f64(),
+    })
+}
+
 fn ideal_bytes(r: &EstimateReport) -> u64 {
     r.physical_bytes - r.packing_overhead_bytes
 }
@@ -666,6 +707,7 @@ pub fn run_scenario(
         io: None,
         final_clean: None,
         final_recompress: None,
+        background: None,
         estimate: Some(estimate),
         ideal_bytes: ideal,
         write_amp_logical: None,
@@ -689,7 +731,8 @@ pub fn run_scenario(
             prefill(&vol, m, logical)?;
             phase("engine volume prefilled");
         }
-        let before = vol.stats().io;
+        let before_stats = vol.stats();
+        let before = before_stats.io.clone();
         // The cleaner runs beside the writers, as it does under `serve`.
         let cleaner = dedupvol_core::Cleaner::spawn(
             &vol,
@@ -700,6 +743,8 @@ pub fn run_scenario(
         let (secs, flush) = timed_volume_writes(&vol, &source, threads)?;
         drop(cleaner);
         phase("engine timed phase done");
+        let timed_end = vol.stats();
+        let io = IoBreakdown::between(&before, &timed_end.io);
         if is_overwrite {
             // What the cleaner reaches once it has caught up with the writers: one more
             // pass, untimed, reported beside the timed figures.
@@ -729,22 +774,18 @@ pub fn run_scenario(
             // Deferred compression, or a rest level: what the idle volume's recompression
             // reaches, untimed, reported beside the timed figures (passes until one finds
             // nothing to do).
-            let before_final = vol.stats();
-            let t = std::time::Instant::now();
-            let r = vol
-                .settle(&dedupvol_core::RecompressOptions::default(), &|| false)
-                .map_err(|e| format!("recompression: {e}"))?;
-            result.final_recompress = Some(FinalRecompress {
-                reduction_before: before_final.reduction_ratio,
-                reduction_after: vol.stats().reduction_ratio,
-                bytes_recompressed: r.bytes_recompressed,
-                bytes_written: r.bytes_after,
-                fragments_marked: r.fragments_marked,
-                seconds: t.elapsed().as_secs_f64(),
-            });
+            result.final_recompress = Some(settle_now(&vol)?);
         }
         let stats = vol.stats();
-        let io = IoBreakdown::between(&before, &stats.io);
+        if is_overwrite {
+            let cleaner_timed =
+                timed_end.counters.cleaner_bytes_moved.saturating_sub(before_stats.counters.cleaner_bytes_moved);
+            result.background = Some(BackgroundWrites {
+                client_bytes: io.data_write.saturating_sub(cleaner_timed),
+                cleaner_timed_bytes: cleaner_timed,
+                after_bytes: stats.io.data_write.bytes.saturating_sub(timed_end.io.data_write.bytes),
+            });
+        }
         if let Ok(v) = Arc::try_unwrap(vol) {
             v.close().map_err(|e| format!("closing the volume: {e}"))?;
         }
@@ -842,6 +883,7 @@ pub fn primitives_only(name: &str, data: &DataSpec) -> Result<ScenarioResult, St
         io: None,
         final_clean: None,
         final_recompress: None,
+        background: None,
         estimate: None,
         ideal_bytes: 0,
         write_amp_logical: None,

@@ -332,10 +332,21 @@ pub fn render_bench(r: &BenchReport) -> String {
                     pr.memory_bytes_per_entry
                 ));
             }
+            if let Some(b) = &s.background {
+                out.push_str(&format!(
+                    "  background data writes: {:.1} MiB (cleaner in the timed phase {:.1}, cleaning and settling after it \
+                     {:.1}) = {:.3}x the client's {:.1} MiB of data writes in the timed phase\n",
+                    mib(b.cleaner_timed_bytes + b.after_bytes),
+                    mib(b.cleaner_timed_bytes),
+                    mib(b.after_bytes),
+                    b.ratio(),
+                    mib(b.client_bytes)
+                ));
+            }
             if st.counters.cleaner_passes > 0 {
                 let client = st.lifetime.data_write_bytes.saturating_sub(st.counters.cleaner_bytes_moved).max(1);
                 out.push_str(&format!(
-                    "  cleaner: {} passes, {} fragments moved ({:.1} MiB, {:.3}x the client's data bytes written), {} blocks remapped\n",
+                    "  cleaner: {} passes, {} fragments moved ({:.1} MiB, {:.3}x the volume's other data writes: the client's and settling's), {} blocks remapped\n",
                     st.counters.cleaner_passes,
                     st.counters.cleaner_fragments_moved,
                     st.counters.cleaner_bytes_moved as f64 / 1048576.0,
