@@ -89,7 +89,9 @@ class Server:
 
     def __init__(self, kind, path, sock, extra=(), cgroup=None):
         """cgroup: an object with add(pid), to put the server in a memory group before it
-        touches any data (a child joins it through preexec_fn, before exec)."""
+        touches any data (a child joins it through preexec_fn, before exec). kind "null":
+        `nbdkit null` of `path` bytes (a size): a server that stores nothing and reads
+        zeros, so what a client reaches against it is the transport's own ceiling."""
         self.kind = kind
         pre = None
         if cgroup is not None:
@@ -111,7 +113,8 @@ class Server:
             pidfile = sock.with_suffix(".pid")
             if pidfile.exists():
                 pidfile.unlink()
-            cmd = ["nbdkit", "-f", "-U", sock, "--pidfile", pidfile, "file", f"file={path}"]
+            plugin = ["null", f"size={path}"] if kind == "null" else ["file", f"file={path}"]
+            cmd = ["nbdkit", "-f", "-U", sock, "--pidfile", pidfile, *plugin]
             COMMANDS.append(" ".join(map(str, cmd)))
             self.proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                          preexec_fn=pre)
