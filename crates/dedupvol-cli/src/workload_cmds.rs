@@ -125,6 +125,15 @@ pub struct BenchArgs {
     /// at rest runs until done and its ratio is printed beside the timed one.
     #[arg(long)]
     rest_level: Option<String>,
+    /// Overwrite mode: cleaner passes after the timed phase (each once over the data
+    /// region), before the volume settles.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    final_clean_passes: u32,
+    /// Overwrite mode: the live bytes (of 4096) a data block holds at most to be cleaned
+    /// by those passes (default: the engine's, half a block). Higher reclaims more space
+    /// for more writes.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    final_clean_live_max: Option<u32>,
     /// Write policy of the engine volume.
     #[arg(long, default_value = "async")]
     write_policy: String,
@@ -342,6 +351,8 @@ fn run_bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
         compression,
         compression_level,
         rest_level: a.rest_level.as_deref().map(crate::volume_cmds::parse_rest_level).transpose()?,
+        final_clean_passes: a.final_clean_passes as usize,
+        final_clean_live_max: a.final_clean_live_max,
         write_policy,
         baselines: !a.no_baseline,
         reference: true,

@@ -35,14 +35,16 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// A cleaner pass after the timed phase of an overwrite run.
+/// The cleaner passes after the timed phase of an overwrite run.
 #[derive(Debug, Clone, Serialize)]
 pub struct FinalClean {
     /// Reduction at the end of the timed phase.
     pub reduction_before: f64,
-    /// Reduction after the pass.
+    /// Reduction after the passes.
     pub reduction_after: f64,
-    /// Compressed bytes the pass wrote again.
+    /// Passes run.
+    pub passes: usize,
+    /// Compressed bytes the passes wrote again.
     pub bytes_moved: u64,
     /// The estimate's reduction of the volume's live content (read back after the pass).
     pub live_estimate: f64,
@@ -154,6 +156,11 @@ pub struct BenchOptions {
     pub compression_level: i8,
     /// Its rest level (`FormatOptions::rest_level`; None: the format default).
     pub rest_level: Option<i8>,
+    /// Overwrite runs: the cleaner passes after the timed phase, and their victims' live
+    /// bytes at most (`CleanOptions::live_max`; None: the engine's default).
+    pub final_clean_passes: usize,
+    /// See `final_clean_passes`.
+    pub final_clean_live_max: Option<u32>,
     /// Write policy of the engine volume.
     pub write_policy: WritePolicy,
     /// Also run the no-reduction volume and raw-file baselines.
@@ -300,7 +307,7 @@ pub struct ScenarioResult {
     pub stats: Option<Stats>,
     /// Device bytes by category written in the timed phase.
     pub io: Option<IoBreakdown>,
-    /// Overwrite runs: one more cleaner pass after the timed phase.
+    /// Overwrite runs: the cleaner passes after the timed phase.
     pub final_clean: Option<FinalClean>,
     /// Runs with deferred compression: recompression after the timed phase.
     pub final_recompress: Option<FinalRecompress>,
@@ -749,7 +756,17 @@ pub fn run_scenario(
             // What the cleaner reaches once it has caught up with the writers: one more
             // pass, untimed, reported beside the timed figures.
             let before_final = vol.stats();
-            let pass = vol.clean(&dedupvol_core::CleanOptions::default()).map_err(|e| format!("cleaner: {e}"))?;
+            let mut copts = dedupvol_core::CleanOptions::default();
+            if let Some(v) = opts.final_clean_live_max {
+                copts.live_max = v;
+            }
+            let mut moved = 0;
+            for k in 0..opts.final_clean_passes.max(1) {
+                if k > 0 {
+                    vol.flush().map_err(|e| format!("flush: {e}"))?;
+                }
+                moved += vol.clean(&copts).map_err(|e| format!("cleaner: {e}"))?.bytes_moved;
+            }
             vol.flush().map_err(|e| format!("flush: {e}"))?;
             // The ideal of what the volume holds now: its live content read back and
             // estimated (the estimate of the written stream counts overwritten data too).
@@ -766,7 +783,8 @@ pub fn run_scenario(
             result.final_clean = Some(FinalClean {
                 reduction_before: before_final.reduction_ratio,
                 reduction_after: vol.stats().reduction_ratio,
-                bytes_moved: pass.bytes_moved,
+                passes: opts.final_clean_passes.max(1),
+                bytes_moved: moved,
                 live_estimate: live.finish().reduction_ratio,
             });
         }

@@ -269,8 +269,9 @@ pub fn render_bench(r: &BenchReport) -> String {
             ));
             if let Some(fc) = &s.final_clean {
                 out.push_str(&format!(
-                    "  after the timed phase, one more cleaner pass: reduction {:.2}x -> {:.2}x ({:.1} MiB moved); \
+                    "  after the timed phase, {} more cleaner pass(es): reduction {:.2}x -> {:.2}x ({:.1} MiB moved); \
                      the estimate of the volume's live content (read back): {:.2}x\n",
+                    fc.passes,
                     fc.reduction_before,
                     fc.reduction_after,
                     fc.bytes_moved as f64 / 1048576.0,
