@@ -8,9 +8,9 @@ Sections (--sections, default all):
           reads QD32, a 70/30 read/write mix of 8K-128K, the SQL and VDI mixes, and the
           write jobs (sequential 1 MiB fill, random 4 KiB writes QD32) so a read change
           that costs writes shows. Jobs alternate between the two servers (A, B, A, B ...)
-          so the VM's drift hits both alike. Each job also runs against `nbdkit null` (a
-          server that stores nothing): the transport's ceiling, what no server can beat
-          with this client (--no-ceiling skips it). The dedupvol server's peak RSS is printed
+          so the VM's drift hits both alike. Each job also runs against `nbdkit null` (no
+          storage at all): how much of nbdkit file's figure is nbdkit's own request
+          handling rather than the file (--no-null skips it). The dedupvol server's peak RSS is printed
           beside its bound: --cache-size + index memory + block-map cache + 256 MiB.
   memory  equal memory: both servers inside one cgroup-v1 memory group whose limit counts
           the page cache (--memory-limit, default 1536M), on a region several times
@@ -122,8 +122,8 @@ def nbd_section(cfg, work, results):
             "dedupvol": bs.Server("dedupvol", vol, work / "dv.sock", extra=cfg["serve_args"]),
             "nbdkit": bs.Server("nbdkit", raw, work / "kit.sock"),
         }
-        if cfg["ceiling"]:
-            # The transport's ceiling: the same jobs against a server that does nothing.
+        if cfg["null"]:
+            # nbdkit without storage: its own request handling, the file taken away.
             servers["null"] = bs.Server("null", size, work / "null.sock")
         level = {"reducible_pct": pct, "jobs": {}, "cache_bytes": served_cache_bytes(servers["dedupvol"], cfg["cache_size"])}
         try:
@@ -395,10 +395,10 @@ def print_nbd(rows):
     kinds = {n: k for n, k, _ in read_jobs(1)}
     kinds["seq-write-1m-qd8"] = "w"
     print("\n## NBD matrix: dedupvol serve (defaults) vs nbdkit file, MB/s (mean of rounds)\n")
-    print("The ceiling: the same job against `nbdkit null` (stores nothing, reads zeros), what this")
-    print("client reaches over this transport with a server that does no work; ceiling / nbdkit is")
-    print("the highest ratio any server could show.\n")
-    print("| reducible | job | dedupvol | nbdkit | ratio | per-round ratios | ceiling | ceiling / nbdkit |")
+    print("nbdkit null: the same job against `nbdkit null` (stores nothing, reads zeros): nbdkit's")
+    print("own request handling and the transport, without the file. Where it is close to nbdkit")
+    print("file, nbdkit's figure is bound by its request handling, not by storage.\n")
+    print("| reducible | job | dedupvol | nbdkit | ratio | per-round ratios | nbdkit null | null / file |")
     print("|---|---|---|---|---|---|---|---|")
     for lv in rows:
         for name, by in lv["jobs"].items():
@@ -407,8 +407,8 @@ def print_nbd(rows):
             c = [job_mb_s(r, kinds[name]) for r in by.get("null", [])]
             per = ", ".join(f"{a / b:.2f}" for a, b in zip(d, n) if b)
             ratio = mean(d) / mean(n) if mean(n) else 0
-            ceil = f"{mean(c):.0f} | {mean(c) / mean(n):.2f}x" if c and mean(n) else "- | -"
-            print(f"| {lv['reducible_pct']}% | {name} | {mean(d):.0f} | {mean(n):.0f} | {ratio:.2f}x | {per} | {ceil} |")
+            null = f"{mean(c):.0f} | {mean(c) / mean(n):.2f}x" if c and mean(n) else "- | -"
+            print(f"| {lv['reducible_pct']}% | {name} | {mean(d):.0f} | {mean(n):.0f} | {ratio:.2f}x | {per} | {null} |")
     print("\n| reducible | dedupvol peak RSS | bound (cache + index + block-map cache + 256 MiB) | cache | nbdkit peak RSS |")
     print("|---|---|---|---|---|")
     for lv in rows:
@@ -442,8 +442,8 @@ def main():
     ap.add_argument("--memory-region", default="8G")
     ap.add_argument("--memory-physical", default="6G")
     ap.add_argument("--jobs", default="", help="comma-separated job names (default: all)")
-    ap.add_argument("--no-ceiling", action="store_true",
-                    help="nbd: skip the jobs against nbdkit null (the transport's ceiling)")
+    ap.add_argument("--no-null", action="store_true",
+                    help="nbd: skip the jobs against nbdkit null (nbdkit without storage)")
     ap.add_argument("--replay-ops", default="100000")
     ap.add_argument("--replay-blocks", default="262144", help="4 KiB blocks the trace addresses")
     ap.add_argument("--replay-device", default="2G")
@@ -461,7 +461,7 @@ def main():
         "levels": [int(x) for x in a.levels.split(",") if x],
         "region": a.region,
         "physical": a.physical,
-        "ceiling": not a.no_ceiling,
+        "null": not a.no_null,
         "runtime": a.runtime,
         "rounds": a.rounds,
         "jobs": [j for j in a.jobs.split(",") if j],

@@ -90,8 +90,8 @@ class Server:
     def __init__(self, kind, path, sock, extra=(), cgroup=None):
         """cgroup: an object with add(pid), to put the server in a memory group before it
         touches any data (a child joins it through preexec_fn, before exec). kind "null":
-        `nbdkit null` of `path` bytes (a size): a server that stores nothing and reads
-        zeros, so what a client reaches against it is the transport's own ceiling."""
+        `nbdkit null` of `path` bytes (a size): nbdkit storing nothing and reading zeros,
+        its request handling without storage."""
         self.kind = kind
         pre = None
         if cgroup is not None:
