@@ -397,9 +397,11 @@ def print_nbd(rows):
     print("\n## NBD matrix: dedupvol serve (defaults) vs nbdkit file, MB/s (mean of rounds)\n")
     print("nbdkit null: the same job against `nbdkit null` (stores nothing, reads zeros): nbdkit's")
     print("own request handling and the transport, without the file. Where it is close to nbdkit")
-    print("file, nbdkit's figure is bound by its request handling, not by storage.\n")
-    print("| reducible | job | dedupvol | nbdkit | ratio | per-round ratios | nbdkit null | null / file |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("file, nbdkit's figure is bound by its request handling, not by storage. fio CPU: the")
+    print("client's own CPU in % of one core (its one thread), against dedupvol / nbdkit file; near")
+    print("100, the client is the limit.\n")
+    print("| reducible | job | dedupvol | nbdkit | ratio | per-round ratios | nbdkit null | null / file | fio CPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for lv in rows:
         for name, by in lv["jobs"].items():
             d = [job_mb_s(r, kinds[name]) for r in by.get("dedupvol", [])]
@@ -408,7 +410,9 @@ def print_nbd(rows):
             per = ", ".join(f"{a / b:.2f}" for a, b in zip(d, n) if b)
             ratio = mean(d) / mean(n) if mean(n) else 0
             null = f"{mean(c):.0f} | {mean(c) / mean(n):.2f}x" if c and mean(n) else "- | -"
-            print(f"| {lv['reducible_pct']}% | {name} | {mean(d):.0f} | {mean(n):.0f} | {ratio:.2f}x | {per} | {null} |")
+            cpu = "/".join(f"{mean([r.get('client_cpu_pct', 0.0) for r in by.get(k, [])]):.0f}"
+                           for k in ("dedupvol", "nbdkit"))
+            print(f"| {lv['reducible_pct']}% | {name} | {mean(d):.0f} | {mean(n):.0f} | {ratio:.2f}x | {per} | {null} | {cpu} |")
     print("\n| reducible | dedupvol peak RSS | bound (cache + index + block-map cache + 256 MiB) | cache | nbdkit peak RSS |")
     print("|---|---|---|---|---|")
     for lv in rows:

@@ -155,6 +155,9 @@ def fio(args, name):
             "clat_p99_us": (x["clat_ns"].get("percentile") or {}).get("99.000000", 0) / 1000.0,
         }
     res["runtime_s"] = job["job_runtime"] / 1000.0
+    # fio's own CPU, in % of one core (its job runs on one thread): near 100, the client
+    # is the limit, whatever the server.
+    res["client_cpu_pct"] = job.get("usr_cpu", 0.0) + job.get("sys_cpu", 0.0)
     return res
 
 
