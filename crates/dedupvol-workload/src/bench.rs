@@ -755,19 +755,16 @@ pub fn run_scenario(
         if is_overwrite {
             // What the cleaner reaches once it has caught up with the writers: one more
             // pass, untimed, reported beside the timed figures.
-            let before_final = vol.stats();
             let mut copts = dedupvol_core::CleanOptions::default();
             if let Some(v) = opts.final_clean_live_max {
                 copts.live_max = v;
             }
+            let passes = opts.final_clean_passes.max(1);
             let mut moved = 0;
-            for k in 0..opts.final_clean_passes.max(1) {
-                if k > 0 {
-                    vol.flush().map_err(|e| format!("flush: {e}"))?;
-                }
+            for _ in 0..passes {
                 moved += vol.clean(&copts).map_err(|e| format!("cleaner: {e}"))?.bytes_moved;
+                vol.flush().map_err(|e| format!("flush: {e}"))?;
             }
-            vol.flush().map_err(|e| format!("flush: {e}"))?;
             // The ideal of what the volume holds now: its live content read back and
             // estimated (the estimate of the written stream counts overwritten data too).
             let mut live = Estimator::new(est_opts.clone())?;
@@ -781,9 +778,9 @@ pub fn run_scenario(
                 at += n as u64;
             }
             result.final_clean = Some(FinalClean {
-                reduction_before: before_final.reduction_ratio,
+                reduction_before: timed_end.reduction_ratio,
                 reduction_after: vol.stats().reduction_ratio,
-                passes: opts.final_clean_passes.max(1),
+                passes,
                 bytes_moved: moved,
                 live_estimate: live.finish().reduction_ratio,
             });

@@ -343,6 +343,25 @@ pub fn check_volume_with(
     Ok(report)
 }
 
+/// What `Volume::audit_dictionary_copies` found.
+#[derive(Default)]
+pub(crate) struct DictionaryAudit {
+    /// The damaged copies.
+    pub damaged: Vec<DamagedCopy>,
+    /// Bytes read to check them.
+    pub bytes_read: u64,
+}
+
+/// A damaged copy of the volume's dictionary.
+pub(crate) struct DamagedCopy {
+    /// "A" or "B".
+    pub copy: &'static str,
+    /// What was found instead of the dictionary.
+    pub found: String,
+    /// Written again from the dictionary in use.
+    pub repaired: bool,
+}
+
 impl Volume {
     /// Audits the open volume (best run with no concurrent writers).
     pub fn audit(&self, repair: bool) -> Result<CheckReport> {
@@ -687,26 +706,44 @@ impl Volume {
     }
 
     /// Both copies of the volume's dictionary against the superblock's length, crc32c and
-    /// id: a damaged copy is a problem, and with `repair` it is written again from the
-    /// dictionary in use (which matched them when the volume opened) and synced.
+    /// id: a damaged copy is a problem, and with `repair` it is written again.
     fn audit_dictionary(&self, repair: bool, report: &mut CheckReport) -> Result<()> {
-        let Some(info) = self.sb.lock().dictionary else { return Ok(()) };
-        let area = self.geo.dict_area();
-        let copies = crate::data::dictionary::check_copies(&self.meta, &area, &info);
-        for (copy, state) in copies.into_iter().enumerate() {
-            let Err(found) = state else { continue };
-            let what = format!("dictionary copy {}: damaged ({found})", if copy == 0 { "A" } else { "B" });
+        for d in self.audit_dictionary_copies(repair)?.damaged {
+            let what = format!("dictionary copy {}: damaged ({})", d.copy, d.found);
             report.problem(Problem::Open { message: what.clone() });
-            let in_use = self.dictionary.lock().clone();
-            match (repair && !self.read_only, in_use) {
-                (true, Some(d)) => {
-                    crate::data::dictionary::rewrite_copy(&self.meta, &area, copy, &d)?;
-                    report.repaired.push(format!("{what}: written again from the dictionary in use"));
-                }
-                _ => report.unrepaired.push(what),
+            if d.repaired {
+                report.repaired.push(format!("{what}: written again from the dictionary in use"));
+            } else {
+                report.unrepaired.push(what);
             }
         }
         Ok(())
+    }
+
+    /// Both copies of the installed dictionary (none: nothing to audit) read and checked
+    /// against the superblock's length, crc32c and id, for `check` and scrub. With
+    /// `repair` (a writable volume), a damaged copy is written again from the dictionary
+    /// in use, which matched them when the volume opened, and synced; a failed write is
+    /// the error.
+    pub(crate) fn audit_dictionary_copies(&self, repair: bool) -> Result<DictionaryAudit> {
+        let mut audit = DictionaryAudit::default();
+        let Some(info) = self.sb.lock().dictionary else { return Ok(audit) };
+        let area = self.geo.dict_area();
+        let copies = crate::data::dictionary::check_copies(&self.meta, &area, &info);
+        audit.bytes_read = 2 * u64::from(info.len);
+        let in_use = self.dictionary.lock().clone();
+        for (copy, state) in copies.into_iter().enumerate() {
+            let Err(found) = state else { continue };
+            let repaired = match (&in_use, repair && !self.read_only) {
+                (Some(d), true) => {
+                    crate::data::dictionary::rewrite_copy(&self.meta, &area, copy, d)?;
+                    true
+                }
+                _ => false,
+            };
+            audit.damaged.push(DamagedCopy { copy: if copy == 0 { "A" } else { "B" }, found, repaired });
+        }
+        Ok(audit)
     }
 
     /// Every logical block mapped to a damaged location, as merged runs of block numbers.

@@ -316,30 +316,23 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Step 1, the dictionary: both copies of the installed dictionary checked against
-    /// the superblock's length, crc32c and id. With `repair`, a damaged copy is written
-    /// again from the dictionary in use (checked the same way when the volume opened) and
-    /// synced; a failed write fails the volume, as any failed metadata write.
+    /// Step 1, the dictionary: both copies of the installed dictionary
+    /// (`Volume::audit_dictionary_copies`). With `repair`, a damaged copy is written again
+    /// from the dictionary in use; a failed write fails the volume, as any failed metadata
+    /// write.
     fn dictionary(&mut self) -> Result<()> {
-        let vol = self.vol;
-        let Some(info) = vol.sb.lock().dictionary else { return Ok(()) };
-        let area = vol.geo.dict_area();
-        let copies = crate::data::dictionary::check_copies(&vol.meta, &area, &info);
-        self.read_bytes(2 * u64::from(info.len));
-        let in_use = vol.dictionary.lock().clone();
-        for (copy, state) in copies.into_iter().enumerate() {
-            let Err(found) = state else { continue };
-            let name = if copy == 0 { "A" } else { "B" };
-            if let (true, Some(d)) = (self.opts.repair, &in_use) {
-                if let Err(e) = crate::data::dictionary::rewrite_copy(&vol.meta, &area, copy, d) {
-                    return vol.fail(e);
-                }
-                if self.report.metadata.len() < METADATA_LISTED_MAX {
-                    self.report.metadata.push(format!("dictionary copy {name}: damaged ({found}), rewritten"));
-                }
-                continue;
+        let audit = match self.vol.audit_dictionary_copies(self.opts.repair) {
+            Ok(a) => a,
+            Err(e) => return self.vol.fail(e),
+        };
+        self.read_bytes(audit.bytes_read);
+        for d in audit.damaged {
+            let what = format!("dictionary copy {}: damaged ({})", d.copy, d.found);
+            if !d.repaired {
+                self.metadata_finding(what);
+            } else if self.report.metadata.len() < METADATA_LISTED_MAX {
+                self.report.metadata.push(format!("{what}, rewritten"));
             }
-            self.metadata_finding(format!("dictionary copy {name}: damaged ({found})"));
         }
         Ok(())
     }

@@ -293,13 +293,11 @@ fn decompress_with(pbn: u64, f: &Frag, frag: &[u8], out: &mut [u8], checked: boo
     let codec = f.compression().unwrap_or(Compression::None);
     // A zstd frame compressed with the volume's dictionary names it (`data::dictionary`).
     let dict_id = if codec == Compression::Zstd { super::dictionary::frame_id(frag) } else { None };
-    let decoded = match codec {
-        Compression::None => return Err(damaged(pbn, "a compression codec", format!("codec {}", f.codec))),
-        Compression::Lz4 => lz4_flex::block::decompress_into(frag, out).map_err(|e| e.to_string()),
-        Compression::Zstd if dict_id.is_some() => {
-            super::dictionary::decompress(dict_id.unwrap_or(0), frag, out, checked)
-        }
-        Compression::Zstd => {
+    let decoded = match (codec, dict_id) {
+        (Compression::None, _) => return Err(damaged(pbn, "a compression codec", format!("codec {}", f.codec))),
+        (Compression::Lz4, _) => lz4_flex::block::decompress_into(frag, out).map_err(|e| e.to_string()),
+        (Compression::Zstd, Some(id)) => super::dictionary::decompress(id, frag, out, checked),
+        (Compression::Zstd, None) => {
             thread_local! {
                 // One context per thread and mode: [checksum ignored, checked].
                 static ZSTD_D: std::cell::RefCell<[Option<zstd::bulk::Decompressor<'static>>; 2]> =
