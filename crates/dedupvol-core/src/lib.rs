@@ -23,7 +23,8 @@
 //! - `io`: the storage trait and its implementations; `obs`: statistics and counters;
 //! - `tier`: the hot-chunk tier (copies of hot physical blocks on a fast device);
 //! - `check`: the offline audit and repair;
-//! - `woj`: write-once journaling (journal discovery, the weak-hash pool).
+//! - `woj`: write-once journaling (journal discovery, the weak-hash pool);
+//! - `sync`: the mutex of the hot locks (waiters sleep, never yield in a loop).
 
 mod check;
 mod codec;
@@ -36,6 +37,7 @@ mod metadata;
 mod obs;
 mod pipeline;
 mod read;
+pub mod sync;
 mod tier;
 mod volume;
 mod woj;

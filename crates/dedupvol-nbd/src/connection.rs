@@ -29,6 +29,7 @@ use crate::backend::Backend;
 use crate::metrics::ServerMetrics;
 use crate::proto::{self, Command, Disposition, ExportLimits};
 use crate::stream::Stream;
+use dedupvol_core::sync;
 use parking_lot::{Condvar, Mutex};
 use std::io::{self, BufReader, Read};
 use std::net::Shutdown;
@@ -546,7 +547,9 @@ struct Job {
 
 /// Writes replies; shared by the reader (for rejects) and the workers.
 struct ReplyWriter {
-    stream: Mutex<Stream>,
+    /// A reply's send holds it for the whole copy into the socket: its waiters sleep
+    /// (`sync::Mutex`), they do not yield the CPU in a loop behind it.
+    stream: sync::Mutex<Stream>,
     /// Simple replies waiting for the stream (`status`): whoever holds the stream sends
     /// them with its own reply, in one vectored write.
     queued: Mutex<Vec<u8>>,
@@ -900,7 +903,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
         Err(e) => return Outcome::Dropped(format!("cannot clone socket: {e}")),
     };
     let writer = Arc::new(ReplyWriter {
-        stream: Mutex::new(write_half),
+        stream: sync::Mutex::new(write_half),
         queued: Mutex::new(Vec::new()),
         send,
         broken: AtomicBool::new(false),
@@ -914,7 +917,7 @@ fn transmission(stream: Stream, session: Session, export: &Export, limits: &Conn
         read_only: export.config.read_only,
         block_status: session.structured && session.allocation,
     };
-    let requests = Arc::new(Mutex::new(RequestReader {
+    let requests = Arc::new(sync::Mutex::new(RequestReader {
         reader: BufReader::with_capacity(READ_BUFFER_BYTES, stream),
         ended: None,
     }));
@@ -1009,7 +1012,7 @@ mod tests {
     fn a_reply_queued_behind_a_blocked_send_is_sent_when_it_ends() {
         let (ours, mut client) = UnixStream::pair().expect("socketpair");
         let writer = Arc::new(ReplyWriter {
-            stream: Mutex::new(Stream::Unix(ours)),
+            stream: sync::Mutex::new(Stream::Unix(ours)),
             queued: Mutex::new(Vec::new()),
             send: Sender { limits: ConnectionLimits::default(), stopping: Arc::new(AtomicBool::new(false)) },
             broken: AtomicBool::new(false),

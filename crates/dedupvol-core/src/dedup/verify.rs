@@ -13,7 +13,7 @@ use crate::dedup::index::Location;
 use crate::io::IoKind;
 use crate::metadata::block_map::MapEntry;
 use crate::read::cache::{Block, ContentCache};
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 /// Whether the logical content `e` maps to equals `chunk`, from the content cache alone: a
 /// raw block, a decoded block of a fragment, or a fragment whose blocks are all cached

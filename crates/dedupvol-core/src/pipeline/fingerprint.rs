@@ -19,7 +19,7 @@ use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::dedup::predictor::Predictor;
 use crate::woj::Woj;
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 use std::sync::Arc;
 
 /// A plan per chunk of `buf` (chunk `i` goes to `lbas.at(i)`): zero chunks are marked, the

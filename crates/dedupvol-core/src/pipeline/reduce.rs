@@ -15,7 +15,7 @@ use crate::metadata::block_map::UNIT_BLOCKS_MAX;
 use crate::read::cache::{Block, ContentCache};
 use crate::volume::state::State;
 use crate::woj::Woj;
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 use std::sync::Arc;
 
 /// Stage 2 (state lock held): each data chunk's dedup candidate, from memory. A candidate

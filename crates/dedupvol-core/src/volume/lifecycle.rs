@@ -35,7 +35,7 @@ use crate::obs::stats::{LifetimeCounters, ReductionCounters};
 use crate::pipeline::executor::CpuPool;
 use crate::read::cache::ContentCache;
 use crate::tier::Tier;
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -522,7 +522,7 @@ impl Volume {
             dictionary_train_min: opts.dictionary_train_min_bytes,
             lifetime_base: sb.lifetime,
             sb: Mutex::new(sb),
-            state: Mutex::new(state),
+            state: parking_lot::Mutex::new(state),
             commit_lock: Mutex::new(()),
             tickets,
             writer,

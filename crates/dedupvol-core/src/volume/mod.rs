@@ -59,7 +59,7 @@ use crate::pipeline::executor::CpuPool;
 use crate::pipeline::segments;
 use crate::read::cache::ContentCache;
 use crate::tier::Tier;
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 use state::State;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -78,7 +78,12 @@ pub struct Volume {
     /// raises it, after the superblock names the new size.
     pub(crate) logical_blocks: AtomicU64,
     pub(crate) sb: Mutex<Superblock>,
-    pub(crate) state: Mutex<State>,
+    /// The state lock stays parking_lot's: the cleaner's and settling's scans release and
+    /// take it again in tight loops, and parking_lot hands a contended lock to a waiting
+    /// client now and then (eventual fairness), where a plain futex mutex lets the thread
+    /// that just released it take it back first every time. Every other lock of the volume
+    /// is a `crate::sync::Mutex`, whose waiters sleep instead of yielding in a loop.
+    pub(crate) state: parking_lot::Mutex<State>,
     pub(crate) commit_lock: Mutex<()>,
     /// Tickets of data writes in flight outside the state lock. A commit waits for every
     /// ticket issued before it took its journal batch, so the data sync covers them.
@@ -96,6 +101,8 @@ pub struct Volume {
     pub(crate) defer: Option<Arc<crate::pipeline::defer::Deferral>>,
     /// Combines small writes into batches (`pipeline::batcher`).
     pub(crate) batcher: crate::pipeline::batcher::Batcher,
+    /// Taken once per read request for its lookups and once per run it reads: the read
+    /// path's most contended lock.
     pub(crate) cache: Mutex<ContentCache>,
     pub(crate) rmw: [Mutex<()>; RMW_STRIPES],
     pub(crate) io: Arc<IoCounters>,

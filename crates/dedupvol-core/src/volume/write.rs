@@ -54,7 +54,7 @@ impl Volume {
 
     /// The read-modify-write lock of `lba`'s stripe.
     #[expect(clippy::indexing_slicing, reason = "the index is taken modulo the array's length")]
-    fn rmw_stripe(&self, lba: u64) -> &parking_lot::Mutex<()> {
+    fn rmw_stripe(&self, lba: u64) -> &crate::sync::Mutex<()> {
         &self.rmw[(lba % super::RMW_STRIPES as u64) as usize]
     }
 
