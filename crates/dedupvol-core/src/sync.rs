@@ -5,9 +5,9 @@
 //! Why not parking_lot's for the hot locks: its waiters spin a little, then call
 //! `sched_yield` up to seven times before they sleep. On a small machine, with the client
 //! on the same cores, every yield is a trip through the scheduler that hands the core to
-//! another waiter or to the client; under contention (four NBD workers taking turns at the
-//! socket and the volume's state) those trips took a fifth of the server's CPU on 8-128 KiB
-//! random reads. A futex wait sleeps once and is woken once.
+//! another waiter or to the client; under contention (four NBD workers taking turns at a
+//! connection's socket and at the content cache) those trips took a fifth of the server's
+//! CPU on 8-128 KiB random reads. A futex wait sleeps once and is woken once.
 //!
 //! Used for the NBD connection's socket and request locks and every lock of a volume but
 //! its state lock, which keeps parking_lot's for its fairness (see `Volume::state`).

@@ -18,8 +18,8 @@ use super::{chunk, DataPlan, Plan};
 use crate::config::Compression;
 use crate::config::BLOCK_SIZE;
 use crate::dedup::predictor::Predictor;
-use crate::woj::Woj;
 use crate::sync::Mutex;
+use crate::woj::Woj;
 use std::sync::Arc;
 
 /// A plan per chunk of `buf` (chunk `i` goes to `lbas.at(i)`): zero chunks are marked, the

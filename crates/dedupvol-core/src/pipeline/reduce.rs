@@ -13,9 +13,9 @@ use crate::dedup::index::{Fetch, PageSource};
 use crate::dedup::{verify, Candidate};
 use crate::metadata::block_map::UNIT_BLOCKS_MAX;
 use crate::read::cache::{Block, ContentCache};
+use crate::sync::Mutex;
 use crate::volume::state::State;
 use crate::woj::Woj;
-use crate::sync::Mutex;
 use std::sync::Arc;
 
 /// Stage 2 (state lock held): each data chunk's dedup candidate, from memory. A candidate
