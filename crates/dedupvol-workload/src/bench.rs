@@ -46,7 +46,7 @@ pub struct FinalClean {
     pub passes: usize,
     /// Compressed bytes the passes wrote again.
     pub bytes_moved: u64,
-    /// The estimate's reduction of the volume's live content (read back after the pass).
+    /// The estimate's reduction of the volume's live content (read back after the passes).
     pub live_estimate: f64,
 }
 
@@ -739,7 +739,7 @@ pub fn run_scenario(
             phase("engine volume prefilled");
         }
         let before_stats = vol.stats();
-        let before = before_stats.io.clone();
+        let before = &before_stats.io;
         // The cleaner runs beside the writers, as it does under `serve`.
         let cleaner = dedupvol_core::Cleaner::spawn(
             &vol,
@@ -751,7 +751,7 @@ pub fn run_scenario(
         drop(cleaner);
         phase("engine timed phase done");
         let timed_end = vol.stats();
-        let io = IoBreakdown::between(&before, &timed_end.io);
+        let io = IoBreakdown::between(before, &timed_end.io);
         if is_overwrite {
             // What the cleaner reaches once it has caught up with the writers: one more
             // pass, untimed, reported beside the timed figures.

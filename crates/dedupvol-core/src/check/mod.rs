@@ -362,6 +362,13 @@ pub(crate) struct DamagedCopy {
     pub repaired: bool,
 }
 
+impl DamagedCopy {
+    /// How `check` and scrub name it: "dictionary copy A: damaged (what was found)".
+    pub fn describe(&self) -> String {
+        format!("dictionary copy {}: damaged ({})", self.copy, self.found)
+    }
+}
+
 impl Volume {
     /// Audits the open volume (best run with no concurrent writers).
     pub fn audit(&self, repair: bool) -> Result<CheckReport> {
@@ -709,7 +716,7 @@ impl Volume {
     /// id: a damaged copy is a problem, and with `repair` it is written again.
     fn audit_dictionary(&self, repair: bool, report: &mut CheckReport) -> Result<()> {
         for d in self.audit_dictionary_copies(repair)?.damaged {
-            let what = format!("dictionary copy {}: damaged ({})", d.copy, d.found);
+            let what = d.describe();
             report.problem(Problem::Open { message: what.clone() });
             if d.repaired {
                 report.repaired.push(format!("{what}: written again from the dictionary in use"));

@@ -327,7 +327,7 @@ impl Run<'_> {
         };
         self.read_bytes(audit.bytes_read);
         for d in audit.damaged {
-            let what = format!("dictionary copy {}: damaged ({})", d.copy, d.found);
+            let what = d.describe();
             if !d.repaired {
                 self.metadata_finding(what);
             } else if self.report.metadata.len() < METADATA_LISTED_MAX {
