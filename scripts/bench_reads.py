@@ -29,6 +29,7 @@ import argparse
 import json
 import re
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -489,6 +490,11 @@ def main():
     }
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    # Run a private copy, so a rebuild mid-run cannot mix two binaries.
+    global DEDUPVOL
+    private = work / "dedupvol"
+    shutil.copy2(DEDUPVOL, private)
+    DEDUPVOL = bs.DEDUPVOL = private
     results = {"config": cfg, "machine": bs.machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     sections = a.sections.split(",")
     if "nbd" in sections:
