@@ -26,6 +26,7 @@
 //! - `woj`: write-once journaling (journal discovery, the weak-hash pool);
 //! - `sync`: the mutex of the hot locks (waiters sleep, never yield in a loop).
 
+pub mod block;
 mod check;
 mod codec;
 mod config;

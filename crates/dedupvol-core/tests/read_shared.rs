@@ -7,7 +7,7 @@ use dedupvol_core::{OpenOptions, Storage, Volume};
 use std::sync::Arc;
 
 /// The data `read_shared` returned, joined.
-fn joined(buf: &[u8], parts: &[Option<Arc<[u8]>>]) -> Vec<u8> {
+fn joined(buf: &[u8], parts: &[Option<dedupvol_core::block::Block>]) -> Vec<u8> {
     if parts.is_empty() {
         return buf.to_vec();
     }

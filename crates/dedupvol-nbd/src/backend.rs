@@ -69,7 +69,7 @@ pub trait Backend: Send + Sync {
         &self,
         offset: u64,
         buf: &mut [u8],
-        parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
+        parts: &mut Vec<Option<dedupvol_core::block::Block>>,
     ) -> Result<(), BackendError> {
         parts.clear();
         self.read(offset, buf)
@@ -118,7 +118,7 @@ impl Backend for Volume {
         &self,
         offset: u64,
         buf: &mut [u8],
-        parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
+        parts: &mut Vec<Option<dedupvol_core::block::Block>>,
     ) -> Result<(), BackendError> {
         Volume::read_shared(self, offset, buf, parts).map_err(|e| engine_error("read", offset, buf.len() as u64, e))
     }

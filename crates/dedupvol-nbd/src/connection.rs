@@ -646,7 +646,7 @@ impl ReplyWriter {
 
     /// A successful read whose data is `parts[i]` where present, else block `i` of `buf`
     /// (see `Backend::read_shared`): sent in place, consecutive pieces of `buf` as one.
-    fn read_ok_shared(&self, cookie: u64, offset: u64, buf: &[u8], parts: &[Option<std::sync::Arc<[u8]>>]) {
+    fn read_ok_shared(&self, cookie: u64, offset: u64, buf: &[u8], parts: &[Option<dedupvol_core::block::Block>]) {
         if parts.iter().all(Option::is_none) {
             return self.read_ok(cookie, offset, buf);
         }
@@ -738,7 +738,7 @@ fn execute(
     writer: &ReplyWriter,
     log: &ErrorLog,
     scratch: &mut Vec<u8>,
-    parts: &mut Vec<Option<std::sync::Arc<[u8]>>>,
+    parts: &mut Vec<Option<dedupvol_core::block::Block>>,
 ) {
     let report = |e: &crate::backend::BackendError| {
         log.metrics.failed(&job.cmd, e.kind);

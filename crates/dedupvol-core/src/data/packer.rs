@@ -487,7 +487,7 @@ impl Packer {
             .zip(r.first..)
             .map(|(bytes, pbn)| {
                 let mut b = crate::read::cache::new_block();
-                if let Some(dst) = std::sync::Arc::get_mut(&mut b).and_then(|d| d.get_mut(..bytes.len())) {
+                if let Some(dst) = b.get_mut().and_then(|d| d.get_mut(..bytes.len())) {
                     dst.copy_from_slice(bytes);
                 }
                 (pbn, b)

@@ -140,7 +140,7 @@ mod tests {
     use super::*;
 
     fn block(byte: u8) -> Block {
-        std::iter::repeat_n(byte, 16).collect()
+        Block::from(vec![byte; 16])
     }
 
     /// A pbn freed and reused while its old batch is still being written: the newer copy

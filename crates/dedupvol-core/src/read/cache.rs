@@ -33,10 +33,9 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
 
 /// A cached 4 KiB physical block.
-pub type Block = Arc<[u8]>;
+pub use crate::block::Block;
 
 /// Top bit of a key: a decompressed fragment, not a physical block.
 const FRAGMENT_KEY_BIT: u64 = 1 << 63;
@@ -54,9 +53,9 @@ pub(crate) fn block_crc(block: &[u8]) -> u32 {
     crc32c::crc32c(block)
 }
 
-/// A zeroed, unshared block, allocated once (`Arc::from(Vec)` would copy it).
+/// A zeroed, unshared 4 KiB block.
 pub(crate) fn new_block() -> Block {
-    std::iter::repeat_n(0u8, crate::config::BLOCK_SIZE).collect()
+    Block::zeroed(crate::config::BLOCK_SIZE)
 }
 
 /// The S3-FIFO table: one weight unit per block, keys hashed with `PbnHasher`.
@@ -340,7 +339,7 @@ impl ContentCache {
                     None => t.get(&pbn).map(|c| (c, false)),
                 };
                 if let Some((c, _)) = found {
-                    prefetch(Arc::as_ptr(&c.block).cast::<u8>());
+                    prefetch(c.block.header_ptr());
                 }
                 found
             })
@@ -399,11 +398,11 @@ mod tests {
     fn bounded_and_fill_does_not_overwrite() {
         let mut c = ContentCache::new(4 * 4096);
         for i in 0..10u64 {
-            let b: Block = Arc::from(vec![i as u8; 4096]);
+            let b: Block = Block::from(vec![i as u8; 4096]);
             c.put(i, b.clone(), block_crc(&b));
         }
         assert!(c.len() <= 4);
-        let (one, two): (Block, Block) = (Arc::from(vec![1u8; 4096]), Arc::from(vec![2u8; 4096]));
+        let (one, two): (Block, Block) = (Block::from(vec![1u8; 4096]), Block::from(vec![2u8; 4096]));
         c.put(100, one.clone(), block_crc(&one));
         c.fill(100, two.clone(), block_crc(&two));
         assert_eq!(c.get(100).map(|b| b[0]), Some(1));
@@ -413,7 +412,7 @@ mod tests {
     /// are read again and again: with CLOCK the scan evicted all of them.
     #[test]
     fn a_sequential_scan_does_not_flush_the_hot_blocks() {
-        let block: Block = Arc::from(vec![7u8; 4096]);
+        let block: Block = Block::from(vec![7u8; 4096]);
         let mut c = ContentCache::new(1024 * 4096);
         let hot: Vec<u64> = (0..200).map(|i| 1_000_000 + i * 7).collect();
         for _ in 0..4 {
@@ -442,7 +441,7 @@ mod tests {
     #[test]
     fn removing_a_pbn_removes_its_fragments_only() {
         let mut c = ContentCache::new(64 * 4096);
-        let b = |v: u8| -> Block { Arc::from(vec![v; 4096]) };
+        let b = |v: u8| -> Block { Block::from(vec![v; 4096]) };
         c.fill_fragment(7, 0, b(1), block_crc(&b(1)));
         c.fill_fragment(7, 13, b(2), block_crc(&b(2)));
         c.fill_fragment(9, 3, b(3), block_crc(&b(3)));
@@ -463,7 +462,7 @@ mod tests {
     #[test]
     fn get_many_finds_what_one_by_one_lookups_find() {
         let mut c = ContentCache::new(64 * 4096);
-        let b = |v: u8| -> Block { Arc::from(vec![v; 4096]) };
+        let b = |v: u8| -> Block { Block::from(vec![v; 4096]) };
         c.fill(3, b(3), block_crc(&b(3)));
         c.fill(4, b(4), block_crc(&b(4)));
         c.fill_fragment(4, 2, b(42), block_crc(&b(42)));
@@ -493,7 +492,7 @@ mod tests {
     #[test]
     fn zero_capacity_caches_nothing() {
         let mut c = ContentCache::new(0);
-        let b: Block = Arc::from(vec![1u8; 4096]);
+        let b: Block = Block::from(vec![1u8; 4096]);
         c.put(1, b.clone(), block_crc(&b));
         c.fill(2, b.clone(), block_crc(&b));
         assert_eq!(c.len(), 0);
@@ -506,7 +505,7 @@ mod tests {
     #[test]
     fn reusing_a_block_drops_the_decoded_fragments_that_may_run_into_it() {
         let mut c = ContentCache::new(1 << 20);
-        let b = |v: u8| -> Block { Arc::from(vec![v; 4096]) };
+        let b = |v: u8| -> Block { Block::from(vec![v; 4096]) };
         c.fill_fragment_soon(10, 5, b(1), block_crc(&b(1)));
         c.fill_fragment_soon(30, 5, b(2), block_crc(&b(2)));
         c.remove_for_reuse(27);

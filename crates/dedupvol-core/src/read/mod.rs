@@ -584,7 +584,8 @@ impl Volume {
             return Ok((b, Some(crc), true));
         }
         let mut b = new_block();
-        let buf = Arc::get_mut(&mut b)
+        let buf = b
+            .get_mut()
             .ok_or_else(|| Error::internal("a freshly allocated block is shared", format!("physical block {pbn}")))?;
         self.read_data(cached, pbn, buf)?;
         let crc = cache::block_crc(&b);

@@ -416,7 +416,7 @@ impl Tier {
             return None;
         };
         let mut b = new_block();
-        let read = match Arc::get_mut(&mut b) {
+        let read = match b.get_mut() {
             Some(buf) => sh.dev.read_at(buf, sh.geo.slot_offset(u64::from(slot))),
             None => Err(std::io::Error::other("a fresh block is shared")),
         };

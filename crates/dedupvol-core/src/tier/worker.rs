@@ -21,7 +21,6 @@ use crate::io::IoKind;
 use crate::read::cache::{new_block, Block};
 use parking_lot::MutexGuard;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 /// Entries validated per lock hold.
 const VALIDATE_BATCH_MAX: usize = 64;
@@ -109,7 +108,7 @@ fn promote(sh: &Shared, jobs: Vec<Job>) {
             Some(b) if b.len() == BLOCK_SIZE => Some(b),
             _ => {
                 let mut b = new_block();
-                Arc::get_mut(&mut b)
+                b.get_mut()
                     .and_then(|buf| sh.data.read(IoKind::TierFill, job.pbn, buf, "tier promotion").ok())
                     .map(|()| b)
             }

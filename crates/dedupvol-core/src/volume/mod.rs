@@ -240,7 +240,7 @@ impl Volume {
     /// left as it was. For callers that send what they read (the NBD server sends the parts
     /// with one vectored write), so a cached block costs no copy. A range that is not whole
     /// blocks is read into `buf` with every part None.
-    pub fn read_shared(&self, offset: u64, buf: &mut [u8], parts: &mut Vec<Option<Arc<[u8]>>>) -> Result<()> {
+    pub fn read_shared(&self, offset: u64, buf: &mut [u8], parts: &mut Vec<Option<crate::block::Block>>) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
         self.reads_served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         parts.clear();
