@@ -4,8 +4,9 @@
 //! on the NBD worker that received it and frees it on the data-writer thread once it is on
 //! the device (or on whichever thread evicts it from the content cache). glibc serves such
 //! cross-thread frees through locked arenas; on 8–128 KiB random writes that cost showed
-//! as 8 % of the server's CPU, and jemalloc's thread caches wrote 1.3–1.7x faster on the
-//! same two cores (docs/benchmarks).
+//! as 8 % of the server's CPU. With jemalloc's thread caches those writes ran 1.16–1.24x
+//! faster at 90 % reducible (within drift at 0 %) and peak RSS fell 7–22 %
+//! (docs/benchmarks/2026-11-29/allocator).
 //!
 //! Invariants:
 //! - Two arenas (`narenas:2`): every thread's freed memory is reusable by the others, so

@@ -202,11 +202,10 @@ pub fn error_line(e: &anyhow::Error) -> String {
 
 /// glibc malloc arenas the process may use: what C libraries (zstd's contexts) allocate
 /// still comes from glibc; Rust's allocations come from `alloc::Allocator`. Why two: the
-/// content cache's 4 KiB blocks, when glibc served them, were allocated and freed on every worker thread, and with glibc's default (8 per core) each
-/// thread's arena keeps its own freed memory: a server with a 1 GiB cache grew to 2.2 GiB
-/// under mixed reads and writes (1.44 GiB after 8 s of random 4 KiB reads and writes,
-/// 1.25 GiB with two arenas). Two arenas cost nothing measurable: the hot paths allocate
-/// little.
+/// content cache's 4 KiB blocks, when glibc served them, were allocated and freed on every
+/// worker thread, and with glibc's default (8 per core) each thread's arena kept its own
+/// freed memory: a server with a 1 GiB cache grew to 2.2 GiB under mixed reads and writes
+/// (1.44 GiB after 8 s of random 4 KiB reads and writes, 1.25 GiB with two arenas).
 const MALLOC_ARENAS_MAX: libc::c_int = 2;
 
 #[global_allocator]
