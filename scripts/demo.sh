@@ -12,6 +12,12 @@ serve=1
 work=${DEDUPVOL_DEMO_DIR:-/tmp/dedupvol-demo}
 mkdir -p "$work"
 
+# Building needs a C compiler and make (zstd and jemalloc are built from C sources).
+if ! command -v make >/dev/null || ! command -v cc >/dev/null; then
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq make gcc >/dev/null
+fi
 cargo build --release -p dedupvol-cli
 bin=target/release/dedupvol
 

@@ -45,12 +45,6 @@ impl Deref for Block {
     }
 }
 
-impl AsRef<[u8]> for Block {
-    fn as_ref(&self) -> &[u8] {
-        self
-    }
-}
-
 impl std::borrow::Borrow<[u8]> for Block {
     fn borrow(&self) -> &[u8] {
         self
@@ -60,18 +54,6 @@ impl std::borrow::Borrow<[u8]> for Block {
 impl From<&[u8]> for Block {
     fn from(bytes: &[u8]) -> Block {
         Block(Arc::new(Box::from(bytes)))
-    }
-}
-
-impl From<&mut [u8]> for Block {
-    fn from(bytes: &mut [u8]) -> Block {
-        Block::from(&*bytes)
-    }
-}
-
-impl<const N: usize> From<&[u8; N]> for Block {
-    fn from(bytes: &[u8; N]) -> Block {
-        Block::from(&bytes[..])
     }
 }
 
@@ -104,6 +86,6 @@ mod tests {
         drop((a, b));
         assert!(c.get_mut().is_some());
         assert_eq!(Block::from(vec![1u8; 4096]), Block::from(&[1u8; 4096][..]));
-        assert_eq!(format!("{:?}", Block::from(&[0u8; 8])), "Block(8 bytes)");
+        assert_eq!(format!("{:?}", Block::from(&[0u8; 8][..])), "Block(8 bytes)");
     }
 }

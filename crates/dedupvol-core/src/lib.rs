@@ -24,7 +24,8 @@
 //! - `tier`: the hot-chunk tier (copies of hot physical blocks on a fast device);
 //! - `check`: the offline audit and repair;
 //! - `woj`: write-once journaling (journal discovery, the weak-hash pool);
-//! - `sync`: the mutex of the hot locks (waiters sleep, never yield in a loop).
+//! - `sync`: the mutex of the hot locks (waiters sleep, never yield in a loop);
+//! - `block`: `Block`, the shared immutable 4 KiB block of the cache, staging and replies.
 
 pub mod block;
 mod check;
